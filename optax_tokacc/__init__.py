@@ -1,0 +1,33 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""optax_tokacc: exact, token-weighted gradient accumulation for optax."""
+
+from optax_tokacc._multistep import apply_if_updated
+from optax_tokacc._multistep import has_updated
+from optax_tokacc._multistep import skip_not_finite
+from optax_tokacc._multistep import token_weighted_multistep
+from optax_tokacc._multistep import TokenWeightedMultiStepState
+from optax_tokacc._multistep import window_loss
+
+__version__ = '0.1.0'
+
+__all__ = (
+    'TokenWeightedMultiStepState',
+    'apply_if_updated',
+    'has_updated',
+    'skip_not_finite',
+    'token_weighted_multistep',
+    'window_loss',
+)

@@ -1,0 +1,530 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Exact, token-weighted gradient accumulation over several optimizer steps."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional, Union
+
+import chex
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+AxisName = Union[str, tuple[str, ...]]
+EveryKSchedule = Union[int, Callable[[jax.Array], jax.typing.ArrayLike]]
+ShouldSkipUpdateFn = Callable[
+    [optax.Updates, jax.Array, Optional[optax.Params]],
+    tuple[jax.Array, Any],
+]
+
+_LOSS_REDUCTIONS = ('sum', 'mean')
+_CALL_EXAMPLE = (
+    'updates, state = tx.update(grads, state, params, num_tokens=n)'
+)
+
+
+class TokenWeightedMultiStepState(NamedTuple):
+  """State of :func:`token_weighted_multistep`.
+
+  Attributes:
+    mini_step: micro-steps accumulated in the current window (int32).
+    gradient_step: optimizer updates emitted so far (int32, saturating).
+    acc_grads: token-summed gradients of the current window, in the
+      accumulator dtype, with the structure (and sharding) of the parameters.
+    acc_tokens: counted tokens of the current window on this device.
+    acc_loss: token-summed loss of the current window on this device.
+    inner_state: state of the wrapped optimizer; advances once per window.
+    last_loss: token-mean loss of the last emitted window (all devices).
+    last_tokens: total counted tokens of the last emitted window.
+    skip_state: what ``should_skip_update_fn`` returned at the last call.
+    emitted: whether the last call emitted an optimizer update.
+  """
+
+  mini_step: jax.typing.ArrayLike
+  gradient_step: jax.typing.ArrayLike
+  acc_grads: optax.Updates
+  acc_tokens: jax.typing.ArrayLike
+  acc_loss: jax.typing.ArrayLike
+  inner_state: optax.OptState
+  last_loss: jax.typing.ArrayLike
+  last_tokens: jax.typing.ArrayLike
+  skip_state: Any = ()
+  emitted: jax.typing.ArrayLike = np.bool_(False)
+
+
+def skip_not_finite(
+    updates: optax.Updates,
+    gradient_step: jax.typing.ArrayLike,
+    params: Optional[optax.Params],
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Rejects a micro-batch whose gradients hold a NaN or an infinity.
+
+  Use as ``should_skip_update_fn``: the micro-batch adds neither gradients
+  nor tokens, and the window does not advance.
+
+  Args:
+    updates: the micro-batch's gradients.
+    gradient_step: the optimizer step (unused).
+    params: the parameters (unused).
+
+  Returns:
+    ``(should_skip, {'should_skip': ..., 'num_not_finite': ...})``.
+  """
+  return optax.skip_not_finite(updates, gradient_step, params)
+
+
+def has_updated(state: TokenWeightedMultiStepState) -> jax.Array:
+  """Whether the call that produced ``state`` emitted an optimizer update.
+
+  False after a micro-step, after a rejected micro-batch, and after a window
+  with no counted tokens (which emits zero updates and no step).
+
+  Args:
+    state: a :class:`TokenWeightedMultiStepState`.
+
+  Returns:
+    A boolean scalar.
+  """
+  return jnp.asarray(state.emitted, jnp.bool_)
+
+
+def window_loss(state: TokenWeightedMultiStepState) -> jax.Array:
+  """Token-mean loss of the last emitted window, over all devices.
+
+  This is the loss that full-batch training on the window would report:
+  ``sum of token losses / sum of counted tokens``. It is only meaningful when
+  ``loss`` is passed to ``update``; before the first window it is 0.
+
+  Args:
+    state: a :class:`TokenWeightedMultiStepState`.
+
+  Returns:
+    A floating scalar.
+  """
+  return state.last_loss
+
+
+def apply_if_updated(
+    params: optax.Params,
+    updates: optax.Updates,
+    state: TokenWeightedMultiStepState,
+) -> optax.Params:
+  """Applies ``updates`` to ``params`` only after an emitting step.
+
+  Unlike ``optax.apply_updates``, micro-steps do not rewrite the parameters:
+  the addition sits in a ``lax.cond`` on :func:`has_updated`.
+
+  Args:
+    params: the parameters.
+    updates: updates returned by the transform.
+    state: the transform's state returned with ``updates``.
+
+  Returns:
+    The new parameters.
+  """
+  return lax.cond(
+      has_updated(state),
+      optax.apply_updates,
+      lambda params, updates: params,
+      params,
+      updates,
+  )
+
+
+def _canonical_schedule(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
+  """Validates ``every_k_schedule`` and returns it as a function."""
+  if callable(every_k_schedule):
+    return every_k_schedule
+  if isinstance(every_k_schedule, (bool, np.bool_)) or not isinstance(
+      every_k_schedule, (int, np.integer, jax.Array)
+  ):
+    raise TypeError(
+        'every_k_schedule must be an int >= 1 or a function of the gradient '
+        f'step returning one; got {every_k_schedule!r} of type '
+        f'{type(every_k_schedule).__name__}. Pass e.g. every_k_schedule=4.'
+    )
+  if isinstance(every_k_schedule, jax.Array):
+    # Arrays arrive through `optax.inject_hyperparams`.
+    if every_k_schedule.shape or not jnp.issubdtype(
+        every_k_schedule.dtype, jnp.integer
+    ):
+      raise TypeError(
+          'every_k_schedule given as an array must be an integer scalar; got '
+          f'shape {every_k_schedule.shape} and dtype {every_k_schedule.dtype}.'
+      )
+    if isinstance(every_k_schedule, jax.core.Tracer):
+      return lambda step: every_k_schedule
+  if int(every_k_schedule) < 1:
+    raise ValueError(
+        f'every_k_schedule must be >= 1; got {int(every_k_schedule)}. Use 1 '
+        'for no accumulation, k > 1 to accumulate k micro-batches.'
+    )
+  k = int(every_k_schedule)
+  return lambda step: k
+
+
+def _accumulator_dtype(accumulator_dtype: Any, leaf: Any) -> Any:
+  """The accumulator dtype of one leaf: the given one, or at least float32."""
+  if accumulator_dtype is not None:
+    return accumulator_dtype
+  return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
+
+
+def _check_accumulator_dtype(accumulator_dtype: Any) -> Any:
+  if accumulator_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(accumulator_dtype)
+  except TypeError as e:
+    raise TypeError(
+        f'accumulator_dtype must be a floating dtype such as jnp.float32; got '
+        f'{accumulator_dtype!r}.'
+    ) from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f'accumulator_dtype must be a floating dtype (jnp.float32, '
+        f'jnp.bfloat16, ...); got {dtype}. Use None to accumulate in the '
+        'gradient dtype promoted to at least float32.'
+    )
+  return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _loss_dtype() -> Any:
+  """float64 under ``jax_enable_x64``, float32 otherwise."""
+  return jax.dtypes.canonicalize_dtype(jnp.float64)
+
+
+def _check_num_tokens(num_tokens: Any, token_dtype: Any) -> jax.Array:
+  """Validates ``num_tokens`` at trace time and casts it to ``token_dtype``."""
+  if num_tokens is None:
+    raise TypeError(
+        'token_weighted_multistep needs the number of counted tokens of this '
+        'micro-batch: pass the keyword argument num_tokens, as in '
+        f'`{_CALL_EXAMPLE}` (inside optax.chain, pass it to the chain\'s '
+        'update).'
+    )
+  shape = jnp.shape(num_tokens)
+  if shape != ():
+    raise ValueError(
+        'num_tokens must be a scalar (the counted tokens of this micro-batch '
+        f'on this device); got shape {shape}. Sum the mask first, e.g. '
+        'num_tokens=mask.sum().'
+    )
+  dtype = jnp.result_type(num_tokens)
+  is_integer = jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_
+  if jnp.issubdtype(token_dtype, jnp.integer) and not is_integer:
+    if isinstance(num_tokens, (float, np.floating)) and float(
+        num_tokens
+    ).is_integer():
+      return jnp.asarray(int(num_tokens), token_dtype)
+    raise TypeError(
+        f'num_tokens has the floating dtype {dtype}, but tokens are counted '
+        f'exactly in {jnp.dtype(token_dtype)}. Pass an integer count (e.g. '
+        'mask.sum(dtype=jnp.int32)), or build the transform with '
+        'token_dtype=jnp.float32 to accumulate fractional token weights.'
+    )
+  return jnp.asarray(num_tokens).astype(token_dtype)
+
+
+def _check_grads_structure(grads: Any, reference: Any, what: str) -> None:
+  grads_def = jax.tree.structure(grads)
+  reference_def = jax.tree.structure(reference)
+  if grads_def != reference_def:
+    raise ValueError(
+        f'The gradient tree does not match {what}: gradients have structure '
+        f'{grads_def}, {what} {reference_def}. Pass the gradients of the same '
+        'parameters the transform was initialized with.'
+    )
+
+
+def _check_axis_name(axis_name: AxisName) -> None:
+  try:
+    lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f'axis_name={axis_name!r} is not bound here. token_weighted_multistep '
+        'with axis_name must be updated inside jax.pmap(..., axis_name=...) or '
+        'jax.shard_map over a mesh with that axis. Under jax.jit with '
+        'NamedSharding (global arrays), leave axis_name=None.'
+    ) from e
+
+
+def _saturating_add(total: jax.Array, value: jax.Array) -> jax.Array:
+  """``total + value`` that stops at the dtype's max instead of wrapping."""
+  if jnp.issubdtype(total.dtype, jnp.integer):
+    top = jnp.iinfo(total.dtype).max
+    return jnp.where(value > top - total, top, total + value)
+  return total + value
+
+
+def token_weighted_multistep(
+    inner: optax.GradientTransformation,
+    every_k_schedule: EveryKSchedule,
+    *,
+    axis_name: Optional[AxisName] = None,
+    loss_reduction: str = 'sum',
+    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
+    compensated: bool = False,
+    should_skip_update_fn: Optional[ShouldSkipUpdateFn] = None,
+    token_dtype: jax.typing.DTypeLike = jnp.int32,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Accumulates token-summed gradients; one exact update every k steps.
+
+  Over a window of :math:`K` micro-batches (on all devices of ``axis_name``),
+  with :math:`N_k` counted tokens in micro-batch :math:`k`, the wrapped
+  optimizer receives the gradient of the full-batch token-mean loss
+
+  .. math::
+
+    g = \frac{\sum_k \sum_{i \le N_k} \nabla \ell_{ki}}{\sum_k N_k},
+
+  not the average of per-micro-batch means that ``optax.MultiSteps`` computes.
+  Micro-steps 1..k-1 add the gradients and tokens into the state and return
+  zero updates; the wrapped optimizer is not run and no collective is issued.
+  The k-th step sums over ``axis_name`` once, divides by the window's tokens,
+  runs ``inner`` once and resets the accumulators. A window without counted
+  tokens emits zero updates and leaves ``inner``'s state untouched.
+
+  Args:
+    inner: the wrapped optimizer, e.g. ``optax.chain(clip, adamw)``. It sees
+      the accumulated, token-normalized gradient once per window.
+    every_k_schedule: micro-batches per window: an int >= 1, or a function of
+      the optimizer step returning one (batch-size warm-up).
+    axis_name: the ``pmap`` / ``shard_map`` data axis (or axes) to sum the
+      window over. Leave None under ``jax.jit`` with sharded global arrays.
+    loss_reduction: ``'sum'`` if the gradients are of the token-summed loss
+      (exact, preferred) or ``'mean'`` if they are of the token-mean loss of
+      the micro-batch (they are multiplied by ``num_tokens``).
+    accumulator_dtype: dtype of the accumulator; None means the gradient's
+      dtype promoted to at least float32.
+    compensated: use Kahan-compensated summation in the accumulator.
+    should_skip_update_fn: ``fn(grads, gradient_step, params) -> (skip,
+      skip_state)``; a rejected micro-batch adds neither gradients nor tokens
+      and does not advance the window, e.g. :func:`skip_not_finite`. With
+      ``axis_name`` the decision is per device: the device's share is dropped
+      and the window still closes on schedule everywhere.
+    token_dtype: dtype of the token counters: int32 counts exactly up to
+      2**31 - 1 tokens per window; use a float dtype for fractional weights.
+
+  Returns:
+    A ``GradientTransformationExtraArgs`` whose ``update(grads, state,
+    params=None, *, num_tokens, loss=None, emit_now=False, **extra_args)``
+    forwards ``extra_args`` to ``inner``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> params = {'w': jnp.zeros(2)}
+    >>> tx = tokacc.token_weighted_multistep(optax.sgd(1.0), every_k_schedule=2)
+    >>> state = tx.init(params)
+    >>> grads = {'w': jnp.array([3.0, 0.0])}  # of a loss summed over 3 tokens
+    >>> updates, state = tx.update(grads, state, params, num_tokens=3)
+    >>> updates['w']
+    Array([0., 0.], dtype=float32)
+    >>> grads = {'w': jnp.array([0.0, 1.0])}  # of a loss summed over 1 token
+    >>> updates, state = tx.update(grads, state, params, num_tokens=1)
+    >>> updates['w']
+    Array([-0.75, -0.25], dtype=float32)
+
+  References:
+    Hugging Face, `Fixing gradient accumulation
+    <https://huggingface.co/blog/gradient_accumulation>`_, 2024.
+  """
+  schedule = _canonical_schedule(every_k_schedule)
+  if loss_reduction not in _LOSS_REDUCTIONS:
+    raise ValueError(
+        f'loss_reduction must be one of {_LOSS_REDUCTIONS}; got '
+        f"{loss_reduction!r}. Use 'sum' when the loss is summed over the "
+        "micro-batch's counted tokens, 'mean' when it is their mean."
+    )
+  accumulator_dtype = _check_accumulator_dtype(accumulator_dtype)
+  token_dtype = jax.dtypes.canonicalize_dtype(token_dtype)
+  if compensated:
+    raise NotImplementedError('compensated=True is not implemented yet.')
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params: optax.Params) -> TokenWeightedMultiStepState:
+    acc_grads = jax.tree.map(
+        lambda p: jnp.zeros_like(
+            p, dtype=_accumulator_dtype(accumulator_dtype, p)
+        ),
+        params,
+    )
+    if should_skip_update_fn is None:
+      skip_state = ()
+    else:
+      _, skip_state = should_skip_update_fn(
+          optax.tree.zeros_like(params), jnp.zeros([], jnp.int32), params
+      )
+    return TokenWeightedMultiStepState(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=jnp.zeros([], jnp.int32),
+        acc_grads=acc_grads,
+        acc_tokens=jnp.zeros([], token_dtype),
+        acc_loss=jnp.zeros([], _loss_dtype()),
+        inner_state=inner.init(params),
+        last_loss=jnp.zeros([], _loss_dtype()),
+        last_tokens=jnp.zeros([], token_dtype),
+        skip_state=skip_state,
+        emitted=jnp.zeros([], jnp.bool_),
+    )
+
+  def update_fn(
+      updates: optax.Updates,
+      state: TokenWeightedMultiStepState,
+      params: Optional[optax.Params] = None,
+      *,
+      num_tokens: Optional[jax.typing.ArrayLike] = None,
+      loss: Optional[jax.typing.ArrayLike] = None,
+      emit_now: Union[bool, jax.typing.ArrayLike] = False,
+      **extra_args: Any,
+  ) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
+    tokens = _check_num_tokens(num_tokens, token_dtype)
+    _check_grads_structure(updates, state.acc_grads, 'the accumulator')
+    if params is not None:
+      _check_grads_structure(updates, params, 'the parameters')
+    if axis_name is not None:
+      _check_axis_name(axis_name)
+    if loss is not None and jnp.shape(loss) != ():
+      raise ValueError(
+          f'loss must be a scalar (this micro-batch\'s loss); got shape '
+          f'{jnp.shape(loss)}.'
+      )
+    grad_scale = tokens if loss_reduction == 'mean' else None
+    loss_sum = jnp.zeros([], _loss_dtype()) if loss is None else loss
+    loss_sum = jnp.asarray(loss_sum, _loss_dtype())
+    if grad_scale is not None:
+      loss_sum = loss_sum * tokens.astype(loss_sum.dtype)
+
+    if should_skip_update_fn is None:
+      keep = None
+      skip_state = state.skip_state
+    else:
+      skip, skip_state = should_skip_update_fn(
+          updates, state.gradient_step, params
+      )
+      chex.assert_shape(skip, ())
+      keep = jnp.logical_not(skip)
+
+    def add(acc: jax.Array, grad: jax.Array) -> jax.Array:
+      grad = grad.astype(acc.dtype)
+      if grad_scale is not None:
+        grad = grad * grad_scale.astype(acc.dtype)
+      if keep is not None:
+        grad = jnp.where(keep, grad, jnp.zeros_like(grad))
+      return acc + grad
+
+    acc_grads = jax.tree.map(add, state.acc_grads, updates)
+    if keep is None:
+      acc_tokens = _saturating_add(state.acc_tokens, tokens)
+      acc_loss = state.acc_loss + loss_sum
+      mini_step = optax.safe_increment(state.mini_step)
+    else:
+      acc_tokens = _saturating_add(
+          state.acc_tokens, jnp.where(keep, tokens, jnp.zeros_like(tokens))
+      )
+      acc_loss = state.acc_loss + jnp.where(keep, loss_sum, 0)
+      mini_step = jnp.where(
+          keep, optax.safe_increment(state.mini_step), state.mini_step
+      )
+
+    k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
+    emit = mini_step >= k
+    if not (isinstance(emit_now, (bool, np.bool_)) and not emit_now):
+      chex.assert_shape(emit_now, ())
+      emit_now = jnp.asarray(emit_now, jnp.bool_)
+      if axis_name is not None:
+        # Any device closing the window closes it everywhere.
+        emit_now = lax.pmax(emit_now.astype(jnp.int32), axis_name) > 0
+      emit = jnp.logical_or(emit, emit_now)
+
+    def emit_window(acc_grads, acc_tokens, acc_loss, inner_state, params):
+      if axis_name is not None:
+        acc_grads, acc_tokens, acc_loss = lax.psum(
+            (acc_grads, acc_tokens, acc_loss), axis_name
+        )
+      has_tokens = acc_tokens > 0
+
+      def step(acc_grads, inner_state, params):
+        denominator = acc_tokens
+        mean_grads = jax.tree.map(
+            lambda g: g / denominator.astype(g.dtype), acc_grads
+        )
+        return inner.update(
+            optax.tree.cast_like(mean_grads, updates),
+            inner_state,
+            params,
+            **extra_args,
+        )
+
+      def no_step(acc_grads, inner_state, params):
+        del acc_grads, params
+        return optax.tree.zeros_like(updates), inner_state
+
+      new_updates, inner_state = lax.cond(
+          has_tokens, step, no_step, acc_grads, inner_state, params
+      )
+      window_mean_loss = acc_loss / jnp.maximum(acc_tokens, 1).astype(
+          acc_loss.dtype
+      )
+      new_state = TokenWeightedMultiStepState(
+          mini_step=jnp.zeros_like(mini_step),
+          gradient_step=jnp.where(
+              has_tokens,
+              optax.safe_increment(state.gradient_step),
+              state.gradient_step,
+          ),
+          acc_grads=optax.tree.zeros_like(acc_grads),
+          acc_tokens=jnp.zeros_like(acc_tokens),
+          acc_loss=jnp.zeros_like(acc_loss),
+          inner_state=inner_state,
+          last_loss=jnp.where(has_tokens, window_mean_loss, state.last_loss),
+          last_tokens=jnp.where(has_tokens, acc_tokens, state.last_tokens),
+          skip_state=skip_state,
+          emitted=has_tokens,
+      )
+      return new_updates, new_state
+
+    def accumulate(acc_grads, acc_tokens, acc_loss, inner_state, params):
+      del params
+      new_state = TokenWeightedMultiStepState(
+          mini_step=mini_step,
+          gradient_step=state.gradient_step,
+          acc_grads=acc_grads,
+          acc_tokens=acc_tokens,
+          acc_loss=acc_loss,
+          inner_state=inner_state,
+          last_loss=state.last_loss,
+          last_tokens=state.last_tokens,
+          skip_state=skip_state,
+          emitted=jnp.zeros([], jnp.bool_),
+      )
+      return optax.tree.zeros_like(updates), new_state
+
+    return lax.cond(
+        emit,
+        emit_window,
+        accumulate,
+        acc_grads,
+        acc_tokens,
+        acc_loss,
+        state.inner_state,
+        params,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
