@@ -14,20 +14,20 @@
 # ==============================================================================
 """optax_tokacc: exact, token-weighted gradient accumulation for optax."""
 
+from optax_tokacc._multistep import TokenWeightedMultiStepState
 from optax_tokacc._multistep import apply_if_updated
 from optax_tokacc._multistep import has_updated
 from optax_tokacc._multistep import skip_not_finite
 from optax_tokacc._multistep import token_weighted_multistep
-from optax_tokacc._multistep import TokenWeightedMultiStepState
 from optax_tokacc._multistep import window_loss
 
 __version__ = '0.1.0'
 
 __all__ = (
-    'TokenWeightedMultiStepState',
-    'apply_if_updated',
-    'has_updated',
-    'skip_not_finite',
-    'token_weighted_multistep',
-    'window_loss',
+  'TokenWeightedMultiStepState',
+  'apply_if_updated',
+  'has_updated',
+  'skip_not_finite',
+  'token_weighted_multistep',
+  'window_loss',
 )

@@ -27,14 +27,12 @@ import optax
 AxisName = Union[str, tuple[str, ...]]
 EveryKSchedule = Union[int, Callable[[jax.Array], jax.typing.ArrayLike]]
 ShouldSkipUpdateFn = Callable[
-    [optax.Updates, jax.Array, Optional[optax.Params]],
-    tuple[jax.Array, Any],
+  [optax.Updates, jax.Array, Optional[optax.Params]],
+  tuple[jax.Array, Any],
 ]
 
 _LOSS_REDUCTIONS = ('sum', 'mean')
-_CALL_EXAMPLE = (
-    'updates, state = tx.update(grads, state, params, num_tokens=n)'
-)
+_CALL_EXAMPLE = 'updates, state = tx.update(grads, state, params, num_tokens=n)'
 
 
 class TokenWeightedMultiStepState(NamedTuple):
@@ -67,9 +65,9 @@ class TokenWeightedMultiStepState(NamedTuple):
 
 
 def skip_not_finite(
-    updates: optax.Updates,
-    gradient_step: jax.typing.ArrayLike,
-    params: Optional[optax.Params],
+  updates: optax.Updates,
+  gradient_step: jax.typing.ArrayLike,
+  params: Optional[optax.Params],
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Rejects a micro-batch whose gradients hold a NaN or an infinity.
 
@@ -119,9 +117,9 @@ def window_loss(state: TokenWeightedMultiStepState) -> jax.Array:
 
 
 def apply_if_updated(
-    params: optax.Params,
-    updates: optax.Updates,
-    state: TokenWeightedMultiStepState,
+  params: optax.Params,
+  updates: optax.Updates,
+  state: TokenWeightedMultiStepState,
 ) -> optax.Params:
   """Applies ``updates`` to ``params`` only after an emitting step.
 
@@ -137,11 +135,11 @@ def apply_if_updated(
     The new parameters.
   """
   return lax.cond(
-      has_updated(state),
-      optax.apply_updates,
-      lambda params, updates: params,
-      params,
-      updates,
+    has_updated(state),
+    optax.apply_updates,
+    lambda params, updates: params,
+    params,
+    updates,
   )
 
 
@@ -150,28 +148,28 @@ def _canonical_schedule(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
   if callable(every_k_schedule):
     return every_k_schedule
   if isinstance(every_k_schedule, (bool, np.bool_)) or not isinstance(
-      every_k_schedule, (int, np.integer, jax.Array)
+    every_k_schedule, (int, np.integer, jax.Array)
   ):
     raise TypeError(
-        'every_k_schedule must be an int >= 1 or a function of the gradient '
-        f'step returning one; got {every_k_schedule!r} of type '
-        f'{type(every_k_schedule).__name__}. Pass e.g. every_k_schedule=4.'
+      'every_k_schedule must be an int >= 1 or a function of the gradient '
+      f'step returning one; got {every_k_schedule!r} of type '
+      f'{type(every_k_schedule).__name__}. Pass e.g. every_k_schedule=4.'
     )
   if isinstance(every_k_schedule, jax.Array):
     # Arrays arrive through `optax.inject_hyperparams`.
     if every_k_schedule.shape or not jnp.issubdtype(
-        every_k_schedule.dtype, jnp.integer
+      every_k_schedule.dtype, jnp.integer
     ):
       raise TypeError(
-          'every_k_schedule given as an array must be an integer scalar; got '
-          f'shape {every_k_schedule.shape} and dtype {every_k_schedule.dtype}.'
+        'every_k_schedule given as an array must be an integer scalar; got '
+        f'shape {every_k_schedule.shape} and dtype {every_k_schedule.dtype}.'
       )
     if isinstance(every_k_schedule, jax.core.Tracer):
       return lambda step: every_k_schedule
   if int(every_k_schedule) < 1:
     raise ValueError(
-        f'every_k_schedule must be >= 1; got {int(every_k_schedule)}. Use 1 '
-        'for no accumulation, k > 1 to accumulate k micro-batches.'
+      f'every_k_schedule must be >= 1; got {int(every_k_schedule)}. Use 1 '
+      'for no accumulation, k > 1 to accumulate k micro-batches.'
     )
   k = int(every_k_schedule)
   return lambda step: k
@@ -191,14 +189,15 @@ def _check_accumulator_dtype(accumulator_dtype: Any) -> Any:
     dtype = jnp.dtype(accumulator_dtype)
   except TypeError as e:
     raise TypeError(
-        f'accumulator_dtype must be a floating dtype such as jnp.float32; got '
-        f'{accumulator_dtype!r}.'
+      f'accumulator_dtype must be a floating dtype such as jnp.float32; got '
+      f'{accumulator_dtype!r}. With optax.inject_hyperparams, list it in '
+      'static_args.'
     ) from e
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(
-        f'accumulator_dtype must be a floating dtype (jnp.float32, '
-        f'jnp.bfloat16, ...); got {dtype}. Use None to accumulate in the '
-        'gradient dtype promoted to at least float32.'
+      f'accumulator_dtype must be a floating dtype (jnp.float32, '
+      f'jnp.bfloat16, ...); got {dtype}. Use None to accumulate in the '
+      'gradient dtype promoted to at least float32.'
     )
   return jax.dtypes.canonicalize_dtype(dtype)
 
@@ -212,30 +211,31 @@ def _check_num_tokens(num_tokens: Any, token_dtype: Any) -> jax.Array:
   """Validates ``num_tokens`` at trace time and casts it to ``token_dtype``."""
   if num_tokens is None:
     raise TypeError(
-        'token_weighted_multistep needs the number of counted tokens of this '
-        'micro-batch: pass the keyword argument num_tokens, as in '
-        f'`{_CALL_EXAMPLE}` (inside optax.chain, pass it to the chain\'s '
-        'update).'
+      'token_weighted_multistep needs the number of counted tokens of this '
+      'micro-batch: pass the keyword argument num_tokens, as in '
+      f"`{_CALL_EXAMPLE}` (inside optax.chain, pass it to the chain's "
+      'update).'
     )
   shape = jnp.shape(num_tokens)
   if shape != ():
     raise ValueError(
-        'num_tokens must be a scalar (the counted tokens of this micro-batch '
-        f'on this device); got shape {shape}. Sum the mask first, e.g. '
-        'num_tokens=mask.sum().'
+      'num_tokens must be a scalar (the counted tokens of this micro-batch '
+      f'on this device); got shape {shape}. Sum the mask first, e.g. '
+      'num_tokens=mask.sum().'
     )
   dtype = jnp.result_type(num_tokens)
   is_integer = jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_
   if jnp.issubdtype(token_dtype, jnp.integer) and not is_integer:
-    if isinstance(num_tokens, (float, np.floating)) and float(
-        num_tokens
-    ).is_integer():
+    if (
+      isinstance(num_tokens, (float, np.floating))
+      and float(num_tokens).is_integer()
+    ):
       return jnp.asarray(int(num_tokens), token_dtype)
     raise TypeError(
-        f'num_tokens has the floating dtype {dtype}, but tokens are counted '
-        f'exactly in {jnp.dtype(token_dtype)}. Pass an integer count (e.g. '
-        'mask.sum(dtype=jnp.int32)), or build the transform with '
-        'token_dtype=jnp.float32 to accumulate fractional token weights.'
+      f'num_tokens has the floating dtype {dtype}, but tokens are counted '
+      f'exactly in {jnp.dtype(token_dtype)}. Pass an integer count (e.g. '
+      'mask.sum(dtype=jnp.int32)), or build the transform with '
+      'token_dtype=jnp.float32 to accumulate fractional token weights.'
     )
   return jnp.asarray(num_tokens).astype(token_dtype)
 
@@ -245,9 +245,9 @@ def _check_grads_structure(grads: Any, reference: Any, what: str) -> None:
   reference_def = jax.tree.structure(reference)
   if grads_def != reference_def:
     raise ValueError(
-        f'The gradient tree does not match {what}: gradients have structure '
-        f'{grads_def}, {what} {reference_def}. Pass the gradients of the same '
-        'parameters the transform was initialized with.'
+      f'The gradient tree does not match {what}: gradients have structure '
+      f'{grads_def}, {what} {reference_def}. Pass the gradients of the same '
+      'parameters the transform was initialized with.'
     )
 
 
@@ -256,10 +256,10 @@ def _check_axis_name(axis_name: AxisName) -> None:
     lax.axis_size(axis_name)
   except NameError as e:
     raise ValueError(
-        f'axis_name={axis_name!r} is not bound here. token_weighted_multistep '
-        'with axis_name must be updated inside jax.pmap(..., axis_name=...) or '
-        'jax.shard_map over a mesh with that axis. Under jax.jit with '
-        'NamedSharding (global arrays), leave axis_name=None.'
+      f'axis_name={axis_name!r} is not bound here. token_weighted_multistep '
+      'with axis_name must be updated inside jax.pmap(..., axis_name=...) or '
+      'jax.shard_map over a mesh with that axis. Under jax.jit with '
+      'NamedSharding (global arrays), leave axis_name=None.'
     ) from e
 
 
@@ -272,15 +272,15 @@ def _saturating_add(total: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def token_weighted_multistep(
-    inner: optax.GradientTransformation,
-    every_k_schedule: EveryKSchedule,
-    *,
-    axis_name: Optional[AxisName] = None,
-    loss_reduction: str = 'sum',
-    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
-    compensated: bool = False,
-    should_skip_update_fn: Optional[ShouldSkipUpdateFn] = None,
-    token_dtype: jax.typing.DTypeLike = jnp.int32,
+  inner: optax.GradientTransformation,
+  every_k_schedule: EveryKSchedule,
+  *,
+  axis_name: Optional[AxisName] = None,
+  loss_reduction: str = 'sum',
+  accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
+  compensated: bool = False,
+  should_skip_update_fn: Optional[ShouldSkipUpdateFn] = None,
+  token_dtype: Optional[jax.typing.DTypeLike] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates token-summed gradients; one exact update every k steps.
 
@@ -317,8 +317,9 @@ def token_weighted_multistep(
       and does not advance the window, e.g. :func:`skip_not_finite`. With
       ``axis_name`` the decision is per device: the device's share is dropped
       and the window still closes on schedule everywhere.
-    token_dtype: dtype of the token counters: int32 counts exactly up to
-      2**31 - 1 tokens per window; use a float dtype for fractional weights.
+    token_dtype: dtype of the token counters; None means int32, which counts
+      exactly up to 2**31 - 1 tokens per window. Use a floating dtype for
+      fractional token weights.
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose ``update(grads, state,
@@ -347,62 +348,72 @@ def token_weighted_multistep(
   schedule = _canonical_schedule(every_k_schedule)
   if loss_reduction not in _LOSS_REDUCTIONS:
     raise ValueError(
-        f'loss_reduction must be one of {_LOSS_REDUCTIONS}; got '
-        f"{loss_reduction!r}. Use 'sum' when the loss is summed over the "
-        "micro-batch's counted tokens, 'mean' when it is their mean."
+      f'loss_reduction must be one of {_LOSS_REDUCTIONS}; got '
+      f"{loss_reduction!r}. Use 'sum' when the loss is summed over the "
+      "micro-batch's counted tokens, 'mean' when it is their mean."
     )
   accumulator_dtype = _check_accumulator_dtype(accumulator_dtype)
-  token_dtype = jax.dtypes.canonicalize_dtype(token_dtype)
+  token_dtype = jax.dtypes.canonicalize_dtype(
+    jnp.int32 if token_dtype is None else token_dtype
+  )
+  if not (
+    jnp.issubdtype(token_dtype, jnp.integer)
+    or jnp.issubdtype(token_dtype, jnp.floating)
+  ):
+    raise TypeError(
+      f'token_dtype must be an integer or floating dtype; got {token_dtype}.'
+      ' Use None (int32) for exact token counts.'
+    )
   if compensated:
     raise NotImplementedError('compensated=True is not implemented yet.')
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> TokenWeightedMultiStepState:
     acc_grads = jax.tree.map(
-        lambda p: jnp.zeros_like(
-            p, dtype=_accumulator_dtype(accumulator_dtype, p)
-        ),
-        params,
+      lambda p: jnp.zeros_like(
+        p, dtype=_accumulator_dtype(accumulator_dtype, p)
+      ),
+      params,
     )
     if should_skip_update_fn is None:
       skip_state = ()
     else:
       _, skip_state = should_skip_update_fn(
-          optax.tree.zeros_like(params), jnp.zeros([], jnp.int32), params
+        optax.tree.zeros_like(params), jnp.zeros([], jnp.int32), params
       )
     return TokenWeightedMultiStepState(
-        mini_step=jnp.zeros([], jnp.int32),
-        gradient_step=jnp.zeros([], jnp.int32),
-        acc_grads=acc_grads,
-        acc_tokens=jnp.zeros([], token_dtype),
-        acc_loss=jnp.zeros([], _loss_dtype()),
-        inner_state=inner.init(params),
-        last_loss=jnp.zeros([], _loss_dtype()),
-        last_tokens=jnp.zeros([], token_dtype),
-        skip_state=skip_state,
-        emitted=jnp.zeros([], jnp.bool_),
+      mini_step=jnp.zeros([], jnp.int32),
+      gradient_step=jnp.zeros([], jnp.int32),
+      acc_grads=acc_grads,
+      acc_tokens=jnp.zeros([], token_dtype),
+      acc_loss=jnp.zeros([], _loss_dtype()),
+      inner_state=inner.init(params),
+      last_loss=jnp.zeros([], _loss_dtype()),
+      last_tokens=jnp.zeros([], token_dtype),
+      skip_state=skip_state,
+      emitted=jnp.zeros([], jnp.bool_),
     )
 
   def update_fn(
-      updates: optax.Updates,
-      state: TokenWeightedMultiStepState,
-      params: Optional[optax.Params] = None,
-      *,
-      num_tokens: Optional[jax.typing.ArrayLike] = None,
-      loss: Optional[jax.typing.ArrayLike] = None,
-      emit_now: Union[bool, jax.typing.ArrayLike] = False,
-      **extra_args: Any,
+    updates: optax.Updates,
+    state: TokenWeightedMultiStepState,
+    params: Optional[optax.Params] = None,
+    *,
+    num_tokens: Optional[jax.typing.ArrayLike] = None,
+    loss: Optional[jax.typing.ArrayLike] = None,
+    emit_now: Union[bool, jax.typing.ArrayLike] = False,
+    **extra_args: Any,
   ) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
     tokens = _check_num_tokens(num_tokens, token_dtype)
-    _check_grads_structure(updates, state.acc_grads, 'the accumulator')
     if params is not None:
       _check_grads_structure(updates, params, 'the parameters')
+    _check_grads_structure(updates, state.acc_grads, 'the accumulator')
     if axis_name is not None:
       _check_axis_name(axis_name)
     if loss is not None and jnp.shape(loss) != ():
       raise ValueError(
-          f'loss must be a scalar (this micro-batch\'s loss); got shape '
-          f'{jnp.shape(loss)}.'
+        f"loss must be a scalar (this micro-batch's loss); got shape "
+        f'{jnp.shape(loss)}.'
       )
     grad_scale = tokens if loss_reduction == 'mean' else None
     loss_sum = jnp.zeros([], _loss_dtype()) if loss is None else loss
@@ -415,7 +426,7 @@ def token_weighted_multistep(
       skip_state = state.skip_state
     else:
       skip, skip_state = should_skip_update_fn(
-          updates, state.gradient_step, params
+        updates, state.gradient_step, params
       )
       chex.assert_shape(skip, ())
       keep = jnp.logical_not(skip)
@@ -435,11 +446,11 @@ def token_weighted_multistep(
       mini_step = optax.safe_increment(state.mini_step)
     else:
       acc_tokens = _saturating_add(
-          state.acc_tokens, jnp.where(keep, tokens, jnp.zeros_like(tokens))
+        state.acc_tokens, jnp.where(keep, tokens, jnp.zeros_like(tokens))
       )
       acc_loss = state.acc_loss + jnp.where(keep, loss_sum, 0)
       mini_step = jnp.where(
-          keep, optax.safe_increment(state.mini_step), state.mini_step
+        keep, optax.safe_increment(state.mini_step), state.mini_step
       )
 
     k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
@@ -455,20 +466,20 @@ def token_weighted_multistep(
     def emit_window(acc_grads, acc_tokens, acc_loss, inner_state, params):
       if axis_name is not None:
         acc_grads, acc_tokens, acc_loss = lax.psum(
-            (acc_grads, acc_tokens, acc_loss), axis_name
+          (acc_grads, acc_tokens, acc_loss), axis_name
         )
       has_tokens = acc_tokens > 0
 
       def step(acc_grads, inner_state, params):
         denominator = acc_tokens
         mean_grads = jax.tree.map(
-            lambda g: g / denominator.astype(g.dtype), acc_grads
+          lambda g: g / denominator.astype(g.dtype), acc_grads
         )
         return inner.update(
-            optax.tree.cast_like(mean_grads, updates),
-            inner_state,
-            params,
-            **extra_args,
+          optax.tree.cast_like(mean_grads, updates),
+          inner_state,
+          params,
+          **extra_args,
         )
 
       def no_step(acc_grads, inner_state, params):
@@ -476,55 +487,54 @@ def token_weighted_multistep(
         return optax.tree.zeros_like(updates), inner_state
 
       new_updates, inner_state = lax.cond(
-          has_tokens, step, no_step, acc_grads, inner_state, params
+        has_tokens, step, no_step, acc_grads, inner_state, params
       )
       window_mean_loss = acc_loss / jnp.maximum(acc_tokens, 1).astype(
-          acc_loss.dtype
+        acc_loss.dtype
       )
       new_state = TokenWeightedMultiStepState(
-          mini_step=jnp.zeros_like(mini_step),
-          gradient_step=jnp.where(
-              has_tokens,
-              optax.safe_increment(state.gradient_step),
-              state.gradient_step,
-          ),
-          acc_grads=optax.tree.zeros_like(acc_grads),
-          acc_tokens=jnp.zeros_like(acc_tokens),
-          acc_loss=jnp.zeros_like(acc_loss),
-          inner_state=inner_state,
-          last_loss=jnp.where(has_tokens, window_mean_loss, state.last_loss),
-          last_tokens=jnp.where(has_tokens, acc_tokens, state.last_tokens),
-          skip_state=skip_state,
-          emitted=has_tokens,
+        mini_step=jnp.zeros_like(mini_step),
+        gradient_step=jnp.where(
+          has_tokens,
+          optax.safe_increment(state.gradient_step),
+          state.gradient_step,
+        ),
+        acc_grads=optax.tree.zeros_like(acc_grads),
+        acc_tokens=jnp.zeros_like(acc_tokens),
+        acc_loss=jnp.zeros_like(acc_loss),
+        inner_state=inner_state,
+        last_loss=jnp.where(has_tokens, window_mean_loss, state.last_loss),
+        last_tokens=jnp.where(has_tokens, acc_tokens, state.last_tokens),
+        skip_state=skip_state,
+        emitted=has_tokens,
       )
       return new_updates, new_state
 
     def accumulate(acc_grads, acc_tokens, acc_loss, inner_state, params):
       del params
       new_state = TokenWeightedMultiStepState(
-          mini_step=mini_step,
-          gradient_step=state.gradient_step,
-          acc_grads=acc_grads,
-          acc_tokens=acc_tokens,
-          acc_loss=acc_loss,
-          inner_state=inner_state,
-          last_loss=state.last_loss,
-          last_tokens=state.last_tokens,
-          skip_state=skip_state,
-          emitted=jnp.zeros([], jnp.bool_),
+        mini_step=mini_step,
+        gradient_step=state.gradient_step,
+        acc_grads=acc_grads,
+        acc_tokens=acc_tokens,
+        acc_loss=acc_loss,
+        inner_state=inner_state,
+        last_loss=state.last_loss,
+        last_tokens=state.last_tokens,
+        skip_state=skip_state,
+        emitted=jnp.zeros([], jnp.bool_),
       )
       return optax.tree.zeros_like(updates), new_state
 
     return lax.cond(
-        emit,
-        emit_window,
-        accumulate,
-        acc_grads,
-        acc_tokens,
-        acc_loss,
-        state.inner_state,
-        params,
+      emit,
+      emit_window,
+      accumulate,
+      acc_grads,
+      acc_tokens,
+      acc_loss,
+      state.inner_state,
+      params,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
