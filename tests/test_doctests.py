@@ -1,0 +1,16 @@
+"""Runs the docstring examples of the public modules."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ['optax_tokacc._multistep']
+
+
+@pytest.mark.parametrize('name', MODULES)
+def test_docstring_examples(name):
+  module = importlib.import_module(name)
+  result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted > 0, f'{name} has no docstring example'
+  assert result.failed == 0
