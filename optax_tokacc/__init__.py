@@ -16,6 +16,7 @@
 
 from optax_tokacc._multistep import TokenWeightedMultiStepState
 from optax_tokacc._multistep import apply_if_updated
+from optax_tokacc._multistep import find_state
 from optax_tokacc._multistep import has_updated
 from optax_tokacc._multistep import skip_not_finite
 from optax_tokacc._multistep import token_weighted_multistep
@@ -26,6 +27,7 @@ __version__ = '0.1.0'
 __all__ = (
   'TokenWeightedMultiStepState',
   'apply_if_updated',
+  'find_state',
   'has_updated',
   'skip_not_finite',
   'token_weighted_multistep',

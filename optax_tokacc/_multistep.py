@@ -85,22 +85,55 @@ def skip_not_finite(
   return optax.skip_not_finite(updates, gradient_step, params)
 
 
-def has_updated(state: TokenWeightedMultiStepState) -> jax.Array:
-  """Whether the call that produced ``state`` emitted an optimizer update.
+def find_state(opt_state: optax.OptState) -> TokenWeightedMultiStepState:
+  """The :class:`TokenWeightedMultiStepState` inside an optimizer state.
+
+  Args:
+    opt_state: the state of :func:`token_weighted_multistep`, or of a
+      transformation containing it (e.g. ``optax.chain``).
+
+  Returns:
+    The one :class:`TokenWeightedMultiStepState` found.
+
+  Raises:
+    ValueError: if ``opt_state`` holds none, or more than one.
+  """
+  if isinstance(opt_state, TokenWeightedMultiStepState):
+    return opt_state
+  found = [
+    leaf
+    for leaf in jax.tree.leaves(
+      opt_state,
+      is_leaf=lambda x: isinstance(x, TokenWeightedMultiStepState),
+    )
+    if isinstance(leaf, TokenWeightedMultiStepState)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+      f'Expected the optimizer state to hold exactly one '
+      f'TokenWeightedMultiStepState, found {len(found)}. Pass the state of '
+      'token_weighted_multistep, or of a chain containing it once.'
+    )
+  return found[0]
+
+
+def has_updated(opt_state: optax.OptState) -> jax.Array:
+  """Whether the call that produced ``opt_state`` emitted an optimizer update.
 
   False after a micro-step, after a rejected micro-batch, and after a window
   with no counted tokens (which emits zero updates and no step).
 
   Args:
-    state: a :class:`TokenWeightedMultiStepState`.
+    opt_state: the state of :func:`token_weighted_multistep`, or of a
+      transformation containing it (e.g. ``optax.chain``).
 
   Returns:
     A boolean scalar.
   """
-  return jnp.asarray(state.emitted, jnp.bool_)
+  return jnp.asarray(find_state(opt_state).emitted, jnp.bool_)
 
 
-def window_loss(state: TokenWeightedMultiStepState) -> jax.Array:
+def window_loss(opt_state: optax.OptState) -> jax.Array:
   """Token-mean loss of the last emitted window, over all devices.
 
   This is the loss that full-batch training on the window would report:
@@ -108,18 +141,19 @@ def window_loss(state: TokenWeightedMultiStepState) -> jax.Array:
   ``loss`` is passed to ``update``; before the first window it is 0.
 
   Args:
-    state: a :class:`TokenWeightedMultiStepState`.
+    opt_state: the state of :func:`token_weighted_multistep`, or of a
+      transformation containing it (e.g. ``optax.chain``).
 
   Returns:
     A floating scalar.
   """
-  return state.last_loss
+  return find_state(opt_state).last_loss
 
 
 def apply_if_updated(
   params: optax.Params,
   updates: optax.Updates,
-  state: TokenWeightedMultiStepState,
+  opt_state: optax.OptState,
 ) -> optax.Params:
   """Applies ``updates`` to ``params`` only after an emitting step.
 
@@ -129,13 +163,14 @@ def apply_if_updated(
   Args:
     params: the parameters.
     updates: updates returned by the transform.
-    state: the transform's state returned with ``updates``.
+    opt_state: the optimizer state returned with ``updates`` (of the
+      transform, or of a transformation containing it).
 
   Returns:
     The new parameters.
   """
   return lax.cond(
-    has_updated(state),
+    has_updated(opt_state),
     optax.apply_updates,
     lambda params, updates: params,
     params,

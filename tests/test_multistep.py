@@ -553,3 +553,23 @@ class TestErrors:
       tx.update({'w': params['w']}, state, params, num_tokens=3)
     with pytest.raises(ValueError, match=r'does not match the accumulator'):
       tx.update({'w': params['w']}, state, None, num_tokens=3)
+
+
+def test_helpers_find_state_inside_a_chain():
+  params = init_params()
+  tx = optax.chain(
+    optax.scale(1.0),
+    tokacc.token_weighted_multistep(optax.sgd(1.0), every_k_schedule=1),
+  )
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, state = tx.update(grads, state, params, num_tokens=4, loss=2.0)
+  assert tokacc.find_state(state) is state[1]
+  assert bool(tokacc.has_updated(state))
+  np.testing.assert_allclose(tokacc.window_loss(state), 0.5)
+  chex.assert_trees_all_close(
+    tokacc.apply_if_updated(params, updates, state),
+    jax.tree.map(lambda p: p - 0.25, params),
+  )
+  with pytest.raises(ValueError, match=r'exactly one TokenWeightedMultiStep'):
+    tokacc.has_updated(optax.adam(0.1).init(params))
