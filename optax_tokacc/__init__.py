@@ -14,6 +14,8 @@
 # ==============================================================================
 """optax_tokacc: exact, token-weighted gradient accumulation for optax."""
 
+from optax_tokacc._losses import token_cross_entropy
+from optax_tokacc._microbatch import microbatched_value_and_grad
 from optax_tokacc._multistep import TokenWeightedMultiStepState
 from optax_tokacc._multistep import apply_if_updated
 from optax_tokacc._multistep import find_state
@@ -29,7 +31,9 @@ __all__ = (
   'apply_if_updated',
   'find_state',
   'has_updated',
+  'microbatched_value_and_grad',
   'skip_not_finite',
+  'token_cross_entropy',
   'token_weighted_multistep',
   'window_loss',
 )

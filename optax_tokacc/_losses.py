@@ -1,0 +1,118 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Token-summed losses that report how many tokens they count."""
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _check_shapes(
+  logits: jax.Array, labels: jax.Array, where: Optional[jax.Array]
+) -> None:
+  """Validates shapes and dtypes at trace time."""
+  if logits.ndim < 1:
+    raise ValueError(
+      'logits must have a trailing vocabulary axis, e.g. shape [batch, '
+      f'length, vocab]; got a scalar of shape {logits.shape}.'
+    )
+  if not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise TypeError(f'logits must be floating point; got dtype {logits.dtype}.')
+  if labels.shape != logits.shape[:-1]:
+    raise ValueError(
+      'labels must have the shape of logits without the vocabulary axis: '
+      f'logits have shape {logits.shape}, so labels need shape '
+      f'{logits.shape[:-1]}; got {labels.shape}. For next-token prediction '
+      'shift first, e.g. logits[:, :-1] with labels tokens[:, 1:].'
+    )
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(
+      f'labels must be integer class indices; got dtype {labels.dtype}. '
+      'Use labels.astype(jnp.int32) for index labels, or '
+      'optax.losses.softmax_cross_entropy for one-hot targets.'
+    )
+  if where is not None and where.shape != labels.shape:
+    raise ValueError(
+      f'where must have the shape of labels {labels.shape} (one flag per '
+      f'token); got {where.shape}.'
+    )
+
+
+def token_cross_entropy(
+  logits: jax.typing.ArrayLike,
+  labels: jax.typing.ArrayLike,
+  *,
+  where: Optional[jax.typing.ArrayLike] = None,
+  ignore_index: Optional[int] = -100,
+) -> tuple[jax.Array, jax.Array]:
+  r"""Token-summed softmax cross-entropy and the number of counted tokens.
+
+  With :math:`m_i = [y_i \neq \text{ignore\_index}] \wedge \text{where}_i`,
+
+  .. math::
+
+    L = \sum_i m_i \left(\log \sum_v e^{x_{iv}} - x_{i y_i}\right),
+    \qquad N = \sum_i m_i,
+
+  so :math:`L / N` is the token-mean loss, and ``(L, N)`` is what
+  :func:`optax_tokacc.token_weighted_multistep` expects: the gradient of
+  ``L`` and ``num_tokens=N``. The per-token loss is
+  ``optax.losses.softmax_cross_entropy_with_integer_labels``, computed in at
+  least float32 (bfloat16 logits are upcast). Ignored labels are replaced by
+  0 before the loss and masked out after, so values like -100 never index
+  the vocabulary.
+
+  Args:
+    logits: unnormalized log-probabilities of shape ``[..., vocab]``.
+    labels: integer class indices of shape ``logits.shape[:-1]``.
+    where: optional boolean mask of shape ``labels.shape``; only positions
+      where it is true count.
+    ignore_index: label value of positions that do not count (padding);
+      None means every label counts.
+
+  Returns:
+    ``(loss_sum, num_tokens)``: the summed loss (at least float32) and the
+    number of counted positions (int32).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_tokacc as tokacc
+    >>> logits = jnp.zeros((1, 3, 4))  # uniform over a vocabulary of 4
+    >>> labels = jnp.array([[2, 1, -100]])  # the last position is padding
+    >>> loss_sum, num_tokens = tokacc.token_cross_entropy(logits, labels)
+    >>> num_tokens
+    Array(2, dtype=int32)
+    >>> loss_sum / num_tokens  # log(4)
+    Array(1.3862944, dtype=float32)
+  """
+  logits = jnp.asarray(logits)
+  labels = jnp.asarray(labels)
+  where = None if where is None else jnp.asarray(where, jnp.bool_)
+  _check_shapes(logits, labels, where)
+  counted = jnp.ones(labels.shape, jnp.bool_)
+  if ignore_index is not None:
+    counted = labels != ignore_index
+  if where is not None:
+    counted = jnp.logical_and(counted, where)
+  safe_labels = jnp.where(counted, labels, jnp.zeros_like(labels))
+  compute_dtype = jnp.promote_types(logits.dtype, jnp.float32)
+  token_losses = optax.losses.softmax_cross_entropy_with_integer_labels(
+    logits.astype(compute_dtype), safe_labels
+  )
+  loss_sum = jnp.sum(jnp.where(counted, token_losses, 0))
+  num_tokens = jnp.sum(counted, dtype=jnp.int32)
+  return loss_sum, num_tokens

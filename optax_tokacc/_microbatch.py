@@ -1,0 +1,141 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Token-summed gradients of a large batch, one micro-batch at a time."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+Batch = Any
+TokenLossFn = Callable[[optax.Params, Batch], tuple[jax.Array, jax.Array]]
+TokenValueAndGradFn = Callable[
+  [optax.Params, Batch], tuple[tuple[jax.Array, jax.Array], optax.Updates]
+]
+
+
+def _check_microbatch_size(microbatch_size: Any) -> int:
+  if isinstance(microbatch_size, (bool, np.bool_)) or not isinstance(
+    microbatch_size, (int, np.integer)
+  ):
+    raise TypeError(
+      'microbatch_size must be a Python int >= 1 (examples per micro-batch); '
+      f'got {microbatch_size!r} of type {type(microbatch_size).__name__}.'
+    )
+  if microbatch_size < 1:
+    raise ValueError(
+      f'microbatch_size must be >= 1 (examples per micro-batch); got '
+      f'{microbatch_size}.'
+    )
+  return int(microbatch_size)
+
+
+def _batch_size(batch: Batch, microbatch_size: int) -> int:
+  """The common leading axis of the batch's leaves, checked at trace time."""
+  leaves = jax.tree.leaves(batch)
+  if not leaves:
+    raise ValueError('batch has no arrays to split into micro-batches.')
+  sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+  if None in sizes or len(sizes) != 1:
+    shapes = [np.shape(leaf) for leaf in leaves]
+    raise ValueError(
+      'Every array of the batch must have the same leading (batch) axis to '
+      f'split into micro-batches; got shapes {shapes}.'
+    )
+  (batch_size,) = sizes
+  if batch_size % microbatch_size:
+    raise ValueError(
+      f'The batch size {batch_size} is not divisible by microbatch_size='
+      f'{microbatch_size}. Choose a microbatch_size that divides it (e.g. '
+      f'{np.gcd(batch_size, microbatch_size)}), or pad the batch to a '
+      'multiple of it with rows whose tokens do not count.'
+    )
+  return batch_size
+
+
+def microbatched_value_and_grad(
+  loss_fn: TokenLossFn, microbatch_size: int
+) -> TokenValueAndGradFn:
+  r"""Token-summed loss and gradients of a batch, in micro-batches.
+
+  The batch's leading axis is split into :math:`M` micro-batches of
+  ``microbatch_size`` examples, evaluated one after the other in a loop
+  (``optax.microbatching.microbatch``) inside the same jitted step, and
+
+  .. math::
+
+    L = \sum_m L_m, \qquad N = \sum_m N_m, \qquad
+    G = \sum_m \nabla_\theta L_m
+
+  are returned, where ``(L_m, N_m) = loss_fn(params, batch_m)``. Because the
+  loss is a token sum, ``G / N`` is exactly the gradient of the batch's
+  token-mean loss, whatever the number of tokens in each micro-batch. Peak
+  activation memory is that of one micro-batch. Gradients are summed in at
+  least float32 and returned in the parameters' dtype.
+
+  The result feeds :func:`optax_tokacc.token_weighted_multistep` (``grads=G,
+  num_tokens=N, loss=L``) or, divided by ``N``, a plain optimizer.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> (loss_sum, num_tokens)``, e.g.
+      built on :func:`optax_tokacc.token_cross_entropy`.
+    microbatch_size: examples per micro-batch (a Python int >= 1); it must
+      divide the batch size.
+
+  Returns:
+    A function ``(params, batch) -> ((loss_sum, num_tokens), grads_sum)``,
+    where every leaf of ``batch`` has the batch on its leading axis.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_tokacc as tokacc
+    >>> def loss_fn(params, batch):
+    ...   losses = (batch['x'] * params['w'] - batch['y']) ** 2
+    ...   return (losses * batch['mask']).sum(), batch['mask'].sum()
+    >>> batch = {'x': jnp.arange(8.0).reshape(4, 2), 'y': jnp.ones((4, 2)),
+    ...          'mask': jnp.array([[1, 1], [1, 0], [0, 0], [1, 0]])}
+    >>> grad_fn = jax.jit(tokacc.microbatched_value_and_grad(loss_fn, 2))
+    >>> (loss_sum, num_tokens), grads = grad_fn({'w': jnp.array(1.0)}, batch)
+    >>> loss_sum, num_tokens
+    (Array(27., dtype=float32), Array(4, dtype=int32))
+    >>> grads['w']
+    Array(64., dtype=float32)
+  """
+  microbatch_size = _check_microbatch_size(microbatch_size)
+  value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def value_and_grad_in_float32(params, batch):
+    (loss_sum, num_tokens), grads = value_and_grad(params, batch)
+    grads = jax.tree.map(
+      lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads
+    )
+    return (loss_sum, num_tokens), grads
+
+  summed = optax.microbatching.microbatch(
+    value_and_grad_in_float32,
+    argnums=1,
+    microbatch_size=microbatch_size,
+    accumulator=optax.microbatching.AccumulationType.SUM,
+  )
+
+  def microbatched_fn(params, batch):
+    _batch_size(batch, microbatch_size)
+    (loss_sum, num_tokens), grads_sum = summed(params, batch)
+    return (loss_sum, num_tokens), optax.tree.cast_like(grads_sum, params)
+
+  return microbatched_fn
