@@ -17,7 +17,6 @@
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
 
-import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -43,13 +42,22 @@ class TokenWeightedMultiStepState(NamedTuple):
     gradient_step: optimizer updates emitted so far (int32, saturating).
     acc_grads: token-summed gradients of the current window, in the
       accumulator dtype, with the structure (and sharding) of the parameters.
-    acc_tokens: counted tokens of the current window on this device.
+    acc_tokens: counted tokens of the current window on this device; -1
+      once the window is invalid (a negative ``num_tokens``, or a count that
+      does not fit ``token_dtype``): such a window is dropped when it closes.
     acc_loss: token-summed loss of the current window on this device.
     inner_state: state of the wrapped optimizer; advances once per window.
     last_loss: token-mean loss of the last emitted window (all devices).
     last_tokens: total counted tokens of the last emitted window.
     skip_state: what ``should_skip_update_fn`` returned at the last call.
     emitted: whether the last call emitted an optimizer update.
+    acc_compensation: with ``compensated=True``, the rounding error of
+      ``acc_grads`` (Kahan summation; the window's sum is ``acc_grads +
+      acc_compensation``), a tree like ``acc_grads``; otherwise ``()``.
+    dropped_windows: windows dropped because their token count was invalid
+      (int32, saturating): a negative ``num_tokens``, or a total over the
+      window and devices above the range of ``token_dtype`` (2**31 - 1 for
+      int32). A dropped window emits zero updates and no optimizer step.
   """
 
   mini_step: jax.typing.ArrayLike
@@ -62,6 +70,8 @@ class TokenWeightedMultiStepState(NamedTuple):
   last_tokens: jax.typing.ArrayLike
   skip_state: Any = ()
   emitted: jax.typing.ArrayLike = np.bool_(False)
+  acc_compensation: optax.Updates = ()
+  dropped_windows: jax.typing.ArrayLike = np.int32(0)
 
 
 def skip_not_finite(
@@ -298,12 +308,114 @@ def _check_axis_name(axis_name: AxisName) -> None:
     ) from e
 
 
-def _saturating_add(total: jax.Array, value: jax.Array) -> jax.Array:
-  """``total + value`` that stops at the dtype's max instead of wrapping."""
+def _varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes ``x`` varies over inside ``shard_map`` (its vma)."""
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  manual_axis_type = getattr(aval, 'manual_axis_type', None)
+  if manual_axis_type is not None:
+    return frozenset(manual_axis_type.varying)
+  return frozenset(getattr(aval, 'vma', ()))
+
+
+def _make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
+  """Marks ``x`` as varying over ``axes`` as well (a no-op at run time)."""
+  missing = tuple(sorted(axes - _varying_axes(x)))
+  if not missing:
+    return x
+  if hasattr(lax, 'pcast'):
+    return lax.pcast(x, missing, to='varying')
+  return lax.pvary(x, missing)
+
+
+def _cond_matching_vma(pred, true_fn, false_fn, *operands):
+  """``lax.cond`` whose branches may differ in the axes their outputs vary.
+
+  Inside ``shard_map`` (``check_vma=True``) the accumulators vary over the
+  data axes while the summed window does not; each output is marked varying
+  over the union of what the two branches give, as ``lax.cond`` requires.
+  """
+  true_out = jax.eval_shape(true_fn, *operands)
+  false_out = jax.eval_shape(false_fn, *operands)
+  target = jax.tree.map(
+    lambda a, b: _varying_axes(a) | _varying_axes(b), true_out, false_out
+  )
+
+  def matched(fn):
+    def fn_with_vma(*args):
+      return jax.tree.map(_make_varying, fn(*args), target)
+
+    return fn_with_vma
+
+  return lax.cond(pred, matched(true_fn), matched(false_fn), *operands)
+
+
+def _add_tokens(total: jax.Array, value: jax.Array) -> jax.Array:
+  """``total + value``, or -1 (invalid window) if it is not a valid count.
+
+  Invalid: ``total`` already -1, a negative (or NaN) ``value``, or a sum that
+  does not fit the dtype (integers) or is not finite (floats). Never wraps.
+  """
+  invalid = jnp.logical_or(total < 0, jnp.logical_not(value >= 0))
   if jnp.issubdtype(total.dtype, jnp.integer):
     top = jnp.iinfo(total.dtype).max
-    return jnp.where(value > top - total, top, total + value)
-  return total + value
+    invalid = jnp.logical_or(invalid, value > top - jnp.maximum(total, 0))
+    new_total = total + value
+  else:
+    new_total = total + value
+    invalid = jnp.logical_or(invalid, jnp.logical_not(jnp.isfinite(new_total)))
+  return jnp.where(invalid, jnp.asarray(-1, total.dtype), new_total)
+
+
+def _token_parts(
+  acc_tokens: jax.Array,
+) -> tuple[tuple[jax.Array, ...], Callable[..., tuple[jax.Array, jax.Array]]]:
+  """Parts of ``acc_tokens`` to ``psum`` exactly, and how to recombine them.
+
+  An integer count is split into high and low halves so that the sum over
+  devices cannot wrap unnoticed (exact for up to 2**15 devices with int32).
+  Returns ``(parts, combine)``; ``combine(*summed_parts)`` gives ``(total,
+  valid)``, where ``valid`` is false if a device's window was invalid or the
+  total does not fit the dtype.
+  """
+  invalid = (acc_tokens < 0).astype(jnp.int32)
+  count = jnp.maximum(acc_tokens, 0)
+  if not jnp.issubdtype(acc_tokens.dtype, jnp.integer):
+
+    def combine_float(total, num_invalid):
+      return total, jnp.logical_and(num_invalid == 0, jnp.isfinite(total))
+
+    return (count, invalid), combine_float
+  half = jnp.iinfo(acc_tokens.dtype).bits // 2
+  low_mask = (1 << half) - 1
+  top_high = jnp.iinfo(acc_tokens.dtype).max >> half
+
+  def combine_int(high, low, num_invalid):
+    high = high + (low >> half)
+    fits = jnp.logical_and(high >= 0, high <= top_high)
+    total = (high << half) | (low & low_mask)
+    return total, jnp.logical_and(num_invalid == 0, fits)
+
+  return (count >> half, count & low_mask, invalid), combine_int
+
+
+def _compensated_add(
+  total: jax.Array, compensation: jax.Array, value: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Kahan-compensated ``total + value``: the new total and its error.
+
+  The arithmetic runs in at least float32 (explicit, so that it does not
+  depend on the compiler keeping excess precision); the new total is rounded
+  to the accumulator dtype and its exact rounding error (TwoSum) is kept in
+  ``compensation``, which is added back at the next step.
+  """
+  wide = jnp.promote_types(total.dtype, jnp.float32)
+  total_wide = total.astype(wide)
+  value = value.astype(wide) + compensation.astype(wide)
+  new_total = (total_wide + value).astype(total.dtype)
+  new_wide = new_total.astype(wide)
+  virtual = new_wide - total_wide
+  error = (total_wide - (new_wide - virtual)) + (value - virtual)
+  return new_total, error.astype(total.dtype)
 
 
 def token_weighted_multistep(
@@ -346,7 +458,11 @@ def token_weighted_multistep(
       the micro-batch (they are multiplied by ``num_tokens``).
     accumulator_dtype: dtype of the accumulator; None means the gradient's
       dtype promoted to at least float32.
-    compensated: use Kahan-compensated summation in the accumulator.
+    compensated: Kahan-compensated summation into the accumulator: the
+      rounding error of each addition is kept in the state
+      (``acc_compensation``, one more accumulator-sized tree) and added back,
+      so that a low-precision accumulator (``jnp.bfloat16``) keeps about
+      twice its precision over long windows.
     should_skip_update_fn: ``fn(grads, gradient_step, params) -> (skip,
       skip_state)``; a rejected micro-batch adds neither gradients nor tokens
       and does not advance the window, e.g. :func:`skip_not_finite`. With
@@ -354,7 +470,12 @@ def token_weighted_multistep(
       and the window still closes on schedule everywhere.
     token_dtype: dtype of the token counters; None means int32, which counts
       exactly up to 2**31 - 1 tokens per window. Use a floating dtype for
-      fractional token weights.
+      fractional token weights. A window whose count is invalid (a negative
+      or NaN ``num_tokens`` on any micro-step, or a total over the window and
+      devices beyond 2**31 - 1, or not finite) is dropped: zero updates, no
+      optimizer step, and ``state.dropped_windows`` counts it. Wrap the
+      transform in :func:`with_input_checks` to have
+      ``jax.experimental.checkify`` report it instead.
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose ``update(grads, state,
@@ -399,8 +520,11 @@ def token_weighted_multistep(
       f'token_dtype must be an integer or floating dtype; got {token_dtype}.'
       ' Use None (int32) for exact token counts.'
     )
-  if compensated:
-    raise NotImplementedError('compensated=True is not implemented yet.')
+  if not isinstance(compensated, (bool, np.bool_)):
+    raise TypeError(
+      f'compensated must be True or False; got {compensated!r}. With '
+      'optax.inject_hyperparams, list it in static_args.'
+    )
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> TokenWeightedMultiStepState:
@@ -427,6 +551,8 @@ def token_weighted_multistep(
       last_tokens=jnp.zeros([], token_dtype),
       skip_state=skip_state,
       emitted=jnp.zeros([], jnp.bool_),
+      acc_compensation=optax.tree.zeros_like(acc_grads) if compensated else (),
+      dropped_windows=jnp.zeros([], jnp.int32),
     )
 
   def update_fn(
@@ -463,24 +589,48 @@ def token_weighted_multistep(
       skip, skip_state = should_skip_update_fn(
         updates, state.gradient_step, params
       )
-      chex.assert_shape(skip, ())
+      if jnp.shape(skip) != ():
+        raise ValueError(
+          'should_skip_update_fn must return (should_skip, skip_state) with '
+          f'should_skip a boolean scalar; got shape {jnp.shape(skip)}. '
+          'Reduce it, e.g. with jnp.any(...).'
+        )
       keep = jnp.logical_not(skip)
 
-    def add(acc: jax.Array, grad: jax.Array) -> jax.Array:
-      grad = grad.astype(acc.dtype)
+    def addend(acc: jax.Array, grad: jax.Array) -> jax.Array:
+      """What to add to ``acc``: compensation adds it in >= float32."""
+      dtype = acc.dtype
+      if compensated:
+        dtype = jnp.promote_types(dtype, jnp.float32)
+      grad = grad.astype(dtype)
       if grad_scale is not None:
-        grad = grad * grad_scale.astype(acc.dtype)
+        grad = grad * grad_scale.astype(dtype)
       if keep is not None:
         grad = jnp.where(keep, grad, jnp.zeros_like(grad))
-      return acc + grad
+      return grad
 
-    acc_grads = jax.tree.map(add, state.acc_grads, updates)
+    addends = jax.tree.map(addend, state.acc_grads, updates)
+    if compensated:
+      treedef = jax.tree.structure(state.acc_grads)
+      sums = [
+        _compensated_add(*leaves)
+        for leaves in zip(
+          treedef.flatten_up_to(state.acc_grads),
+          treedef.flatten_up_to(state.acc_compensation),
+          treedef.flatten_up_to(addends),
+        )
+      ]
+      acc_grads = treedef.unflatten([total for total, _ in sums])
+      acc_compensation = treedef.unflatten([error for _, error in sums])
+    else:
+      acc_grads = jax.tree.map(jnp.add, state.acc_grads, addends)
+      acc_compensation = state.acc_compensation
     if keep is None:
-      acc_tokens = _saturating_add(state.acc_tokens, tokens)
+      acc_tokens = _add_tokens(state.acc_tokens, tokens)
       acc_loss = state.acc_loss + loss_sum
       mini_step = optax.safe_increment(state.mini_step)
     else:
-      acc_tokens = _saturating_add(
+      acc_tokens = _add_tokens(
         state.acc_tokens, jnp.where(keep, tokens, jnp.zeros_like(tokens))
       )
       acc_loss = state.acc_loss + jnp.where(keep, loss_sum, 0)
@@ -491,24 +641,44 @@ def token_weighted_multistep(
     k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
     emit = mini_step >= k
     if not (isinstance(emit_now, (bool, np.bool_)) and not emit_now):
-      chex.assert_shape(emit_now, ())
+      if jnp.shape(emit_now) != ():
+        raise ValueError(
+          'emit_now must be a boolean scalar (close the window at this '
+          f'micro-step); got shape {jnp.shape(emit_now)}.'
+        )
       emit_now = jnp.asarray(emit_now, jnp.bool_)
       if axis_name is not None:
         # Any device closing the window closes it everywhere.
         emit_now = lax.pmax(emit_now.astype(jnp.int32), axis_name) > 0
       emit = jnp.logical_or(emit, emit_now)
 
-    def emit_window(acc_grads, acc_tokens, acc_loss, inner_state, params):
-      if axis_name is not None:
-        acc_grads, acc_tokens, acc_loss = lax.psum(
-          (acc_grads, acc_tokens, acc_loss), axis_name
-        )
-      has_tokens = acc_tokens > 0
+    # Branch outputs differ in vma under shard_map: match them there.
+    cond = lax.cond if axis_name is None else _cond_matching_vma
 
-      def step(acc_grads, inner_state, params):
-        denominator = acc_tokens
+    def emit_window(acc_grads, acc_tokens, acc_loss, inner_state, params):
+      window_grads = acc_grads
+      if compensated:
+        window_grads = jax.tree.map(
+          lambda total, error: (
+            total.astype(jnp.promote_types(total.dtype, jnp.float32))
+            + error.astype(jnp.promote_types(total.dtype, jnp.float32))
+          ),
+          acc_grads,
+          acc_compensation,
+        )
+      token_parts, combine_tokens = _token_parts(acc_tokens)
+      if axis_name is not None:
+        window_grads, token_parts, acc_loss = lax.psum(
+          (window_grads, token_parts, acc_loss), axis_name
+        )
+      window_tokens, tokens_valid = combine_tokens(*token_parts)
+      # An invalid count (negative, or beyond token_dtype) drops the window.
+      has_tokens = jnp.logical_and(tokens_valid, window_tokens > 0)
+
+      def step(window_grads, inner_state, params):
+        denominator = window_tokens
         mean_grads = jax.tree.map(
-          lambda g: g / denominator.astype(g.dtype), acc_grads
+          lambda g: g / denominator.astype(g.dtype), window_grads
         )
         return inner.update(
           optax.tree.cast_like(mean_grads, updates),
@@ -517,14 +687,14 @@ def token_weighted_multistep(
           **extra_args,
         )
 
-      def no_step(acc_grads, inner_state, params):
-        del acc_grads, params
+      def no_step(window_grads, inner_state, params):
+        del window_grads, params
         return optax.tree.zeros_like(updates), inner_state
 
-      new_updates, inner_state = lax.cond(
-        has_tokens, step, no_step, acc_grads, inner_state, params
+      new_updates, inner_state = cond(
+        has_tokens, step, no_step, window_grads, inner_state, params
       )
-      window_mean_loss = acc_loss / jnp.maximum(acc_tokens, 1).astype(
+      window_mean_loss = acc_loss / jnp.maximum(window_tokens, 1).astype(
         acc_loss.dtype
       )
       new_state = TokenWeightedMultiStepState(
@@ -539,9 +709,15 @@ def token_weighted_multistep(
         acc_loss=jnp.zeros_like(acc_loss),
         inner_state=inner_state,
         last_loss=jnp.where(has_tokens, window_mean_loss, state.last_loss),
-        last_tokens=jnp.where(has_tokens, acc_tokens, state.last_tokens),
+        last_tokens=jnp.where(has_tokens, window_tokens, state.last_tokens),
         skip_state=skip_state,
         emitted=has_tokens,
+        acc_compensation=optax.tree.zeros_like(acc_compensation),
+        dropped_windows=jnp.where(
+          tokens_valid,
+          state.dropped_windows,
+          optax.safe_increment(state.dropped_windows),
+        ),
       )
       return new_updates, new_state
 
@@ -558,10 +734,12 @@ def token_weighted_multistep(
         last_tokens=state.last_tokens,
         skip_state=skip_state,
         emitted=jnp.zeros([], jnp.bool_),
+        acc_compensation=acc_compensation,
+        dropped_windows=state.dropped_windows,
       )
       return optax.tree.zeros_like(updates), new_state
 
-    return lax.cond(
+    return cond(
       emit,
       emit_window,
       accumulate,
