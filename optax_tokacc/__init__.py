@@ -14,6 +14,7 @@
 # ==============================================================================
 """optax_tokacc: exact, token-weighted gradient accumulation for optax."""
 
+from optax_tokacc._checks import with_input_checks
 from optax_tokacc._losses import token_cross_entropy
 from optax_tokacc._microbatch import microbatched_value_and_grad
 from optax_tokacc._multistep import TokenWeightedMultiStepState
@@ -36,4 +37,5 @@ __all__ = (
   'token_cross_entropy',
   'token_weighted_multistep',
   'window_loss',
+  'with_input_checks',
 )

@@ -1,0 +1,124 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Opt-in run-time checks of the inputs, with ``jax.experimental.checkify``."""
+
+from typing import Any, Optional
+
+import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
+import optax
+
+from optax_tokacc._multistep import find_state
+
+
+def with_input_checks(
+  tx: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Adds ``checkify`` checks of ``num_tokens``, ``loss`` and token overflow.
+
+  Without checks, :func:`token_weighted_multistep` never raises on traced
+  values: a negative ``num_tokens`` or a window whose token count overflows
+  drops the window (zero updates, no step, counted in
+  ``state.dropped_windows``), and a non-finite ``loss`` only shows in
+  :func:`window_loss`. The wrapped transform adds ``checkify.check`` calls
+  that name the bad micro-step (``mini_step`` within the window, and
+  ``gradient_step``):
+
+  - ``num_tokens`` is negative (or NaN);
+  - ``loss`` is not finite;
+  - the window that closes at this call was dropped (its token count, summed
+    over the window and the devices, does not fit ``token_dtype``).
+
+  Updates and state are exactly those of ``tx``. As with any
+  ``checkify.check``, the train step must be functionalized with
+  ``checkify.checkify`` (otherwise JAX raises at trace time).
+
+  Args:
+    tx: :func:`token_weighted_multistep`, or a transformation containing it
+      once (e.g. ``optax.chain``).
+
+  Returns:
+    A ``GradientTransformationExtraArgs`` with the same state as ``tx``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from jax.experimental import checkify
+    >>> import optax_tokacc as tokacc
+    >>> tx = tokacc.with_input_checks(
+    ...     tokacc.token_weighted_multistep(optax.sgd(0.1), every_k_schedule=2))
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> @jax.jit
+    ... @checkify.checkify
+    ... def step(params, state, num_tokens):
+    ...   grads = {'w': jnp.ones(2)}
+    ...   return tx.update(grads, state, params, num_tokens=num_tokens)
+    >>> err, _ = step(params, state, -3)
+    >>> print(err.get().splitlines()[0])  # doctest: +ELLIPSIS
+    token_weighted_multistep: num_tokens=-3 is negative ... mini_step=0, ...
+  """
+
+  def init_fn(params: optax.Params) -> optax.OptState:
+    return tx.init(params)
+
+  def update_fn(
+    updates: optax.Updates,
+    state: optax.OptState,
+    params: Optional[optax.Params] = None,
+    *,
+    num_tokens: Optional[jax.typing.ArrayLike] = None,
+    loss: Optional[jax.typing.ArrayLike] = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, optax.OptState]:
+    before = find_state(state)
+    where = {
+      'mini_step': before.mini_step,
+      'gradient_step': before.gradient_step,
+    }
+    if num_tokens is not None and jnp.shape(num_tokens) == ():
+      checkify.check(
+        jnp.asarray(num_tokens) >= 0,
+        'token_weighted_multistep: num_tokens={num_tokens} is negative (or '
+        'NaN) at mini_step={mini_step}, gradient_step={gradient_step}; '
+        'without checks this window is dropped.',
+        num_tokens=jnp.asarray(num_tokens),
+        **where,
+      )
+    if loss is not None:
+      extra_args['loss'] = loss
+      if jnp.shape(loss) == ():
+        checkify.check(
+          jnp.isfinite(loss),
+          'token_weighted_multistep: loss={loss} is not finite at '
+          'mini_step={mini_step}, gradient_step={gradient_step}.',
+          loss=jnp.asarray(loss),
+          **where,
+        )
+    new_updates, new_state = tx.update(
+      updates, state, params, num_tokens=num_tokens, **extra_args
+    )
+    after = find_state(new_state)
+    checkify.check(
+      after.dropped_windows == before.dropped_windows,
+      'token_weighted_multistep: the window closed at mini_step={mini_step}, '
+      'gradient_step={gradient_step} was dropped: its token count, summed '
+      'over the window and the devices, does not fit token_dtype (2**31 - 1 '
+      'for int32), or a micro-step had a negative num_tokens.',
+      **where,
+    )
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
