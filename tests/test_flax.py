@@ -1,0 +1,274 @@
+"""Flax linen TrainState and nnx.Optimizer equal full-batch training."""
+
+import functools
+
+import chex
+from flax import nnx
+import flax.linen as nn
+from flax.training import train_state
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_tokacc as tokacc
+from optax_tokacc import flax as tokacc_flax
+
+VOCAB, DIM, HEADS, LENGTH = 13, 16, 2, 8
+WINDOW_SIZE, NUM_WINDOWS = 8, 3
+
+
+def make_batch(seed):
+  """Padded sequences of lengths 1..LENGTH; labels are -100 on padding."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, VOCAB, size=(WINDOW_SIZE, LENGTH + 1))
+  lengths = rng.integers(1, LENGTH + 1, size=WINDOW_SIZE)
+  valid = np.arange(LENGTH)[None, :] < lengths[:, None]
+  return {
+    'inputs': jnp.asarray(np.where(valid, tokens[:, :-1], 0), jnp.int32),
+    'valid': jnp.asarray(valid),
+    'labels': jnp.asarray(np.where(valid, tokens[:, 1:], -100), jnp.int32),
+  }
+
+
+def split(batch, every_k):
+  """The window's micro-batches; checks that their token counts differ."""
+  micro_batches = [
+    jax.tree.map(lambda x, i=i: np.split(x, every_k)[i], batch)
+    for i in range(every_k)
+  ]
+  counts = {int(m['valid'].sum()) for m in micro_batches}
+  assert len(counts) > 1, 'equal token counts would not test the weighting'
+  return micro_batches
+
+
+def reference_mean_loss(logits, labels):
+  """Plain token-mean cross-entropy, written without the library."""
+  counted = labels != -100
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  safe_labels = jnp.where(counted, labels, 0)[..., None]
+  picked = jnp.take_along_axis(log_probs, safe_labels, axis=-1)[..., 0]
+  return -jnp.sum(jnp.where(counted, picked, 0)) / counted.sum()
+
+
+def attention_mask(valid):
+  causal = jnp.tril(jnp.ones((LENGTH, LENGTH), jnp.bool_))
+  pairs = jnp.logical_and(valid[:, None, :, None], valid[:, None, None, :])
+  return jnp.logical_and(causal, pairs)
+
+
+@functools.cache
+def optimizer():
+  # Adam would amplify rounding noise in exactly-zero gradients (e.g. the
+  # attention key bias); clipping makes the update non-linear in the window.
+  return optax.chain(
+    optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9)
+  )
+
+
+@functools.cache
+def multistep(every_k, in_chain=False):
+  """One transform object per setting, so jitted steps compile once."""
+  tx = tokacc.token_weighted_multistep(optimizer(), every_k)
+  return optax.chain(tx) if in_chain else tx
+
+
+class LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, mask):
+    x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS)(
+      nn.LayerNorm()(x), mask=mask
+    )
+    hidden = nn.gelu(nn.Dense(2 * DIM)(nn.LayerNorm()(x)))
+    return x + nn.Dense(DIM)(hidden)
+
+
+class LinenLM(nn.Module):
+  """A causal transformer LM: embedding, an attention block, logits."""
+
+  @nn.compact
+  def __call__(self, inputs, valid):
+    positions = self.param(
+      'positions', nn.initializers.normal(0.1), (LENGTH, DIM)
+    )
+    x = nn.Embed(VOCAB, DIM)(inputs) + positions
+    mask = attention_mask(valid)
+    x = LinenBlock()(x, mask)
+    return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+def linen_state(state_class, tx):
+  model = LinenLM()
+  batch = make_batch(0)
+  params = model.init(jax.random.key(0), batch['inputs'], batch['valid'])
+  return state_class.create(
+    apply_fn=model.apply, params=params['params'], tx=tx
+  )
+
+
+@jax.jit
+def linen_train_step(state, batch, emit_now):
+  def loss_fn(params):
+    logits = state.apply_fn({'params': params}, batch['inputs'], batch['valid'])
+    return tokacc.token_cross_entropy(logits, batch['labels'])
+
+  (loss, num_tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+    state.params
+  )
+  return state.apply_gradients(
+    grads=grads, num_tokens=num_tokens, loss=loss, emit_now=emit_now
+  )
+
+
+@jax.jit
+def linen_reference_step(state, batch):
+  def loss_fn(params):
+    logits = state.apply_fn({'params': params}, batch['inputs'], batch['valid'])
+    return reference_mean_loss(logits, batch['labels'])
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+@functools.cache
+def linen_reference_run():
+  """Full-batch training with the plain Flax TrainState, one per window."""
+  reference = linen_state(train_state.TrainState, optimizer())
+  run = []
+  for window in range(NUM_WINDOWS):
+    reference, loss = linen_reference_step(reference, make_batch(window))
+    run.append((reference, loss))
+  return run
+
+
+@pytest.mark.parametrize(('every_k', 'in_chain'), [(2, False), (4, True)])
+def test_linen_train_state_equals_full_batch(every_k, in_chain):
+  state = linen_state(tokacc_flax.TrainState, multistep(every_k, in_chain))
+  for window, (reference, reference_loss) in enumerate(linen_reference_run()):
+    batch = make_batch(window)
+    for i, micro_batch in enumerate(split(batch, every_k)):
+      previous = state
+      state = linen_train_step(state, micro_batch, False)
+      if i < every_k - 1:
+        assert not bool(state.has_updated)
+        chex.assert_trees_all_equal(state.params, previous.params)
+        assert int(state.step) == int(previous.step)
+    assert bool(state.has_updated)
+    assert int(state.step) == int(reference.step) == window + 1
+    assert int(state.micro_step) == every_k * (window + 1)
+    chex.assert_trees_all_close(
+      state.params, reference.params, rtol=1e-5, atol=1e-5
+    )
+    chex.assert_trees_all_close(state.window_loss, reference_loss, rtol=1e-5)
+    if window == 0:
+      compiled = linen_train_step._cache_size()
+  assert linen_train_step._cache_size() == compiled, 'retraced'
+
+
+def test_linen_emit_now_is_forwarded():
+  state = linen_state(tokacc_flax.TrainState, multistep(4, True))
+  micro_batches = split(make_batch(0), 4)
+  state = linen_train_step(state, micro_batches[0], False)
+  assert int(state.step) == 0
+  previous = state
+  state = linen_train_step(state, micro_batches[1], True)
+  assert int(state.step) == 1 and int(state.micro_step) == 2
+  assert not np.allclose(
+    state.params['Dense_0']['kernel'], previous.params['Dense_0']['kernel']
+  )
+
+
+def test_linen_train_state_needs_the_transform():
+  with pytest.raises(ValueError, match='needs tx to be optax_tokacc'):
+    linen_state(tokacc_flax.TrainState, optimizer())
+
+
+def test_linen_train_state_rejects_fp8_collections():
+  state = linen_state(tokacc_flax.TrainState, multistep(2))
+  grads = {'_overwrite_with_gradient': {}, 'params': state.params}
+  with pytest.raises(ValueError, match='fp8'):
+    state.apply_gradients(grads=grads, num_tokens=1)
+
+
+class NnxLM(nnx.Module):
+  """A causal transformer LM: embedding, one attention block, logits."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+    self.positions = nnx.Param(0.1 * jax.random.normal(rngs(), (LENGTH, DIM)))
+    self.norm = nnx.LayerNorm(DIM, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+      num_heads=HEADS, in_features=DIM, decode=False, rngs=rngs
+    )
+    self.out = nnx.Linear(DIM, VOCAB, rngs=rngs)
+
+  def __call__(self, inputs, valid):
+    x = self.embed(inputs) + self.positions[...]
+    x = x + self.attention(self.norm(x), mask=attention_mask(valid))
+    return self.out(x)
+
+
+@nnx.jit
+def nnx_train_step(model, optimizer, batch):
+  def loss_fn(model):
+    logits = model(batch['inputs'], batch['valid'])
+    return tokacc.token_cross_entropy(logits, batch['labels'])
+
+  (loss, num_tokens), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  optimizer.update(model, grads, num_tokens=num_tokens, loss=loss)
+
+
+@nnx.jit
+def nnx_reference_step(model, optimizer, batch):
+  def loss_fn(model):
+    logits = model(batch['inputs'], batch['valid'])
+    return reference_mean_loss(logits, batch['labels'])
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def nnx_params(model):
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@functools.cache
+def nnx_reference_run():
+  """Full-batch training with nnx.Optimizer: (params, loss, step) per window."""
+  model = NnxLM(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
+  run = []
+  for window in range(NUM_WINDOWS):
+    loss = nnx_reference_step(model, opt, make_batch(window))
+    run.append((nnx_params(model), loss, int(opt.step[...])))
+  return run
+
+
+@pytest.mark.parametrize('every_k', [2, 4])
+def test_nnx_optimizer_equals_full_batch(every_k):
+  model = NnxLM(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, multistep(every_k), wrt=nnx.Param)
+  reference_run = nnx_reference_run()
+  for window, (reference_params, reference_loss, reference_step) in enumerate(
+    reference_run
+  ):
+    for i, micro_batch in enumerate(split(make_batch(window), every_k)):
+      previous = nnx_params(model)
+      nnx_train_step(model, opt, micro_batch)
+      if i < every_k - 1:
+        assert not bool(tokacc.has_updated(opt.opt_state))
+        chex.assert_trees_all_equal(nnx_params(model), previous)
+
+    # nnx.Optimizer.step counts update calls (micro-batches); the state of
+    # the transform counts optimizer updates.
+    assert int(opt.step[...]) == every_k * (window + 1)
+    gradient_step = tokacc.find_state(opt.opt_state).gradient_step
+    assert int(gradient_step[...]) == reference_step == window + 1
+    chex.assert_trees_all_close(
+      nnx_params(model), reference_params, rtol=1e-5, atol=1e-5
+    )
+    chex.assert_trees_all_close(
+      jnp.asarray(tokacc.window_loss(opt.opt_state)), reference_loss, rtol=1e-5
+    )
