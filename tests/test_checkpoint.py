@@ -1,0 +1,186 @@
+"""Checkpoint and restore with orbax in the middle of an accumulation window.
+
+Training resumed from a checkpoint taken after some micro-steps of a window
+(before it emits) must give bit-identical parameters and state to training
+that never stopped, in the same process and in a new one.
+"""
+
+import functools
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import optax_tokacc as tokacc
+
+EVERY_K = 4
+NUM_MICRO_STEPS = 14  # three windows and a half
+FEATURES = 4
+
+
+@functools.cache
+def make_tx(variant):
+  """The transforms checkpointed: plain state, and one with every field."""
+  if variant == 'adamw_clip':
+    inner = optax.chain(
+      optax.clip_by_global_norm(1.0), optax.adamw(0.05, weight_decay=0.1)
+    )
+    return tokacc.token_weighted_multistep(inner, EVERY_K)
+  return tokacc.token_weighted_multistep(
+    optax.adam(0.05),
+    EVERY_K,
+    accumulator_dtype=jnp.bfloat16,
+    compensated=True,
+    should_skip_update_fn=tokacc.skip_not_finite,
+  )
+
+
+def micro_batch(step):
+  """Deterministic data; some micro-batches without tokens or with a NaN."""
+  rng = np.random.default_rng(step)
+  num_tokens = int(rng.integers(0, 6)) if step % 5 else 0
+  mask = (np.arange(6) < num_tokens).astype(np.float32)
+  x = rng.normal(size=(6, FEATURES)).astype(np.float32)
+  if step == 9:
+    x[0, 0] = np.nan  # a non-finite micro-batch, rejected by the skip fn
+  return {'x': x, 'y': rng.normal(size=6).astype(np.float32), 'mask': mask}
+
+
+def init_params():
+  return {
+    'w': jnp.linspace(-1.0, 1.0, FEATURES * FEATURES).reshape(FEATURES, -1),
+    'v': jnp.ones(FEATURES) / FEATURES,
+  }
+
+
+def loss_sum(params, batch):
+  prediction = jnp.tanh(batch['x'] @ params['w']) @ params['v']
+  return jnp.sum(batch['mask'] * (prediction - batch['y']) ** 2)
+
+
+@functools.cache
+def make_step(tx):
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+    updates, opt_state = tx.update(
+      grads,
+      opt_state,
+      params,
+      num_tokens=jnp.sum(batch['mask']).astype(jnp.int32),
+      loss=loss,
+    )
+    return tokacc.apply_if_updated(params, updates, opt_state), opt_state
+
+  return step
+
+
+def train(step, train_state, start, stop):
+  for i in range(start, stop):
+    train_state = step(*train_state, micro_batch(i))
+  return train_state
+
+
+def save(path, train_state):
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(path, train_state)
+  checkpointer.wait_until_finished()
+
+
+def restore(path, tx):
+  """Restores into the structure of a freshly initialized state."""
+  params = init_params()
+  target = jax.tree.map(
+    ocp.utils.to_shape_dtype_struct, (params, tx.init(params))
+  )
+  return ocp.StandardCheckpointer().restore(path, target)
+
+
+def uninterrupted(variant):
+  tx = make_tx(variant)
+  params = init_params()
+  return train(make_step(tx), (params, tx.init(params)), 0, NUM_MICRO_STEPS)
+
+
+@pytest.mark.parametrize(
+  'variant, stop_at', [('adamw_clip', 6), ('compensated_skip', 9)]
+)
+def test_resume_mid_window_is_bit_identical(tmp_path, variant, stop_at):
+  tx = make_tx(variant)
+  step = make_step(tx)
+  params = init_params()
+  train_state = train(step, (params, tx.init(params)), 0, stop_at)
+  opt_state = train_state[1]
+  assert 0 < int(opt_state.mini_step) < EVERY_K  # really mid-window
+  assert int(opt_state.acc_tokens) > 0
+  save(tmp_path / 'ckpt', train_state)
+
+  restored = restore(tmp_path / 'ckpt', tx)
+  chex.assert_trees_all_equal(restored, train_state)
+  assert isinstance(restored[1], tokacc.TokenWeightedMultiStepState)
+  resumed = train(step, restored, stop_at, NUM_MICRO_STEPS)
+  expected = uninterrupted(variant)
+  chex.assert_trees_all_equal(resumed, expected)
+  assert int(expected[1].gradient_step) >= 2  # windows were applied
+
+
+_CHILD = """
+import sys
+import jax
+jax.config.update('jax_platforms', 'cpu')
+jax.config.update('jax_num_cpu_devices', 8)
+sys.path.insert(0, {tests_dir!r})
+import test_checkpoint
+test_checkpoint.child(*sys.argv[1:])
+"""
+
+
+def child(role, path, variant, stop_at):
+  """Run in a new process: `save` trains to `stop_at` and checkpoints,
+  `resume` restores, finishes training and checkpoints the result."""
+  tx = make_tx(variant)
+  step = make_step(tx)
+  stop_at = int(stop_at)
+  if role == 'save':
+    params = init_params()
+    save(path, train(step, (params, tx.init(params)), 0, stop_at))
+  else:
+    train_state = train(step, restore(path, tx), stop_at, NUM_MICRO_STEPS)
+    save(path + '_final', train_state)
+
+
+def run_child(*args):
+  code = _CHILD.format(tests_dir=os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join(
+    [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    + [p for p in [env.get('PYTHONPATH')] if p]
+  )
+  result = subprocess.run(
+    [sys.executable, '-c', code, *map(str, args)],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=env,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_resume_mid_window_in_new_process(tmp_path):
+  variant, stop_at = 'compensated_skip', 6
+  path = str(tmp_path / 'ckpt')
+  run_child('save', path, variant, stop_at)  # process 1: train, save
+  run_child('resume', path, variant, stop_at)  # process 2: restore, go on
+  tx = make_tx(variant)
+  saved = restore(path, tx)
+  assert 0 < int(saved[1].mini_step) < EVERY_K
+  final = restore(path + '_final', tx)
+  chex.assert_trees_all_equal(final, uninterrupted(variant))
