@@ -655,6 +655,13 @@ def token_weighted_multistep(
     # Branch outputs differ in vma under shard_map: match them there.
     cond = lax.cond if axis_name is None else _cond_matching_vma
 
+    def zero_updates():
+      # Not zeros_like: under shard_map that inherits the per-device vma of
+      # the micro-batch gradients, and would make the parameters varying.
+      return jax.tree.map(
+        lambda g: jnp.zeros(jnp.shape(g), jnp.result_type(g)), updates
+      )
+
     def emit_window(acc_grads, acc_tokens, acc_loss, inner_state, params):
       window_grads = acc_grads
       if compensated:
@@ -689,7 +696,7 @@ def token_weighted_multistep(
 
       def no_step(window_grads, inner_state, params):
         del window_grads, params
-        return optax.tree.zeros_like(updates), inner_state
+        return zero_updates(), inner_state
 
       new_updates, inner_state = cond(
         has_tokens, step, no_step, window_grads, inner_state, params
@@ -737,7 +744,7 @@ def token_weighted_multistep(
         acc_compensation=acc_compensation,
         dropped_windows=state.dropped_windows,
       )
-      return optax.tree.zeros_like(updates), new_state
+      return zero_updates(), new_state
 
     return cond(
       emit,
