@@ -296,6 +296,39 @@ def _check_grads_structure(grads: Any, reference: Any, what: str) -> None:
     )
 
 
+def _check_grads_shapes(grads: Any, accumulator: Any) -> None:
+  for grad, acc in zip(jax.tree.leaves(grads), jax.tree.leaves(accumulator)):
+    if jnp.shape(grad) != jnp.shape(acc):
+      raise ValueError(
+        f'A gradient has shape {jnp.shape(grad)} where the parameter (and '
+        f'the accumulator) has shape {jnp.shape(acc)}. Pass the gradients of '
+        'the parameters the transform was initialized with.'
+      )
+
+
+def _call_skip_fn(
+  should_skip_update_fn: ShouldSkipUpdateFn,
+  updates: Any,
+  gradient_step: jax.Array,
+  params: Any,
+) -> tuple[jax.Array, Any]:
+  """Calls ``should_skip_update_fn`` and checks what it returns."""
+  result = should_skip_update_fn(updates, gradient_step, params)
+  if not (isinstance(result, tuple) and len(result) == 2):
+    raise TypeError(
+      'should_skip_update_fn must return a pair (should_skip, skip_state), '
+      f'as optax.skip_not_finite does; got {type(result).__name__}.'
+    )
+  skip, skip_state = result
+  if jnp.shape(skip) != ():
+    raise ValueError(
+      'should_skip_update_fn must return (should_skip, skip_state) with '
+      f'should_skip a boolean scalar; got shape {jnp.shape(skip)}. '
+      'Reduce it, e.g. with jnp.any(...).'
+    )
+  return skip, skip_state
+
+
 def _check_axis_name(axis_name: AxisName) -> None:
   try:
     lax.axis_size(axis_name)
@@ -501,6 +534,17 @@ def token_weighted_multistep(
     Hugging Face, `Fixing gradient accumulation
     <https://huggingface.co/blog/gradient_accumulation>`_, 2024.
   """
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+      'inner must be an optax.GradientTransformation, e.g. optax.adam(1e-3)'
+      f' (called, not the function itself); got {inner!r}.'
+    )
+  if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+    raise TypeError(
+      'should_skip_update_fn must be None or a function (grads, '
+      'gradient_step, params) -> (should_skip, skip_state), e.g. '
+      f'tokacc.skip_not_finite; got {should_skip_update_fn!r}.'
+    )
   schedule = _canonical_schedule(every_k_schedule)
   if loss_reduction not in _LOSS_REDUCTIONS:
     raise ValueError(
@@ -537,8 +581,11 @@ def token_weighted_multistep(
     if should_skip_update_fn is None:
       skip_state = ()
     else:
-      _, skip_state = should_skip_update_fn(
-        optax.tree.zeros_like(params), jnp.zeros([], jnp.int32), params
+      _, skip_state = _call_skip_fn(
+        should_skip_update_fn,
+        optax.tree.zeros_like(params),
+        jnp.zeros([], jnp.int32),
+        params,
       )
     return TokenWeightedMultiStepState(
       mini_step=jnp.zeros([], jnp.int32),
@@ -565,10 +612,17 @@ def token_weighted_multistep(
     emit_now: Union[bool, jax.typing.ArrayLike] = False,
     **extra_args: Any,
   ) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
+    if not isinstance(state, TokenWeightedMultiStepState):
+      raise TypeError(
+        'state must be the TokenWeightedMultiStepState returned by tx.init '
+        f'of this transform; got {type(state).__name__}. Inside optax.chain, '
+        "pass the chain's state to the chain's update."
+      )
     tokens = _check_num_tokens(num_tokens, token_dtype)
     if params is not None:
       _check_grads_structure(updates, params, 'the parameters')
     _check_grads_structure(updates, state.acc_grads, 'the accumulator')
+    _check_grads_shapes(updates, state.acc_grads)
     if axis_name is not None:
       _check_axis_name(axis_name)
     if loss is not None and jnp.shape(loss) != ():
@@ -586,15 +640,9 @@ def token_weighted_multistep(
       keep = None
       skip_state = state.skip_state
     else:
-      skip, skip_state = should_skip_update_fn(
-        updates, state.gradient_step, params
+      skip, skip_state = _call_skip_fn(
+        should_skip_update_fn, updates, state.gradient_step, params
       )
-      if jnp.shape(skip) != ():
-        raise ValueError(
-          'should_skip_update_fn must return (should_skip, skip_state) with '
-          f'should_skip a boolean scalar; got shape {jnp.shape(skip)}. '
-          'Reduce it, e.g. with jnp.any(...).'
-        )
       keep = jnp.logical_not(skip)
 
     def addend(acc: jax.Array, grad: jax.Array) -> jax.Array:
@@ -638,7 +686,16 @@ def token_weighted_multistep(
         keep, optax.safe_increment(state.mini_step), state.mini_step
       )
 
-    k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
+    k = schedule(state.gradient_step)
+    if jnp.shape(k) != () or not jnp.issubdtype(
+      jnp.result_type(k), jnp.integer
+    ):
+      raise TypeError(
+        'every_k_schedule(gradient_step) must return an integer scalar; got '
+        f'shape {jnp.shape(k)} and dtype {jnp.result_type(k)}. Round a '
+        'floating schedule, e.g. jnp.round(k).astype(jnp.int32).'
+      )
+    k = jnp.maximum(jnp.asarray(k, jnp.int32), 1)
     emit = mini_step >= k
     if not (isinstance(emit_now, (bool, np.bool_)) and not emit_now):
       if jnp.shape(emit_now) != ():
