@@ -98,13 +98,18 @@ class LinenLM(nn.Module):
     return nn.Dense(VOCAB)(nn.LayerNorm()(x))
 
 
-def linen_state(state_class, tx):
+@functools.cache
+def linen_model_and_params():
+  """One model object, so that jitted steps on its apply compile once."""
   model = LinenLM()
   batch = make_batch(0)
   params = model.init(jax.random.key(0), batch['inputs'], batch['valid'])
-  return state_class.create(
-    apply_fn=model.apply, params=params['params'], tx=tx
-  )
+  return model, params['params']
+
+
+def linen_state(state_class, tx):
+  model, params = linen_model_and_params()
+  return state_class.create(apply_fn=model.apply, params=params, tx=tx)
 
 
 @jax.jit
