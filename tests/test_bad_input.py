@@ -1,0 +1,358 @@
+"""Every bad input the API can receive: its error type and message.
+
+Also the documented behaviour for inputs that cannot be rejected at trace
+time (a negative ``num_tokens``, a non-finite ``loss``), and the opt-in
+``checkify`` checks that report them.
+"""
+
+import chex
+import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_tokacc as tokacc
+
+PARAMS = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
+GRADS = {'w': jnp.full((2, 3), 0.5), 'b': jnp.ones(3)}
+
+
+def build(**kwargs):
+  kwargs.setdefault('inner', optax.sgd(0.1))
+  kwargs.setdefault('every_k_schedule', 2)
+  return tokacc.token_weighted_multistep(**kwargs)
+
+
+# (id, constructor keyword arguments, error type, message pattern)
+CONSTRUCTOR_CASES = [
+  ('inner_is_factory', {'inner': optax.adam}, TypeError, r'inner must be an'),
+  ('inner_none', {'inner': None}, TypeError, r'optax\.GradientTransformation'),
+  ('k_zero', {'every_k_schedule': 0}, ValueError, r'must be >= 1; got 0'),
+  ('k_negative', {'every_k_schedule': -3}, ValueError, r'must be >= 1'),
+  ('k_float', {'every_k_schedule': 2.0}, TypeError, r'an int >= 1 or a'),
+  ('k_str', {'every_k_schedule': '4'}, TypeError, r'every_k_schedule=4'),
+  ('k_bool', {'every_k_schedule': True}, TypeError, r'type bool'),
+  ('k_none', {'every_k_schedule': None}, TypeError, r'every_k_schedule must'),
+  (
+    'k_vector',
+    {'every_k_schedule': jnp.array([2, 3])},
+    TypeError,
+    r'integer scalar; got shape \(2,\)',
+  ),
+  (
+    'k_float_array',
+    {'every_k_schedule': jnp.array(2.0)},
+    TypeError,
+    r'integer scalar.*float32',
+  ),
+  ('reduction_avg', {'loss_reduction': 'avg'}, ValueError, r"one of \('sum'"),
+  ('reduction_none', {'loss_reduction': None}, ValueError, r'loss_reduction'),
+  (
+    'acc_dtype_int',
+    {'accumulator_dtype': jnp.int32},
+    TypeError,
+    r'accumulator_dtype must be a floating dtype.*got int32',
+  ),
+  (
+    'acc_dtype_bool',
+    {'accumulator_dtype': jnp.bool_},
+    TypeError,
+    r'accumulator_dtype must be a floating',
+  ),
+  (
+    'acc_dtype_garbage',
+    {'accumulator_dtype': 'not-a-dtype'},
+    TypeError,
+    r"got 'not-a-dtype'.*static_args",
+  ),
+  (
+    'token_dtype_bool',
+    {'token_dtype': jnp.bool_},
+    TypeError,
+    r'token_dtype must be an integer or floating',
+  ),
+  ('compensated_str', {'compensated': 'yes'}, TypeError, r'True or False'),
+  ('compensated_none', {'compensated': None}, TypeError, r'compensated must'),
+  (
+    'skip_fn_not_callable',
+    {'should_skip_update_fn': True},
+    TypeError,
+    r'should_skip_update_fn must be None or a function',
+  ),
+  (
+    'skip_fn_returns_bool',
+    {'should_skip_update_fn': lambda g, s, p: jnp.array(False)},
+    TypeError,
+    r'must return a pair \(should_skip, skip_state\)',
+  ),
+  (
+    'skip_fn_returns_vector',
+    {'should_skip_update_fn': lambda g, s, p: (jnp.zeros(3, bool), ())},
+    ValueError,
+    r'should_skip a boolean scalar; got shape \(3,\)',
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  'kwargs, error, match',
+  [case[1:] for case in CONSTRUCTOR_CASES],
+  ids=[case[0] for case in CONSTRUCTOR_CASES],
+)
+def test_bad_constructor_input(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    tx = build(**kwargs)
+    tx.init(PARAMS)  # the skip fn is first called here
+
+
+def call_update(tx_kwargs=None, grads=GRADS, state=None, params=PARAMS, **kw):
+  tx = build(**(tx_kwargs or {}))
+  state = tx.init(PARAMS) if state is None else state
+  kw.setdefault('num_tokens', 3)
+  return tx.update(grads, state, params, **kw)
+
+
+# (id, call_update keyword arguments, error type, message pattern)
+UPDATE_CASES = [
+  ('num_tokens_missing', {'num_tokens': None}, TypeError, r'num_tokens='),
+  (
+    'num_tokens_vector',
+    {'num_tokens': jnp.ones(4)},
+    ValueError,
+    r'num_tokens must be a scalar.*shape \(4,\).*mask\.sum\(\)',
+  ),
+  (
+    'num_tokens_float_array',
+    {'num_tokens': jnp.float32(3.0)},
+    TypeError,
+    r'floating dtype float32.*token_dtype=jnp\.float32',
+  ),
+  (
+    'num_tokens_fraction',
+    {'num_tokens': 2.5},
+    TypeError,
+    r'num_tokens has the floating dtype',
+  ),
+  (
+    'loss_vector',
+    {'loss': jnp.ones(3)},
+    ValueError,
+    r"loss must be a scalar \(this micro-batch's loss\); got shape \(3,\)",
+  ),
+  (
+    'grads_missing_leaf',
+    {'grads': {'w': GRADS['w']}},
+    ValueError,
+    r'does not match the parameters',
+  ),
+  (
+    'grads_vs_state',
+    {'grads': {'w': GRADS['w']}, 'params': None},
+    ValueError,
+    r'does not match the accumulator',
+  ),
+  (
+    'grads_leaf_shape',
+    {'grads': {'w': GRADS['w'].T, 'b': GRADS['b']}},
+    ValueError,
+    r'shape \(3, 2\) where the parameter .* has shape \(2, 3\)',
+  ),
+  (
+    'state_of_other_optimizer',
+    {'state': optax.adam(0.1).init(PARAMS)},
+    TypeError,
+    r'state must be the TokenWeightedMultiStepState.*got tuple',
+  ),
+  (
+    'emit_now_vector',
+    {'emit_now': jnp.array([True, False])},
+    ValueError,
+    r'emit_now must be a boolean scalar.*shape \(2,\)',
+  ),
+  (
+    'schedule_returns_vector',
+    {'tx_kwargs': {'every_k_schedule': lambda step: jnp.array([2, 3])}},
+    TypeError,
+    r'every_k_schedule\(gradient_step\) must return an integer scalar',
+  ),
+  (
+    'schedule_returns_float',
+    {'tx_kwargs': {'every_k_schedule': lambda step: 2.5}},
+    TypeError,
+    r'jnp\.round\(k\)\.astype\(jnp\.int32\)',
+  ),
+  (
+    'axis_name_unbound',
+    {'tx_kwargs': {'axis_name': 'data'}},
+    ValueError,
+    r"axis_name='data' is not bound here.*leave axis_name=None",
+  ),
+]
+
+
+@pytest.mark.parametrize('use_jit', [False, True])
+@pytest.mark.parametrize(
+  'kwargs, error, match',
+  [case[1:] for case in UPDATE_CASES],
+  ids=[case[0] for case in UPDATE_CASES],
+)
+def test_bad_update_input(kwargs, error, match, use_jit):
+  kwargs = dict(kwargs)
+  tx_kwargs = kwargs.pop('tx_kwargs', None)
+  update = lambda **kw: call_update(tx_kwargs, **kw, **kwargs)  # noqa: E731
+  if use_jit:
+    update = jax.jit(update)
+  with pytest.raises(error, match=match):
+    update()
+
+
+def test_input_checks_need_a_multistep_state():
+  tx = tokacc.with_input_checks(optax.adam(0.1))
+  with pytest.raises(ValueError, match=r'exactly one TokenWeightedMultiStep'):
+    tx.update(GRADS, tx.init(PARAMS), PARAMS, num_tokens=3)
+
+
+# Documented behaviour of bad values that only exist at run time.
+
+
+def run_window(tx, num_tokens, losses=(1.0, 2.0), grads=GRADS):
+  """Two jitted micro-steps; returns the last updates and state."""
+  step = jax.jit(tx.update)
+  state = tx.init(PARAMS)
+  for n, loss in zip(num_tokens, losses):
+    updates, state = step(grads, state, PARAMS, num_tokens=n, loss=loss)
+  return updates, state
+
+
+@pytest.mark.parametrize('token_dtype', [None, jnp.float32])
+@pytest.mark.parametrize('bad_tokens', [-1, -5])
+def test_negative_num_tokens_drops_the_window(token_dtype, bad_tokens):
+  tx = build(token_dtype=token_dtype)
+  # -1 + 4 would be a "valid" 3 if negative counts were just added.
+  updates, state = run_window(tx, [bad_tokens, 4])
+  chex.assert_trees_all_equal(updates, optax.tree.zeros_like(GRADS))
+  assert not bool(tokacc.has_updated(state))
+  assert int(state.gradient_step) == 0
+  assert int(state.dropped_windows) == 1
+  # The next window is unaffected.
+  step = jax.jit(tx.update)
+  for _ in range(2):
+    updates, state = step(GRADS, state, PARAMS, num_tokens=2)
+  # Full batch: 2 * GRADS over 4 tokens.
+  chex.assert_trees_all_close(
+    updates, jax.tree.map(lambda g: -0.1 * g / 2, GRADS)
+  )
+  assert int(state.dropped_windows) == 1
+  assert int(state.last_tokens) == 4
+
+
+def test_nan_float_num_tokens_drops_the_window():
+  tx = build(token_dtype=jnp.float32)
+  updates, state = run_window(tx, [jnp.float32(np.nan), 4.0])
+  chex.assert_trees_all_equal(updates, optax.tree.zeros_like(GRADS))
+  assert int(state.dropped_windows) == 1
+
+
+def test_non_finite_loss_is_reported_not_applied():
+  """The loss is for reporting: a NaN shows in window_loss for its window."""
+  tx = build()
+  updates, state = run_window(tx, [1, 3], losses=(np.nan, 2.0))
+  expected = jax.tree.map(lambda g: -0.1 * 2 * g / 4, GRADS)
+  chex.assert_trees_all_close(updates, expected)
+  assert np.isnan(tokacc.window_loss(state))
+  step = jax.jit(tx.update)
+  for loss in (1.0, 3.0):
+    updates, state = step(GRADS, state, PARAMS, num_tokens=2, loss=loss)
+  np.testing.assert_allclose(tokacc.window_loss(state), 1.0)
+
+
+@pytest.mark.parametrize('bad', ['nan', 'inf'])
+def test_non_finite_grads_are_skipped_with_skip_not_finite(bad):
+  tx = build(should_skip_update_fn=tokacc.skip_not_finite)
+  bad_grads = {'w': GRADS['w'].at[0, 0].set(float(bad)), 'b': GRADS['b']}
+  step = jax.jit(tx.update)
+  state = tx.init(PARAMS)
+  updates, state = step(GRADS, state, PARAMS, num_tokens=1)
+  updates, state = step(bad_grads, state, PARAMS, num_tokens=5)
+  assert int(state.mini_step) == 1  # rejected: the window did not advance
+  updates, state = step(GRADS, state, PARAMS, num_tokens=3)
+  # Full batch over the two good micro-batches: 2 * GRADS / 4 tokens.
+  chex.assert_trees_all_close(
+    updates, jax.tree.map(lambda g: -0.1 * g / 2, GRADS)
+  )
+  assert int(state.last_tokens) == 4
+
+
+# Opt-in checkify checks.
+
+
+def checked_step(tx):
+  @jax.jit
+  @checkify.checkify
+  def step(state, num_tokens, loss):
+    return tx.update(GRADS, state, PARAMS, num_tokens=num_tokens, loss=loss)
+
+  return step
+
+
+def test_checks_pass_on_good_input():
+  tx = tokacc.with_input_checks(build())
+  unchecked = build()
+  step = checked_step(tx)
+  state = expected_state = tx.init(PARAMS)
+  for n in (3, 4, 0, 2):
+    err, (updates, state) = step(state, n, 1.0)
+    err.throw()
+    expected, expected_state = unchecked.update(
+      GRADS, expected_state, PARAMS, num_tokens=n, loss=1.0
+    )
+    chex.assert_trees_all_equal((updates, state), (expected, expected_state))
+
+
+# (id, micro-steps before the bad one, bad num_tokens, bad loss, message)
+CHECK_CASES = [
+  ('negative', 0, -3, 1.0, r'num_tokens=-3 is negative.*mini_step=0'),
+  ('loss_nan', 1, 2, np.nan, r'loss=nan is not finite at mini_step=1'),
+  ('loss_inf', 2, 2, np.inf, r'loss=inf is not finite.*gradient_step=1'),
+  (
+    'overflow',
+    1,
+    2**31 - 1,
+    1.0,
+    r'window closed at mini_step=1, gradient_step=0 was dropped',
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  'good_steps, num_tokens, loss, match',
+  [case[1:] for case in CHECK_CASES],
+  ids=[case[0] for case in CHECK_CASES],
+)
+def test_checks_report_the_bad_micro_step(good_steps, num_tokens, loss, match):
+  tx = tokacc.with_input_checks(build())
+  step = checked_step(tx)
+  state = tx.init(PARAMS)
+  for _ in range(good_steps):
+    err, (_, state) = step(state, 1, 1.0)
+    err.throw()
+  err, _ = step(state, num_tokens, loss)
+  with pytest.raises(checkify.JaxRuntimeError, match=match):
+    err.throw()
+
+
+def test_checks_inside_a_chain_without_loss():
+  tx = tokacc.with_input_checks(optax.chain(optax.scale(1.0), build()))
+
+  @jax.jit
+  @checkify.checkify
+  def step(state, num_tokens):
+    return tx.update(GRADS, state, PARAMS, num_tokens=num_tokens)
+
+  err, (_, state) = step(tx.init(PARAMS), 2)
+  err.throw()
+  err, _ = step(state, -1)
+  with pytest.raises(checkify.JaxRuntimeError, match=r'mini_step=1'):
+    err.throw()
