@@ -1,0 +1,352 @@
+"""Data-parallel training harness, and the worker of the multi-host test.
+
+Imported by ``test_data_parallel.py`` and ``test_multihost.py`` for the model,
+the data, the single-device full-batch reference and the ``shard_map`` /
+sharded-``jit`` training loops. Run as a script by ``test_multihost.py``, one
+process per host: it joins a ``jax.distributed`` job on loopback, trains over
+the global mesh of all processes' CPU devices and writes the final parameters.
+
+    python multihost_worker.py --process_id=0 --num_processes=2 \
+      --port=12345 --out=/tmp/result.npz
+"""
+
+import argparse
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+
+FEATURES = 8
+SEQS = 2  # sequences per device per micro-step
+SEQ_LEN = 4
+LOCAL_TOKENS = SEQS * SEQ_LEN
+LEARNING_RATE = 0.05
+
+
+def init_params(dtype=jnp.float32):
+  """Numpy parameters of a one-hidden-layer per-token regression model."""
+  rng = np.random.default_rng(0)
+  return {
+    'w': rng.normal(size=(FEATURES, FEATURES)).astype(dtype),
+    'v': rng.normal(size=(FEATURES,)).astype(dtype),
+  }
+
+
+def loss_sum(params, batch):
+  """The squared error summed over the batch's counted tokens."""
+  hidden = jnp.tanh(batch['x'] @ params['w'])
+  prediction = hidden @ params['v']
+  return jnp.sum((prediction - batch['y']) ** 2 * batch['mask'])
+
+
+def token_count(batch):
+  return jnp.sum(batch['mask']).astype(jnp.int32)
+
+
+def token_counts(window_sizes, num_devices, seed=0):
+  """Counted tokens per window, micro-step and device: unequal, with zeros.
+
+  Device 1 has no tokens on the first micro-step of every window, and device
+  2 has none in the whole first window.
+  """
+  rng = np.random.default_rng(seed)
+  counts = []
+  for w, size in enumerate(window_sizes):
+    window = rng.integers(0, LOCAL_TOKENS + 1, size=(size, num_devices))
+    window[0, 1 % num_devices] = 0
+    if w == 0:
+      window[:, 2 % num_devices] = 0
+    window[-1, 0] = LOCAL_TOKENS  # every window has tokens
+    counts.append(window)
+  return counts
+
+
+def make_windows(window_sizes, num_devices, dtype=np.float32, seed=0):
+  """Global micro-batches: device d holds rows [d * SEQS, (d + 1) * SEQS)."""
+  rng = np.random.default_rng(seed + 1)
+  windows = []
+  for counts in token_counts(window_sizes, num_devices, seed):
+    window = []
+    for step_counts in counts:
+      mask = np.zeros((num_devices, LOCAL_TOKENS))
+      for device, count in enumerate(step_counts):
+        mask[device, rng.permutation(LOCAL_TOKENS)[:count]] = 1
+      shape = (num_devices * SEQS, SEQ_LEN)
+      window.append(
+        {
+          'x': rng.normal(size=shape + (FEATURES,)).astype(dtype),
+          'y': rng.normal(size=shape).astype(dtype),
+          'mask': mask.reshape(shape).astype(dtype),
+        }
+      )
+    windows.append(window)
+  return windows
+
+
+def train_full_batch(optimizer, params, windows):
+  """Reference: one plain optimizer step per window on all of its tokens.
+
+  Returns the final parameters and the token-mean loss of each window.
+  """
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    num_tokens = jnp.sum(batch['mask'])
+    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+    grads = jax.tree.map(lambda g: g / num_tokens, grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss / num_tokens
+
+  params = jax.tree.map(jnp.asarray, params)
+  opt_state = optimizer.init(params)
+  losses = []
+  for window in windows:
+    batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
+    params, opt_state, loss = step(params, opt_state, batch)
+    losses.append(loss)
+  return params, jnp.stack(losses)
+
+
+def put(value, sharding):
+  """A global array from a host value that every process holds in full."""
+  value = np.asarray(value)
+  return jax.make_array_from_callback(
+    value.shape, sharding, lambda index: value[index]
+  )
+
+
+def fetch(tree):
+  """Host copies of global arrays, gathered from all processes."""
+  if jax.process_count() == 1:
+    return jax.tree.map(np.asarray, tree)
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  return jax.tree.map(
+    lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
+    tree,
+  )
+
+
+def is_local_field(name):
+  """State fields that hold this device's share of the window (``acc_*``)."""
+  return name.startswith('acc_')
+
+
+def _map_local_fields(fn, state):
+  return state._replace(
+    **{
+      name: jax.tree.map(fn, getattr(state, name))
+      for name in state._fields
+      if is_local_field(name)
+    }
+  )
+
+
+def state_specs(state, axes):
+  """``shard_map`` specs: a device axis on the ``acc_*`` fields, else P()."""
+  specs = jax.tree.map(lambda _: P(), state)
+  return specs._replace(
+    **{
+      name: jax.tree.map(lambda _: P(axes), getattr(state, name))
+      for name in state._fields
+      if is_local_field(name)
+    }
+  )
+
+
+def shard_map_state(tx, params, mesh, axes):
+  """``tx.init`` laid out for :func:`shard_map_step` on ``mesh``."""
+  num_devices = mesh.devices.size
+  state = jax.tree.map(np.asarray, tx.init(params))
+  state = _map_local_fields(
+    lambda x: np.broadcast_to(x[None], (num_devices,) + x.shape), state
+  )
+  specs = state_specs(state, axes)
+  return jax.tree.map(
+    lambda x, spec: put(x, NamedSharding(mesh, spec)), state, specs
+  )
+
+
+def shard_map_step(tx, mesh, axes, state, with_emit_now=True):
+  """One jitted micro-step of per-device code under ``jax.shard_map``.
+
+  Parameters are replicated; each device holds its own accumulator share.
+  The gradient is taken with respect to the parameters marked varying over
+  ``axes``, so that autodiff does not ``psum`` it on every micro-step. The
+  step takes ``(params, state, batch, emit_now)`` (one flag per device), or
+  ``(params, state, batch)`` without ``with_emit_now``.
+  """
+  specs = state_specs(state, axes)
+
+  def local_step(params, state, batch, *emit_now):
+    state = _map_local_fields(lambda x: x[0], state)
+    local_params = jax.tree.map(
+      lambda p: lax.pcast(p, axes, to='varying'), params
+    )
+    loss, grads = jax.value_and_grad(loss_sum)(local_params, batch)
+    updates, state = tx.update(
+      grads,
+      state,
+      params,
+      num_tokens=token_count(batch),
+      loss=loss,
+      emit_now=emit_now[0][0] if with_emit_now else False,
+    )
+    params = optax.apply_updates(params, updates)
+    return params, _map_local_fields(lambda x: x[None], state)
+
+  data_specs = (P(axes), P(axes)) if with_emit_now else (P(axes),)
+  return jax.jit(
+    jax.shard_map(
+      local_step,
+      mesh=mesh,
+      in_specs=(P(), specs) + data_specs,
+      out_specs=(P(), specs),
+    )
+  )
+
+
+def train_shard_map(tx, params, windows, mesh, axes):
+  """Trains under ``shard_map``; the last micro-step of the last window is
+  closed early by ``emit_now`` raised on the last device only.
+
+  Returns the final parameters and state.
+  """
+  num_devices = mesh.devices.size
+  replicated = NamedSharding(mesh, P())
+  data = NamedSharding(mesh, P(axes))
+  state = shard_map_state(tx, params, mesh, axes)
+  params = jax.tree.map(lambda x: put(x, replicated), params)
+  step = shard_map_step(tx, mesh, axes, state)
+  for w, window in enumerate(windows):
+    for m, batch in enumerate(window):
+      emit_now = np.zeros(num_devices, bool)
+      emit_now[-1] = w == len(windows) - 1 and m == len(window) - 1
+      params, state = step(
+        params,
+        state,
+        jax.tree.map(lambda x: put(x, data), batch),
+        put(emit_now, data),
+      )
+  return params, state
+
+
+def fsdp_shardings(mesh, axes):
+  """Shards each parameter's first dimension over ``axes`` (FSDP-style)."""
+  return {
+    'w': NamedSharding(mesh, P(axes, None)),
+    'v': NamedSharding(mesh, P(axes)),
+  }
+
+
+def train_sharded_jit(tx, params, windows, mesh, axes, on_step=None):
+  """Trains with ``jax.jit`` over global arrays (GSPMD, no ``axis_name``).
+
+  The last window is closed early with ``emit_now``. ``on_step(params,
+  state)`` is called after ``tx.init`` and after every micro-step.
+  """
+  data = NamedSharding(mesh, P(axes))
+  shardings = fsdp_shardings(mesh, axes)
+  params = jax.tree.map(put, params, shardings)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, batch, emit_now):
+    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+    updates, state = tx.update(
+      grads,
+      state,
+      params,
+      num_tokens=token_count(batch),
+      loss=loss,
+      emit_now=emit_now,
+    )
+    return optax.apply_updates(params, updates), state
+
+  if on_step is not None:
+    on_step(params, state)
+  for w, window in enumerate(windows):
+    for m, batch in enumerate(window):
+      emit_now = w == len(windows) - 1 and m == len(window) - 1
+      batch = jax.tree.map(lambda x: put(x, data), batch)
+      params, state = step(params, state, batch, jnp.asarray(emit_now))
+      if on_step is not None:
+        on_step(params, state)
+  return params, state
+
+
+# The multi-host run: windows of k = 3 micro-steps, the last one closed early.
+MULTIHOST_WINDOW_SIZES = (3, 3, 2)
+MULTIHOST_K = 3
+MULTIHOST_AXIS = 'data'
+
+
+def adamw():
+  """AdamW whose update depends on the gradient's scale (large eps).
+
+  With the default eps, Adam is nearly invariant to the gradient's scale and
+  would hide a gradient summed over the devices twice.
+  """
+  return optax.adamw(LEARNING_RATE, eps=0.1, weight_decay=0.1)
+
+
+def _run_worker(args):
+  jax.config.update('jax_platforms', 'cpu')
+  jax.config.update('jax_num_cpu_devices', args.local_devices)
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(
+    coordinator_address=f'127.0.0.1:{args.port}',
+    num_processes=args.num_processes,
+    process_id=args.process_id,
+    initialization_timeout=60,
+  )
+  import optax_tokacc as tokacc  # noqa: PLC0415
+
+  num_devices = jax.device_count()
+  mesh = jax.make_mesh(
+    (num_devices,),
+    (MULTIHOST_AXIS,),
+    axis_types=(jax.sharding.AxisType.Auto,),
+  )
+  windows = make_windows(MULTIHOST_WINDOW_SIZES, num_devices)
+  params = init_params()
+  make_tx = functools.partial(
+    tokacc.token_weighted_multistep, adamw(), MULTIHOST_K
+  )
+  shard_map_params, shard_map_state_ = train_shard_map(
+    make_tx(axis_name=MULTIHOST_AXIS), params, windows, mesh, MULTIHOST_AXIS
+  )
+  jit_params, jit_state = train_sharded_jit(
+    make_tx(), params, windows, mesh, MULTIHOST_AXIS
+  )
+  results = {
+    'num_devices': np.asarray(num_devices),
+    'shard_map_loss': fetch(tokacc.window_loss(shard_map_state_)),
+    'jit_loss': fetch(tokacc.window_loss(jit_state)),
+  }
+  for name, value in fetch(shard_map_params).items():
+    results[f'shard_map_{name}'] = value
+  for name, value in fetch(jit_params).items():
+    results[f'jit_{name}'] = value
+  if jax.process_index() == 0:
+    np.savez(args.out, **results)
+  jax.distributed.shutdown()
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument('--process_id', type=int, required=True)
+  parser.add_argument('--num_processes', type=int, required=True)
+  parser.add_argument('--port', type=int, required=True)
+  parser.add_argument('--local_devices', type=int, default=2)
+  parser.add_argument('--out', required=True)
+  _run_worker(parser.parse_args())
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,375 @@
+"""Data parallelism on 8 fake CPU devices: pmap, shard_map and sharded jit.
+
+Each run equals single-device full-batch training on the concatenation of
+all devices' micro-batches, with unequal token counts per device and per
+micro-step (and devices without tokens). The compiled step is inspected to
+show one reduction of the gradients per window, none on micro-steps.
+"""
+
+import importlib.util
+import pathlib
+
+import chex
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import multihost_worker as harness
+import numpy as np
+import optax
+import pytest
+
+import optax_tokacc as tokacc
+
+K = 3
+WINDOW_SIZES = (3, 3, 2)  # the last window is closed early by emit_now
+AUTO = jax.sharding.AxisType.Auto
+
+
+def _load_collectives():
+  path = pathlib.Path(__file__).parents[1] / 'benchmarks' / 'collectives.py'
+  spec = importlib.util.spec_from_file_location('collectives', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+collectives = _load_collectives()
+
+OPTIMIZERS = {
+  'adamw': harness.adamw,
+  'sgd': lambda: optax.sgd(harness.LEARNING_RATE, momentum=0.9),
+}
+
+
+def mesh_and_axes(layout):
+  if layout == '2d':
+    return jax.make_mesh((4, 2), ('x', 'y'), axis_types=(AUTO, AUTO)), (
+      'x',
+      'y',
+    )
+  return jax.make_mesh((jax.device_count(),), ('data',), (AUTO,)), 'data'
+
+
+def pmap_step(tx, with_emit_now=True):
+  """A ``jax.pmap`` training step: ``(params, state, batch[, emit_now])``."""
+
+  def step(params, state, batch, *emit_now):
+    local_loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    updates, state = tx.update(
+      grads,
+      state,
+      params,
+      num_tokens=harness.token_count(batch),
+      loss=local_loss,
+      emit_now=emit_now[0] if with_emit_now else False,
+    )
+    return optax.apply_updates(params, updates), state
+
+  return jax.pmap(step, axis_name='data')
+
+
+def per_device(x):
+  """A global micro-batch with a leading device axis, for pmap."""
+  return np.reshape(x, (jax.device_count(), -1) + np.shape(x)[1:])
+
+
+def replicate(x):
+  return np.broadcast_to(x, (jax.device_count(),) + np.shape(x))
+
+
+def train_pmap(tx, params, windows):
+  """Trains under ``jax.pmap``; the last device raises emit_now at the end."""
+  num_devices = jax.device_count()
+  step = pmap_step(tx)
+  params = jax.tree.map(replicate, params)
+  state = jax.pmap(tx.init)(params)
+  for w, window in enumerate(windows):
+    for m, batch in enumerate(window):
+      emit_now = np.zeros(num_devices, bool)
+      emit_now[-1] = w == len(windows) - 1 and m == len(window) - 1
+      params, state = step(
+        params, state, jax.tree.map(per_device, batch), emit_now
+      )
+  return params, state
+
+
+def train(mode, optimizer, params, windows):
+  """Final ``(params, window_loss)`` of a data-parallel run; ``params`` of
+  every device for pmap (leading device axis), global arrays otherwise."""
+  if mode == 'pmap':
+    tx = tokacc.token_weighted_multistep(optimizer, K, axis_name='data')
+    params, state = train_pmap(tx, params, windows)
+    return params, state.last_loss
+  if mode == 'sharded_jit':
+    mesh, axes = mesh_and_axes('1d')
+    tx = tokacc.token_weighted_multistep(optimizer, K)
+    params, state = harness.train_sharded_jit(tx, params, windows, mesh, axes)
+  else:
+    mesh, axes = mesh_and_axes(mode.removeprefix('shard_map_'))
+    tx = tokacc.token_weighted_multistep(optimizer, K, axis_name=axes)
+    params, state = harness.train_shard_map(tx, params, windows, mesh, axes)
+  return params, tokacc.window_loss(state)
+
+
+MODES = ('pmap', 'shard_map_1d', 'shard_map_2d', 'sharded_jit')
+
+
+def check_against_full_batch(mode, optimizer, dtype, rtol):
+  windows = harness.make_windows(WINDOW_SIZES, jax.device_count(), dtype)
+  params = harness.init_params(dtype)
+  expected, expected_losses = harness.train_full_batch(
+    optimizer, params, windows
+  )
+  actual, window_loss = train(mode, optimizer, params, windows)
+  if mode == 'pmap':
+    for device in range(jax.device_count()):
+      chex.assert_trees_all_close(
+        jax.tree.map(lambda x, d=device: x[d], actual),
+        expected,
+        rtol=rtol,
+        atol=rtol,
+      )
+      np.testing.assert_allclose(
+        window_loss[device], expected_losses[-1], rtol=rtol
+      )
+  else:
+    chex.assert_trees_all_close(actual, expected, rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(window_loss, expected_losses[-1], rtol=rtol)
+  return windows
+
+
+@pytest.mark.parametrize('optimizer_name', sorted(OPTIMIZERS))
+@pytest.mark.parametrize('mode', MODES)
+def test_equals_full_batch_float32(mode, optimizer_name):
+  windows = check_against_full_batch(
+    mode, OPTIMIZERS[optimizer_name](), np.float32, 1e-5
+  )
+  # The data is as described: unequal counts, and devices without tokens.
+  counts = [
+    np.reshape(batch['mask'], (jax.device_count(), -1)).sum(axis=1)
+    for window in windows
+    for batch in window
+  ]
+  assert min(np.min(c) for c in counts) == 0
+  assert all(len(set(c.tolist())) > 1 for c in counts)
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_equals_full_batch_float64(mode):
+  with jax.enable_x64(True):
+    check_against_full_batch(mode, harness.adamw(), np.float64, 1e-12)
+
+
+def test_shard_map_params_stay_replicated_without_check_vma_off():
+  """Parameters come back invariant: out_specs P() under check_vma=True."""
+  mesh, axes = mesh_and_axes('1d')
+  tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name=axes)
+  windows = harness.make_windows((1,), jax.device_count())
+  params = harness.init_params()
+  state = harness.shard_map_state(tx, params, mesh, axes)
+  step = harness.shard_map_step(tx, mesh, axes, state)
+  data = NamedSharding(mesh, P(axes))
+  new_params, _ = step(
+    params,
+    state,
+    jax.device_put(windows[0][0], data),
+    jax.device_put(np.zeros(jax.device_count(), bool), data),
+  )
+  for leaf in jax.tree.leaves(new_params):
+    assert leaf.sharding.is_fully_replicated
+
+
+# Compiled-HLO inspection.
+
+
+def compiled_step_text(mode, with_emit_now):
+  """The compiled HLO of one micro-step (k = K) under pmap or shard_map."""
+  params = harness.init_params()
+  batch = harness.make_windows((1,), jax.device_count())[0][0]
+  flags = (np.zeros(jax.device_count(), bool),) if with_emit_now else ()
+  if mode == 'pmap':
+    tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name='data')
+    params = jax.tree.map(replicate, params)
+    state = jax.pmap(tx.init)(params)
+    step = pmap_step(tx, with_emit_now)
+    batch = jax.tree.map(per_device, batch)
+  else:
+    mesh, axes = mesh_and_axes(mode.removeprefix('shard_map_'))
+    tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name=axes)
+    state = harness.shard_map_state(tx, params, mesh, axes)
+    step = harness.shard_map_step(tx, mesh, axes, state, with_emit_now)
+  return step.lower(params, state, batch, *flags).compile().as_text()
+
+
+def find_instruction(module, name):
+  for instructions in module.computations.values():
+    for instruction in instructions:
+      if instruction.name == name:
+        return instruction
+  raise AssertionError(f'no instruction {name} in the HLO')
+
+
+@pytest.mark.parametrize('with_emit_now', [False, True])
+@pytest.mark.parametrize('mode', ['pmap', 'shard_map_1d', 'shard_map_2d'])
+def test_one_gradient_reduction_per_window(mode, with_emit_now):
+  """What is counted: collective instructions of the compiled step (an
+  all-reduce of a tuple is one), located by the conditional branches that
+  lead to them from the entry computation.
+
+  - micro-step path: the entry computation and the branch not taken on
+    emitting steps hold no all-reduce (with a traced ``emit_now``: exactly
+    one, of a scalar: the flag's pmax);
+  - emitting path: every other collective sits in the one branch that runs
+    the inner optimizer (AdamW's ``sqrt``), and exactly one all-reduce there
+    holds gradient-shaped operands: each gradient leaf once. The others
+    reduce scalars only (the window's token count and loss).
+  """
+  module = collectives.parse_hlo(compiled_step_text(mode, with_emit_now))
+  sites = collectives.collective_sites(module)
+  assert {site.collective for site, _ in sites} == {'all-reduce'}
+
+  every_step = [site for site, path in sites if not path]
+  if with_emit_now:
+    assert len(every_step) == 1
+    assert all(dims == () for _, dims in every_step[0].shapes)
+  else:
+    assert every_step == []
+
+  branches = {path[0] for _, path in sites if path}
+  assert len(branches) == 1, branches
+  ((conditional_name, emit_index),) = branches
+  conditional = find_instruction(module, conditional_name)
+  emit_branch = conditional.branches[emit_index]
+  assert collectives.reachable_opcodes(module, emit_branch)['sqrt'] > 0
+  for index, branch in enumerate(conditional.branches):
+    if index != emit_index:
+      opcodes = collectives.reachable_opcodes(module, branch)
+      assert opcodes['sqrt'] == 0  # the micro-step does not run AdamW
+      assert not set(opcodes) & set(collectives.COLLECTIVE_OPCODES)
+
+  gradient_shapes = sorted(
+    ('f32', tuple(np.shape(p))) for p in jax.tree.leaves(harness.init_params())
+  )
+  in_window = [site for site, path in sites if path]
+  with_gradients = [
+    site
+    for site in in_window
+    if any(shape in gradient_shapes for shape in site.shapes)
+  ]
+  assert len(with_gradients) == 1
+  (reduction,) = with_gradients
+  assert sorted(s for s in reduction.shapes if s[1] != ()) == gradient_shapes
+  for site in in_window:
+    if site is not reduction:
+      assert all(dims == () for _, dims in site.shapes)
+  assert len(in_window) <= 2
+
+
+def test_count_collectives_of_the_usual_pattern():
+  """pmean every micro-step (outside any branch) is counted as such."""
+  mesh, axes = mesh_and_axes('1d')
+
+  def step(x):
+    return lax.pmean(x, axes), lax.cond(
+      x[0] > 0, lambda: lax.psum(x, axes) + x, lambda: x
+    )
+
+  text = (
+    jax.jit(
+      jax.shard_map(
+        step, mesh=mesh, in_specs=P(axes), out_specs=(P(axes), P(axes))
+      )
+    )
+    .lower(np.ones(jax.device_count(), np.float32))
+    .compile()
+    .as_text()
+  )
+  counts = collectives.count_collectives(text)
+  assert counts['unconditional'] == {'all-reduce': 1}
+  assert counts['in_branches'] == {'all-reduce': 1}
+  assert collectives.per_window(counts, 4)['collectives'] == 5
+
+
+# Sharding under jax.jit with NamedSharding (GSPMD, no axis_name).
+
+
+def assert_same_sharding(tree, params):
+  for leaf, param in zip(jax.tree.leaves(tree), jax.tree.leaves(params)):
+    assert leaf.sharding.is_equivalent_to(param.sharding, param.ndim), (
+      leaf.sharding,
+      param.sharding,
+    )
+
+
+def test_acc_grads_sharding_equals_params_sharding():
+  mesh, axes = mesh_and_axes('1d')
+  tx = tokacc.token_weighted_multistep(harness.adamw(), K)
+  windows = harness.make_windows(WINDOW_SIZES, jax.device_count())
+  calls = []
+
+  def on_step(params, state):
+    calls.append(state.emitted)
+    assert not params['w'].sharding.is_fully_replicated
+    assert_same_sharding(state.acc_grads, params)
+
+  params, _ = harness.train_sharded_jit(
+    tx, harness.init_params(), windows, mesh, axes, on_step=on_step
+  )
+  assert len(calls) == 1 + sum(WINDOW_SIZES)
+  assert sum(bool(emitted) for emitted in calls) == len(WINDOW_SIZES)
+  for name, sharding in harness.fsdp_shardings(mesh, axes).items():
+    assert params[name].sharding.is_equivalent_to(sharding, params[name].ndim)
+
+
+def test_jit_init_keeps_sharding_on_explicit_mesh():
+  mesh = jax.make_mesh(
+    (jax.device_count(),),
+    ('data',),
+    axis_types=(jax.sharding.AxisType.Explicit,),
+  )
+  tx = tokacc.token_weighted_multistep(harness.adamw(), K)
+  with jax.set_mesh(mesh):
+    params = jax.tree.map(
+      harness.put, harness.init_params(), harness.fsdp_shardings(mesh, 'data')
+    )
+    state = jax.jit(tx.init)(params)
+  assert_same_sharding(state.acc_grads, params)
+
+
+# Bad input.
+
+
+def bound_nowhere_update(axis_name):
+  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), K, axis_name=axis_name)
+  params = {'w': jnp.ones(3)}
+  state = tx.init(params)
+  return lambda: tx.update(params, state, params, num_tokens=2)
+
+
+@pytest.mark.parametrize('axis_name', ['data', ('data', 'model')])
+@pytest.mark.parametrize('use_jit', [False, True])
+def test_axis_name_outside_pmap_or_shard_map(axis_name, use_jit):
+  update = bound_nowhere_update(axis_name)
+  if use_jit:
+    update = jax.jit(update)
+  with pytest.raises(ValueError, match=r'axis_name=.* is not bound') as error:
+    update()
+  message = str(error.value)
+  assert 'jax.pmap' in message and 'jax.shard_map' in message
+  assert 'axis_name=None' in message
+
+
+def test_axis_name_missing_from_the_mesh():
+  mesh, _ = mesh_and_axes('1d')
+  update = bound_nowhere_update('model')
+  with pytest.raises(ValueError, match=r"axis_name='model' is not bound"):
+    jax.jit(
+      jax.shard_map(
+        lambda x: update()[0]['w'] + x,
+        mesh=mesh,
+        in_specs=P('data'),
+        out_specs=P('data'),
+      )
+    )(jnp.ones((jax.device_count(), 3)))

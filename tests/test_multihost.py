@@ -1,0 +1,93 @@
+"""Multi-host data parallelism: 2 local processes x 2 CPU devices each.
+
+The test starts two ``jax.distributed`` processes on loopback (gloo CPU
+collectives), each running ``multihost_worker.py`` over the global mesh of 4
+devices, and compares their result with single-process full-batch training.
+"""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import chex
+import multihost_worker as worker
+import numpy as np
+import pytest
+
+NUM_PROCESSES = 2
+LOCAL_DEVICES = 2
+TIMEOUT_S = 120
+
+
+def free_port():
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.bind(('127.0.0.1', 0))
+    return sock.getsockname()[1]
+
+
+def run_workers(out):
+  """Runs the worker processes to completion; kills them all on failure."""
+  port = free_port()
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join(
+    filter(None, [str(repo), env.get('PYTHONPATH')])
+  )
+  env.pop('XLA_FLAGS', None)
+  processes = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        worker.__file__,
+        f'--process_id={i}',
+        f'--num_processes={NUM_PROCESSES}',
+        f'--port={port}',
+        f'--local_devices={LOCAL_DEVICES}',
+        f'--out={out}',
+      ],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(NUM_PROCESSES)
+  ]
+  outputs = []
+  try:
+    for process in processes:
+      output, _ = process.communicate(timeout=TIMEOUT_S)
+      outputs.append(output)
+  except subprocess.TimeoutExpired:
+    outputs.append(f'timed out after {TIMEOUT_S} s')
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+  failed = [p.returncode for p in processes if p.returncode != 0]
+  if failed or len(outputs) < NUM_PROCESSES:
+    pytest.fail(
+      f'multi-host workers failed (exit codes {[p.returncode for p in processes]}'
+      '):\n' + '\n----\n'.join(output[-3000:] for output in outputs)
+    )
+
+
+def test_two_processes_equal_full_batch(tmp_path):
+  out = tmp_path / 'result.npz'
+  run_workers(out)
+  result = dict(np.load(out))
+  num_devices = NUM_PROCESSES * LOCAL_DEVICES
+  assert int(result['num_devices']) == num_devices
+
+  windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  expected_params, expected_losses = worker.train_full_batch(
+    worker.adamw(), worker.init_params(), windows
+  )
+  for prefix in ('shard_map', 'jit'):
+    params = {name: result[f'{prefix}_{name}'] for name in expected_params}
+    chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+      result[f'{prefix}_loss'], expected_losses[-1], rtol=1e-5
+    )
