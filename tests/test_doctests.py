@@ -5,7 +5,12 @@ import importlib
 
 import pytest
 
-MODULES = ['optax_tokacc._multistep']
+MODULES = [
+  'optax_tokacc._multistep',
+  'optax_tokacc._losses',
+  'optax_tokacc._microbatch',
+  'optax_tokacc.flax',
+]
 
 
 @pytest.mark.parametrize('name', MODULES)
