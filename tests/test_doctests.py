@@ -9,6 +9,7 @@ MODULES = [
   'optax_tokacc._multistep',
   'optax_tokacc._losses',
   'optax_tokacc._microbatch',
+  'optax_tokacc._checks',
   'optax_tokacc.flax',
 ]
 
