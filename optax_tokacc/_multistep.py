@@ -16,6 +16,8 @@
 
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional, Union
+import warnings
+import weakref
 
 import jax
 from jax import lax
@@ -157,7 +159,41 @@ def window_loss(opt_state: optax.OptState) -> jax.Array:
   Returns:
     A floating scalar.
   """
-  return find_state(opt_state).last_loss
+  return jnp.asarray(find_state(opt_state).last_loss)
+
+
+# Updates returned by an update call that are `where(emitted, held, 0)` of the
+# state's accumulator leaves `held`, keyed by id, through weak references.
+_HELD_UPDATES: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _remember_held_updates(updates: optax.Updates, held: optax.Updates):
+  """Records that ``updates`` are ``held``, masked by ``emitted``."""
+  for update, buffer in zip(jax.tree.leaves(updates), jax.tree.leaves(held)):
+    key = id(update)
+    try:
+      entry = (
+        weakref.ref(update, lambda _, key=key: _HELD_UPDATES.pop(key, None)),
+        weakref.ref(buffer),
+      )
+    except TypeError:  # Not weakly referenceable: no fast path.
+      return
+    _HELD_UPDATES[key] = entry
+
+
+def _held_updates(
+  updates: optax.Updates, state: TokenWeightedMultiStepState
+) -> Optional[optax.Updates]:
+  """``state.acc_grads`` if ``updates`` are those returned with ``state``."""
+  if jax.tree.structure(updates) != jax.tree.structure(state.acc_grads):
+    return None
+  for update, buffer in zip(
+    jax.tree.leaves(updates), jax.tree.leaves(state.acc_grads)
+  ):
+    entry = _HELD_UPDATES.get(id(update))
+    if entry is None or entry[0]() is not update or entry[1]() is not buffer:
+      return None
+  return state.acc_grads
 
 
 def apply_if_updated(
@@ -168,7 +204,11 @@ def apply_if_updated(
   """Applies ``updates`` to ``params`` only after an emitting step.
 
   Unlike ``optax.apply_updates``, micro-steps do not rewrite the parameters:
-  the addition sits in a ``lax.cond`` on :func:`has_updated`.
+  the addition sits in a ``lax.cond`` on :func:`has_updated`. Given exactly
+  the updates returned with ``opt_state`` (traced in the same function), it
+  reads the emitted updates from the state's buffer inside the ``cond``, so a
+  micro-step neither materializes the zero updates nor touches the
+  parameters: it costs nothing beyond the accumulation.
 
   Args:
     params: the parameters.
@@ -179,9 +219,22 @@ def apply_if_updated(
   Returns:
     The new parameters.
   """
+  state = find_state(opt_state)
+  held = _held_updates(updates, state)
+  treedef = jax.tree.structure(updates)
+  dtypes = [jnp.result_type(u) for u in jax.tree.leaves(updates)]
+  if held is not None:
+    # `updates` are `where(emitted, held, 0)`: pass `held` into the `cond`
+    # (no mask, no copy) and cast it back there.
+    updates = held
+
+  def apply(params, updates):
+    leaves = [u.astype(d) for u, d in zip(jax.tree.leaves(updates), dtypes)]
+    return optax.apply_updates(params, treedef.unflatten(leaves))
+
   return lax.cond(
-    has_updated(opt_state),
-    optax.apply_updates,
+    jnp.asarray(state.emitted, jnp.bool_),
+    apply,
     lambda params, updates: params,
     params,
     updates,
@@ -358,6 +411,64 @@ def _make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
   if hasattr(lax, 'pcast'):
     return lax.pcast(x, missing, to='varying')
   return lax.pvary(x, missing)
+
+
+def _axes_to_sum(updates: optax.Updates, axis_name: AxisName) -> Any:
+  """Per gradient leaf, the axes of ``axis_name`` to ``psum`` it over.
+
+  Under ``shard_map`` with ``check_vma=True``, the gradient of a replicated
+  (invariant) parameter arrives already summed over the devices: autodiff
+  inserted the ``psum``. Summing it again would multiply it by the number of
+  devices, so such leaves are not summed over those axes. Returns None when
+  every leaf is summed over all of ``axis_name`` (``pmap``, ``check_vma=False``
+  or per-device gradients: the efficient case).
+  """
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  tracked = all(a in _varying_axes(lax.axis_index(a)) for a in axes)
+  if not tracked:
+    return None
+  per_leaf = [
+    tuple(a for a in axes if a in _varying_axes(g))
+    for g in jax.tree.leaves(updates)
+  ]
+  if all(len(leaf_axes) == len(axes) for leaf_axes in per_leaf):
+    return None
+  summed_already = sorted({a for la in per_leaf for a in axes if a not in la})
+  warnings.warn(
+    f'token_weighted_multistep: gradients arrive already summed over '
+    f'{summed_already} (they are invariant there: shard_map autodiff reduced '
+    'them on this micro-step). They are not summed again, so the result is '
+    'exact, but each micro-step pays an all-reduce. For one reduction per '
+    'window, differentiate with respect to parameters marked varying: '
+    f'jax.tree.map(lambda p: jax.lax.pcast(p, {tuple(axes)!r}, '
+    "to='varying'), params).",
+    stacklevel=4,
+  )
+  return jax.tree.unflatten(jax.tree.structure(updates), per_leaf)
+
+
+def _psum_window(window_grads, token_parts, acc_loss, axis_name, grad_axes):
+  """One ``psum`` of the window over ``axis_name``, once per window."""
+  if grad_axes is None:
+    return lax.psum((window_grads, token_parts, acc_loss), axis_name)
+  all_axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+  def reduce(window_leaf, sum_axes):
+    if sum_axes:
+      window_leaf = lax.psum(window_leaf, sum_axes)
+    # Already summed by autodiff, but held in a per-device accumulator: the
+    # devices hold the same value; a mean makes it replicated (invariant).
+    same_axes = tuple(
+      a
+      for a in all_axes
+      if a not in sum_axes and a in _varying_axes(window_leaf)
+    )
+    return lax.pmean(window_leaf, same_axes) if same_axes else window_leaf
+
+  # `grad_axes` holds a tuple of axes where `window_grads` holds a leaf.
+  window_grads = jax.tree.map(reduce, window_grads, grad_axes)
+  token_parts, acc_loss = lax.psum((token_parts, acc_loss), axis_name)
+  return window_grads, token_parts, acc_loss
 
 
 def _cond_matching_vma(pred, true_fn, false_fn, *operands):
@@ -623,8 +734,10 @@ def token_weighted_multistep(
       _check_grads_structure(updates, params, 'the parameters')
     _check_grads_structure(updates, state.acc_grads, 'the accumulator')
     _check_grads_shapes(updates, state.acc_grads)
+    grad_axes = None
     if axis_name is not None:
       _check_axis_name(axis_name)
+      grad_axes = _axes_to_sum(updates, axis_name)
     if loss is not None and jnp.shape(loss) != ():
       raise ValueError(
         f"loss must be a scalar (this micro-batch's loss); got shape "
@@ -657,12 +770,19 @@ def token_weighted_multistep(
         grad = jnp.where(keep, grad, jnp.zeros_like(grad))
       return grad
 
+    # The accumulators are not zeroed when a window emits (that would write a
+    # parameter-sized buffer once more); the first micro-batch of the next
+    # window overwrites them instead, with a select, so a NaN of a finished
+    # window cannot leak into the next one.
+    restart = state.mini_step == 0
     addends = jax.tree.map(addend, state.acc_grads, updates)
     if compensated:
       treedef = jax.tree.structure(state.acc_grads)
       sums = [
-        _compensated_add(*leaves)
-        for leaves in zip(
+        _compensated_add(
+          jnp.where(restart, jnp.zeros_like(total), total), error, value
+        )
+        for total, error, value in zip(
           treedef.flatten_up_to(state.acc_grads),
           treedef.flatten_up_to(state.acc_compensation),
           treedef.flatten_up_to(addends),
@@ -671,7 +791,11 @@ def token_weighted_multistep(
       acc_grads = treedef.unflatten([total for total, _ in sums])
       acc_compensation = treedef.unflatten([error for _, error in sums])
     else:
-      acc_grads = jax.tree.map(jnp.add, state.acc_grads, addends)
+      acc_grads = jax.tree.map(
+        lambda total, value: jnp.where(restart, value, total + value),
+        state.acc_grads,
+        addends,
+      )
       acc_compensation = state.acc_compensation
     if keep is None:
       acc_tokens = _add_tokens(state.acc_tokens, tokens)
@@ -711,6 +835,19 @@ def token_weighted_multistep(
 
     # Branch outputs differ in vma under shard_map: match them there.
     cond = lax.cond if axis_name is None else _cond_matching_vma
+    # Without axis_name the emitted updates are written into the finished
+    # window's accumulator and masked outside the conditional, so that a
+    # micro-step writes no parameter-sized zeros (and `apply_if_updated`
+    # reads the buffer itself). Under shard_map the accumulator varies over
+    # the devices while the updates must not, and an accumulator narrower
+    # than the gradients cannot hold the updates exactly: these return zeros
+    # from the conditional.
+    updates_in_accumulator = axis_name is None and all(
+      jnp.promote_types(acc.dtype, jnp.result_type(grad)) == acc.dtype
+      for acc, grad in zip(
+        jax.tree.leaves(state.acc_grads), jax.tree.leaves(updates)
+      )
+    )
 
     def zero_updates():
       # Not zeros_like: under shard_map that inherits the per-device vma of
@@ -719,7 +856,10 @@ def token_weighted_multistep(
         lambda g: jnp.zeros(jnp.shape(g), jnp.result_type(g)), updates
       )
 
-    def emit_window(acc_grads, acc_tokens, acc_loss, inner_state, params):
+    def emit_window(
+      acc_grads, acc_compensation, acc_tokens, acc_loss, inner_and_params
+    ):
+      inner_state, params = inner_and_params
       window_grads = acc_grads
       if compensated:
         window_grads = jax.tree.map(
@@ -732,8 +872,8 @@ def token_weighted_multistep(
         )
       token_parts, combine_tokens = _token_parts(acc_tokens)
       if axis_name is not None:
-        window_grads, token_parts, acc_loss = lax.psum(
-          (window_grads, token_parts, acc_loss), axis_name
+        window_grads, token_parts, acc_loss = _psum_window(
+          window_grads, token_parts, acc_loss, axis_name, grad_axes
         )
       window_tokens, tokens_valid = combine_tokens(*token_parts)
       # An invalid count (negative, or beyond token_dtype) drops the window.
@@ -758,60 +898,76 @@ def token_weighted_multistep(
       new_updates, inner_state = cond(
         has_tokens, step, no_step, window_grads, inner_state, params
       )
+      if updates_in_accumulator:
+        new_updates = optax.tree.cast_like(new_updates, acc_grads)
       window_mean_loss = acc_loss / jnp.maximum(window_tokens, 1).astype(
         acc_loss.dtype
       )
-      new_state = TokenWeightedMultiStepState(
-        mini_step=jnp.zeros_like(mini_step),
-        gradient_step=jnp.where(
-          has_tokens,
-          optax.safe_increment(state.gradient_step),
-          state.gradient_step,
-        ),
-        acc_grads=optax.tree.zeros_like(acc_grads),
-        acc_tokens=jnp.zeros_like(acc_tokens),
-        acc_loss=jnp.zeros_like(acc_loss),
-        inner_state=inner_state,
-        last_loss=jnp.where(has_tokens, window_mean_loss, state.last_loss),
-        last_tokens=jnp.where(has_tokens, window_tokens, state.last_tokens),
-        skip_state=skip_state,
-        emitted=has_tokens,
-        acc_compensation=optax.tree.zeros_like(acc_compensation),
-        dropped_windows=jnp.where(
-          tokens_valid,
-          state.dropped_windows,
-          optax.safe_increment(state.dropped_windows),
+      return (
+        new_updates,
+        inner_state,
+        optax.tree.zeros_like(acc_compensation),
+        (has_tokens, tokens_valid, window_tokens, window_mean_loss),
+      )
+
+    def accumulate(
+      acc_grads, acc_compensation, acc_tokens, acc_loss, inner_and_params
+    ):
+      del acc_tokens, acc_loss
+      inner_state, _ = inner_and_params
+      return (
+        acc_grads if updates_in_accumulator else zero_updates(),
+        inner_state,
+        acc_compensation,
+        (
+          jnp.zeros([], jnp.bool_),
+          jnp.ones([], jnp.bool_),
+          jnp.zeros_like(state.last_tokens),
+          jnp.zeros_like(state.last_loss),
         ),
       )
-      return new_updates, new_state
 
-    def accumulate(acc_grads, acc_tokens, acc_loss, inner_state, params):
-      del params
-      new_state = TokenWeightedMultiStepState(
-        mini_step=mini_step,
-        gradient_step=state.gradient_step,
-        acc_grads=acc_grads,
-        acc_tokens=acc_tokens,
-        acc_loss=acc_loss,
-        inner_state=inner_state,
-        last_loss=state.last_loss,
-        last_tokens=state.last_tokens,
-        skip_state=skip_state,
-        emitted=jnp.zeros([], jnp.bool_),
-        acc_compensation=acc_compensation,
-        dropped_windows=state.dropped_windows,
-      )
-      return zero_updates(), new_state
-
-    return cond(
+    out, inner_state, acc_compensation, window = cond(
       emit,
       emit_window,
       accumulate,
       acc_grads,
+      acc_compensation,
       acc_tokens,
       acc_loss,
-      state.inner_state,
-      params,
+      (state.inner_state, params),
     )
+    emitted, tokens_valid, window_tokens, window_mean_loss = window
+    if updates_in_accumulator:
+      acc_grads = out
+      new_updates = jax.tree.map(
+        lambda held, g: jnp.where(emitted, held, 0).astype(jnp.result_type(g)),
+        acc_grads,
+        updates,
+      )
+      _remember_held_updates(new_updates, acc_grads)
+    else:
+      new_updates = out
+    new_state = TokenWeightedMultiStepState(
+      mini_step=jnp.where(emit, jnp.zeros_like(mini_step), mini_step),
+      gradient_step=jnp.where(
+        emitted, optax.safe_increment(state.gradient_step), state.gradient_step
+      ),
+      acc_grads=acc_grads,
+      acc_tokens=jnp.where(emit, jnp.zeros_like(acc_tokens), acc_tokens),
+      acc_loss=jnp.where(emit, jnp.zeros_like(acc_loss), acc_loss),
+      inner_state=inner_state,
+      last_loss=jnp.where(emitted, window_mean_loss, state.last_loss),
+      last_tokens=jnp.where(emitted, window_tokens, state.last_tokens),
+      skip_state=skip_state,
+      emitted=emitted,
+      acc_compensation=acc_compensation,
+      dropped_windows=jnp.where(
+        jnp.logical_and(emit, jnp.logical_not(tokens_valid)),
+        optax.safe_increment(state.dropped_windows),
+        state.dropped_windows,
+      ),
+    )
+    return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

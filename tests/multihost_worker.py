@@ -172,22 +172,28 @@ def shard_map_state(tx, params, mesh, axes):
   )
 
 
-def shard_map_step(tx, mesh, axes, state, with_emit_now=True):
+def shard_map_step(
+  tx, mesh, axes, state, with_emit_now=True, mark_varying=True
+):
   """One jitted micro-step of per-device code under ``jax.shard_map``.
 
   Parameters are replicated; each device holds its own accumulator share.
   The gradient is taken with respect to the parameters marked varying over
   ``axes``, so that autodiff does not ``psum`` it on every micro-step. The
   step takes ``(params, state, batch, emit_now)`` (one flag per device), or
-  ``(params, state, batch)`` without ``with_emit_now``.
+  ``(params, state, batch)`` without ``with_emit_now``. With
+  ``mark_varying=False`` the gradient is taken with respect to the replicated
+  parameters themselves, as a user who does not know the pattern would.
   """
   specs = state_specs(state, axes)
 
   def local_step(params, state, batch, *emit_now):
     state = _map_local_fields(lambda x: x[0], state)
-    local_params = jax.tree.map(
-      lambda p: lax.pcast(p, axes, to='varying'), params
-    )
+    local_params = params
+    if mark_varying:
+      local_params = jax.tree.map(
+        lambda p: lax.pcast(p, axes, to='varying'), params
+      )
     loss, grads = jax.value_and_grad(loss_sum)(local_params, batch)
     updates, state = tx.update(
       grads,
@@ -211,7 +217,7 @@ def shard_map_step(tx, mesh, axes, state, with_emit_now=True):
   )
 
 
-def train_shard_map(tx, params, windows, mesh, axes):
+def train_shard_map(tx, params, windows, mesh, axes, mark_varying=True):
   """Trains under ``shard_map``; the last micro-step of the last window is
   closed early by ``emit_now`` raised on the last device only.
 
@@ -222,7 +228,7 @@ def train_shard_map(tx, params, windows, mesh, axes):
   data = NamedSharding(mesh, P(axes))
   state = shard_map_state(tx, params, mesh, axes)
   params = jax.tree.map(lambda x: put(x, replicated), params)
-  step = shard_map_step(tx, mesh, axes, state)
+  step = shard_map_step(tx, mesh, axes, state, mark_varying=mark_varying)
   for w, window in enumerate(windows):
     for m, batch in enumerate(window):
       emit_now = np.zeros(num_devices, bool)

@@ -162,6 +162,21 @@ def test_equals_full_batch_float64(mode):
     check_against_full_batch(mode, harness.adamw(), np.float64, 1e-12)
 
 
+@pytest.mark.parametrize('mesh_kind', ['1d', '2d'])
+def test_shard_map_gradients_already_summed_by_autodiff(mesh_kind):
+  """Gradients of replicated parameters arrive summed: not summed again."""
+  windows = harness.make_windows(WINDOW_SIZES, jax.device_count(), np.float32)
+  params = harness.init_params(np.float32)
+  expected, _ = harness.train_full_batch(harness.adamw(), params, windows)
+  mesh, axes = mesh_and_axes(mesh_kind)
+  tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name=axes)
+  with pytest.warns(UserWarning, match=r'already summed.*pcast'):
+    actual, _ = harness.train_shard_map(
+      tx, params, windows, mesh, axes, mark_varying=False
+    )
+  chex.assert_trees_all_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_shard_map_params_stay_replicated_without_check_vma_off():
   """Parameters come back invariant: out_specs P() under check_vma=True."""
   mesh, axes = mesh_and_axes('1d')
