@@ -25,6 +25,7 @@ import dataclasses
 import os
 import pathlib
 import re
+from typing import NoReturn
 
 import flax.linen as nn
 import jax
@@ -64,11 +65,13 @@ class Sequences:
 def read_corpus(path: os.PathLike) -> bytes:
   """The corpus bytes; raises ValueError with a one-line message if unusable."""
   path = pathlib.Path(path)
-  if not path.is_file():
+  if not path.exists():
     raise ValueError(
       f'--corpus {path}: no such file. Pass a plain-text file, e.g. '
       f'--corpus {DEFAULT_CORPUS}.'
     )
+  if not path.is_file():
+    raise ValueError(f'--corpus {path}: not a regular file.')
   try:
     text = path.read_bytes()
   except OSError as e:
@@ -293,40 +296,49 @@ def add_data_args(parser: argparse.ArgumentParser, **defaults) -> None:
   )
 
 
+def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+  """Exits with status 2 and a one-line error (no usage, no traceback)."""
+  parser.exit(2, f'{parser.prog}: error: {message}\n')
+
+
 def check_positive(parser: argparse.ArgumentParser, **values: int) -> None:
   for name, value in values.items():
     if value < 1:
       flag = '--' + name.replace('_', '-')
-      parser.error(f'{flag} must be >= 1; got {value}.')
+      fail(parser, f'{flag} must be >= 1; got {value}.')
 
 
 def load_data(
   parser: argparse.ArgumentParser, args: argparse.Namespace, sequences: int
 ) -> tuple[ModelConfig, Sequences, Sequences]:
-  """Model config and (train, held-out) data; ``parser.error`` if unusable.
+  """Model config and (train, held-out) data; a one-line exit if unusable.
 
   Args:
     parser: reports bad flags.
     args: parsed flags of :func:`add_data_args`.
     sequences: how many distinct training sequences one optimizer step needs.
   """
-  check_positive(parser, seq_len=args.seq_len, layers=args.layers)
+  check_positive(
+    parser, seq_len=args.seq_len, d_model=args.d_model, layers=args.layers
+  )
   if args.seq_len < 2 or args.d_model % 4:
-    parser.error(
+    fail(
+      parser,
       f'--seq-len must be >= 2 and --d-model a multiple of 4 (4 heads); got '
-      f'{args.seq_len} and {args.d_model}.'
+      f'{args.seq_len} and {args.d_model}.',
     )
   try:
     text = read_corpus(args.corpus)
   except ValueError as e:
-    parser.error(str(e))
+    fail(parser, str(e))
   train, heldout = split_heldout(make_sequences(text, args.seq_len))
   if len(train) < sequences:
-    parser.error(
+    fail(
+      parser,
       f'the corpus {args.corpus} has {len(train)} training sequences of at '
       f'most {args.seq_len + 1} bytes, but one step needs {sequences} '
       'distinct ones (k x devices x micro-batch size): lower '
-      '--micro-batch-size or --k, or use a larger corpus.'
+      '--micro-batch-size or --k, or use a larger corpus.',
     )
   config = ModelConfig(
     seq_len=args.seq_len, d_model=args.d_model, num_layers=args.layers
