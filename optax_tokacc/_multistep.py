@@ -15,6 +15,7 @@
 """Exact, token-weighted gradient accumulation over several optimizer steps."""
 
 from collections.abc import Callable
+import functools
 from typing import Any, NamedTuple, Optional, Union
 import warnings
 import weakref
@@ -780,7 +781,9 @@ def token_weighted_multistep(
       treedef = jax.tree.structure(state.acc_grads)
       sums = [
         _compensated_add(
-          jnp.where(restart, jnp.zeros_like(total), total), error, value
+          jnp.where(restart, jnp.zeros_like(total), total),
+          jnp.where(restart, jnp.zeros_like(error), error),
+          value,
         )
         for total, error, value in zip(
           treedef.flatten_up_to(state.acc_grads),
@@ -857,8 +860,15 @@ def token_weighted_multistep(
       )
 
     def emit_window(
-      acc_grads, acc_compensation, acc_tokens, acc_loss, inner_and_params
+      acc_grads,
+      acc_compensation,
+      acc_tokens,
+      acc_loss,
+      inner_and_params,
+      *,
+      run_inner=None,
     ):
+      """Closes the window; ``run_inner``: None decides by its tokens."""
       inner_state, params = inner_and_params
       window_grads = acc_grads
       if compensated:
@@ -895,9 +905,13 @@ def token_weighted_multistep(
         del window_grads, params
         return zero_updates(), inner_state
 
-      new_updates, inner_state = cond(
-        has_tokens, step, no_step, window_grads, inner_state, params
-      )
+      if run_inner is None:
+        new_updates, inner_state = cond(
+          has_tokens, step, no_step, window_grads, inner_state, params
+        )
+      else:
+        inner_fn = step if run_inner else no_step
+        new_updates, inner_state = inner_fn(window_grads, inner_state, params)
       if updates_in_accumulator:
         new_updates = optax.tree.cast_like(new_updates, acc_grads)
       window_mean_loss = acc_loss / jnp.maximum(window_tokens, 1).astype(
@@ -927,17 +941,39 @@ def token_weighted_multistep(
         ),
       )
 
-    out, inner_state, acc_compensation, window = cond(
-      emit,
-      emit_window,
-      accumulate,
+    operands = (
       acc_grads,
       acc_compensation,
       acc_tokens,
       acc_loss,
       (state.inner_state, params),
     )
-    emitted, tokens_valid, window_tokens, window_mean_loss = window
+    if axis_name is None:
+      # Without collectives the window's tokens are known before branching:
+      # one `cond` on "run the optimizer" (a `cond` nested in the emitting
+      # branch would copy the updates out of its own output buffer). An
+      # emitting window without tokens takes the accumulating branch.
+      token_parts, combine_tokens = _token_parts(acc_tokens)
+      window_tokens, tokens_valid = combine_tokens(*token_parts)
+      emitted = jnp.logical_and(
+        emit, jnp.logical_and(tokens_valid, window_tokens > 0)
+      )
+      out, inner_state, acc_compensation, _ = cond(
+        emitted,
+        functools.partial(emit_window, run_inner=True),
+        accumulate,
+        *operands,
+      )
+      window_mean_loss = acc_loss / jnp.maximum(window_tokens, 1).astype(
+        acc_loss.dtype
+      )
+    else:
+      # The window's tokens are summed over the devices in the emitting
+      # branch only (no collective on micro-steps).
+      out, inner_state, acc_compensation, window = cond(
+        emit, emit_window, accumulate, *operands
+      )
+      emitted, tokens_valid, window_tokens, window_mean_loss = window
     if updates_in_accumulator:
       acc_grads = out
       new_updates = jax.tree.map(

@@ -382,6 +382,38 @@ def test_skip_not_finite_drops_micro_batch_without_poisoning():
   chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('change', ['later_stage', 'by_hand', 'none'])
+def test_apply_if_updated_applies_the_updates_it_is_given(change):
+  # `apply_if_updated` may read the emitted updates from the state's buffer
+  # when it is given exactly the updates returned with that state; updates
+  # changed after the transform must be the ones applied.
+  windows = make_windows()
+  params = init_params()
+  inner = optax.sgd(0.1)
+  scale = 1.0 if change == 'none' else 0.5
+  stages = [tokacc.token_weighted_multistep(inner, every_k_schedule=4)]
+  if change == 'later_stage':
+    stages.append(optax.scale(scale))
+  tx = optax.chain(*stages)
+
+  @jax.jit
+  def step(params, state, batch):
+    grads = jax.grad(loss_sum)(params, batch)
+    updates, state = tx.update(
+      grads, state, params, num_tokens=num_tokens_of(batch)
+    )
+    if change == 'by_hand':
+      updates = jax.tree.map(lambda u: u * scale, updates)
+    return tokacc.apply_if_updated(params, updates, state), state
+
+  state = tx.init(params)
+  for window in windows:
+    for batch in window:
+      params, state = step(params, state, batch)
+  expected = train_full_batch(optax.sgd(0.1 * scale), init_params(), windows)
+  chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_window_loss_and_apply_if_updated():
   windows = make_windows()
   params = init_params()
