@@ -1,0 +1,246 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The benchmark models: an MLP and a small transformer LM, in plain JAX.
+
+Each model's loss is summed over the counted tokens (rows of the MLP, target
+positions of the LM) and returned with their count, as
+``token_weighted_multistep`` expects; micro-batches hold different numbers of
+counted tokens.
+"""
+
+from collections.abc import Callable
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import optax_tokacc as tokacc
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A model, its data, and its token-summed loss.
+
+  Attributes:
+    name: the model's name in the table.
+    params: initial parameters (float32).
+    loss_sum: ``loss_sum(params, batch) -> (loss summed over counted tokens,
+      number of counted tokens)``.
+    windows: ``num_windows`` lists of ``k`` micro-batches each.
+    description: sizes, for the table and the JSON.
+  """
+
+  name: str
+  params: Any
+  loss_sum: Callable[[Any, Any], tuple[jax.Array, jax.Array]]
+  windows: list[list[Any]]
+  description: str
+
+  @property
+  def num_params(self) -> int:
+    return sum(x.size for x in jax.tree.leaves(self.params))
+
+  @property
+  def param_bytes(self) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(self.params))
+
+  def loss_mean(self, params, batch):
+    """The micro-batch's token-mean loss (what ``optax.MultiSteps`` takes)."""
+    loss, num_tokens = self.loss_sum(params, batch)
+    return loss / jnp.maximum(num_tokens, 1).astype(loss.dtype)
+
+
+def _mask(rng, shape, keep):
+  """A 0/1 float mask counting about ``keep`` of the positions, at least 1."""
+  mask = rng.random(shape) < keep
+  mask.flat[0] = True
+  return mask.astype(np.float32)
+
+
+def mlp(*, width, depth, batch_size, k, num_windows=2, seed=0):
+  """A ReLU MLP classifier: ``depth`` dense layers of ``width`` x ``width``.
+
+  Rows are the tokens; about 10% of the rows of each micro-batch are padding.
+  """
+  keys = jax.random.split(jax.random.key(seed), depth)
+  params = {
+    f'layer_{i}': {
+      'w': jax.random.normal(keys[i], (width, width)) / np.sqrt(width),
+      'b': jnp.zeros((width,)),
+    }
+    for i in range(depth)
+  }
+
+  def loss_sum(params, batch):
+    hidden = batch['x']
+    for i in range(depth):
+      layer = params[f'layer_{i}']
+      hidden = hidden @ layer['w'] + layer['b']
+      if i < depth - 1:
+        hidden = jax.nn.relu(hidden)
+    return tokacc.token_cross_entropy(
+      hidden, batch['y'], where=batch['mask'] > 0
+    )
+
+  rng = np.random.default_rng(seed)
+
+  def micro_batch():
+    return {
+      'x': jnp.asarray(rng.normal(size=(batch_size, width)), jnp.float32),
+      'y': jnp.asarray(rng.integers(0, width, batch_size), jnp.int32),
+      'mask': jnp.asarray(_mask(rng, (batch_size,), 0.9)),
+    }
+
+  windows = [[micro_batch() for _ in range(k)] for _ in range(num_windows)]
+  return Model(
+    name='mlp',
+    params=params,
+    loss_sum=loss_sum,
+    windows=windows,
+    description=f'MLP {depth} x ({width} x {width}), micro-batch {batch_size}',
+  )
+
+
+def transformer(
+  *,
+  vocab,
+  d_model,
+  num_layers,
+  num_heads,
+  seq_len,
+  batch_size,
+  k,
+  num_windows=2,
+  seed=0,
+):
+  """A pre-LayerNorm causal transformer LM with learned positions.
+
+  Sequences have random lengths (padding after them is not counted).
+  """
+  d_ff = 4 * d_model
+  keys = iter(jax.random.split(jax.random.key(seed), 4 + 4 * num_layers))
+
+  def dense(shape):
+    return jax.random.normal(next(keys), shape) / np.sqrt(shape[0])
+
+  params = {
+    'embed': jax.random.normal(next(keys), (vocab, d_model)) * 0.02,
+    'position': jax.random.normal(next(keys), (seq_len, d_model)) * 0.02,
+    'final_norm': jnp.ones((d_model,)),
+    'layers': [
+      {
+        'norm_1': jnp.ones((d_model,)),
+        'qkv': dense((d_model, 3 * d_model)),
+        'out': dense((d_model, d_model)),
+        'norm_2': jnp.ones((d_model,)),
+        'ff_in': dense((d_model, d_ff)),
+        'ff_out': dense((d_ff, d_model)),
+      }
+      for _ in range(num_layers)
+    ],
+  }
+
+  def norm(x, scale):
+    x = x - x.mean(-1, keepdims=True)
+    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * scale
+
+  def attention(x, layer):
+    batch, length, _ = x.shape
+    q, k_, v = jnp.split(x @ layer['qkv'], 3, axis=-1)
+
+    def heads(t):
+      return t.reshape(batch, length, num_heads, d_model // num_heads)
+
+    out = jax.nn.dot_product_attention(
+      heads(q), heads(k_), heads(v), is_causal=True
+    )
+    return out.reshape(batch, length, d_model) @ layer['out']
+
+  def loss_sum(params, batch):
+    tokens = batch['tokens']
+    x = params['embed'][tokens[:, :-1]] + params['position'][: seq_len - 1]
+    for layer in params['layers']:
+      x = x + attention(norm(x, layer['norm_1']), layer)
+      hidden = jax.nn.gelu(norm(x, layer['norm_2']) @ layer['ff_in'])
+      x = x + hidden @ layer['ff_out']
+    logits = norm(x, params['final_norm']) @ params['embed'].T
+    return tokacc.token_cross_entropy(
+      logits, tokens[:, 1:], where=batch['mask'][:, 1:] > 0
+    )
+
+  rng = np.random.default_rng(seed)
+
+  def micro_batch():
+    lengths = rng.integers(2, seq_len + 1, batch_size)
+    mask = (np.arange(seq_len)[None, :] < lengths[:, None]).astype(np.float32)
+    tokens = rng.integers(0, vocab, (batch_size, seq_len)) * mask
+    return {
+      'tokens': jnp.asarray(tokens, jnp.int32),
+      'mask': jnp.asarray(mask),
+    }
+
+  windows = [[micro_batch() for _ in range(k)] for _ in range(num_windows)]
+  return Model(
+    name='transformer',
+    params=params,
+    loss_sum=loss_sum,
+    windows=windows,
+    description=(
+      f'LM {num_layers} layers, d_model {d_model}, {num_heads} heads, '
+      f'vocab {vocab}, {batch_size} x {seq_len} tokens per micro-batch'
+    ),
+  )
+
+
+# Sizes per setting: `full` and `quick` use the 33M-parameter MLP of the
+# targets; `tiny` is for the smoke test.
+SIZES = {
+  'full': {
+    'mlp': dict(width=2048, depth=8, batch_size=32),
+    'transformer': dict(
+      vocab=8192,
+      d_model=512,
+      num_layers=4,
+      num_heads=8,
+      seq_len=128,
+      batch_size=8,
+    ),
+  },
+  'quick': {
+    'mlp': dict(width=2048, depth=8, batch_size=32),
+    'transformer': dict(
+      vocab=4096,
+      d_model=256,
+      num_layers=2,
+      num_heads=4,
+      seq_len=64,
+      batch_size=8,
+    ),
+  },
+  'tiny': {
+    'mlp': dict(width=32, depth=2, batch_size=4),
+    'transformer': dict(
+      vocab=64, d_model=16, num_layers=1, num_heads=2, seq_len=8, batch_size=2
+    ),
+  },
+}
+MODELS = {'mlp': mlp, 'transformer': transformer}
+
+
+def build(name: str, setting: str, k: int) -> Model:
+  """The model ``name`` at the sizes of ``setting``, with windows of ``k``."""
+  return MODELS[name](k=k, **SIZES[setting][name])
