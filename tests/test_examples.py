@@ -130,10 +130,7 @@ def test_accumulation_bug_table(tmp_path):
 
 
 def test_nnx_quickstart():
-  script = EXAMPLES / 'nnx_quickstart.py'
-  if not script.exists():
-    pytest.skip('examples/nnx_quickstart.py is not written yet')
-  result = run_example(script.name, '--k', 2, '--windows', 2)
+  result = run_example('nnx_quickstart.py', '--k', 2, '--windows', 2)
   assert_ok(result)
   assert re.search(r'^\s+2\s+\d+\s+\d', result.stdout, re.M), result.stdout
 
