@@ -23,8 +23,8 @@ other processes spreads over all of them. Printed: the median time per
 window after warm-up, its ratio to the ideal reference and to
 ``optax.MultiSteps``, and the compiled memory of each jitted function::
 
-  python benchmarks/run.py --quick            # < 2 minutes on 2 CPU cores
-  python benchmarks/run.py --out results.json # the full run
+  python benchmarks/run.py --quick            # about 1 minute on 2 CPU cores
+  python benchmarks/run.py --out results.json # the full run (17 min there)
   python benchmarks/run.py --models mlp --methods ideal,multisteps,tokacc_aiu
 
 Methods (``--methods``):
@@ -520,6 +520,7 @@ def main(argv=None):
   rows = []
   for model_name in models:
     for k in ks:
+      print(f'  {model_name}, k={k}: {", ".join(methods)}', file=sys.stderr)
       rows += bench_model(model_name, setting, k, methods, windows, warmup)
   print_table(rows)
   collective_rows = None

@@ -27,7 +27,7 @@ Prints, at checkpoint steps, the largest relative parameter difference from
 the reference (over parameter arrays, ||p - p_ref|| / ||p_ref||) and the
 difference of the held-out loss, and writes a plot and a markdown table::
 
-  python examples/accumulation_bug.py               # a few minutes on 2 cores
+  python examples/accumulation_bug.py               # about 1 minute on 2 CPU cores
   python examples/accumulation_bug.py --out docs    # regenerates docs/
 """
 

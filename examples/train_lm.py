@@ -22,7 +22,7 @@ the token-summed gradients and the token counts over the window and the
 devices (one ``psum`` per window) and hands AdamW the exact full-batch
 gradient. Writes an orbax checkpoint and a loss plot to ``--out``::
 
-  python examples/train_lm.py                 # ~1-2 minutes on 2 CPU cores
+  python examples/train_lm.py                 # about 30 s on 2 CPU cores
   python examples/train_lm.py --steps 50 --k 8 --devices 4
 """
 
