@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 
-def _check_shapes(
+def _check_inputs(
   logits: jax.Array, labels: jax.Array, where: Optional[jax.Array]
 ) -> None:
   """Validates shapes and dtypes at trace time."""
@@ -45,11 +45,41 @@ def _check_shapes(
       'Use labels.astype(jnp.int32) for index labels, or '
       'optax.losses.softmax_cross_entropy for one-hot targets.'
     )
-  if where is not None and where.shape != labels.shape:
+  if where is None:
+    return
+  if where.shape != labels.shape:
     raise ValueError(
-      f'where must have the shape of labels {labels.shape} (one flag per '
-      f'token); got {where.shape}.'
+      f'where must have the shape of labels {labels.shape} (one flag or '
+      f'weight per token); got {where.shape}.'
     )
+  if not (
+    where.dtype == jnp.bool_
+    or jnp.issubdtype(where.dtype, jnp.integer)
+    or jnp.issubdtype(where.dtype, jnp.floating)
+  ):
+    raise TypeError(
+      'where must be a bool mask or real token weights; got dtype '
+      f'{where.dtype}.'
+    )
+
+
+def _token_weights(
+  labels: jax.Array, where: Optional[jax.Array], ignore_index: Optional[int]
+) -> jax.Array:
+  """Each position's weight, 0 where the label is ``ignore_index``.
+
+  int32 for no ``where``, a bool mask or integer weights (an exact count);
+  floating weights keep their dtype, promoted to at least float32.
+  """
+  if where is None:
+    where = jnp.ones(labels.shape, jnp.bool_)
+  if jnp.issubdtype(where.dtype, jnp.floating):
+    weights = where.astype(jnp.promote_types(where.dtype, jnp.float32))
+  else:
+    weights = where.astype(jnp.int32)
+  if ignore_index is not None:
+    weights = jnp.where(labels != ignore_index, weights, 0)
+  return weights
 
 
 def token_cross_entropy(
@@ -61,14 +91,16 @@ def token_cross_entropy(
 ) -> tuple[jax.Array, jax.Array]:
   r"""Token-summed softmax cross-entropy and the number of counted tokens.
 
-  With :math:`m_i = [y_i \neq \text{ignore\_index}] \wedge \text{where}_i`,
+  With the weight :math:`w_i = \text{where}_i \, [y_i \neq
+  \text{ignore\_index}]` of position :math:`i` (:math:`\text{where}_i = 1`
+  when ``where`` is None, and a bool mask counts as 0/1),
 
   .. math::
 
-    L = \sum_i m_i \left(\log \sum_v e^{x_{iv}} - x_{i y_i}\right),
-    \qquad N = \sum_i m_i,
+    L = \sum_i w_i \left(\log \sum_v e^{x_{iv}} - x_{i y_i}\right),
+    \qquad N = \sum_i w_i,
 
-  so :math:`L / N` is the token-mean loss, and ``(L, N)`` is what
+  so :math:`L / N` is the (weighted) token-mean loss, and ``(L, N)`` is what
   :func:`optax_tokacc.token_weighted_multistep` expects: the gradient of
   ``L`` and ``num_tokens=N``. The per-token loss is
   ``optax.losses.softmax_cross_entropy_with_integer_labels``, computed in at
@@ -76,17 +108,28 @@ def token_cross_entropy(
   0 before the loss and masked out after, so values like -100 never index
   the vocabulary.
 
+  ``where`` is a mask or T5X/Flax-style token weights, and its dtype decides
+  the count's: a bool mask or integer weights give an exact int32 count; a
+  floating ``where`` is used as weights, never rounded to a mask, and gives
+  a floating count (the sum of the weights). Fractional weights need
+  ``token_weighted_multistep(..., token_dtype=jnp.float32)``; for an exact
+  int32 count of a 0/1 float mask, pass it as ``where=mask > 0``.
+
   Args:
     logits: unnormalized log-probabilities of shape ``[..., vocab]``.
     labels: integer class indices of shape ``logits.shape[:-1]``.
-    where: optional boolean mask of shape ``labels.shape``; only positions
-      where it is true count.
+    where: optional mask or non-negative weights of shape ``labels.shape``:
+      bool (only positions where it is true count), integer or floating
+      (each position's loss is multiplied by its weight, and the position
+      counts as that many tokens).
     ignore_index: label value of positions that do not count (padding);
       None means every label counts.
 
   Returns:
     ``(loss_sum, num_tokens)``: the summed loss (at least float32) and the
-    number of counted positions (int32).
+    number of counted positions, or the sum of their weights: int32 unless
+    ``where`` is floating, then ``where``'s dtype promoted to at least
+    float32.
 
   Example:
     >>> import jax.numpy as jnp
@@ -98,21 +141,27 @@ def token_cross_entropy(
     Array(2, dtype=int32)
     >>> loss_sum / num_tokens  # log(4)
     Array(1.3862944, dtype=float32)
+    >>> weights = jnp.array([[1.0, 0.5, 1.0]])  # the padding still counts 0
+    >>> loss_sum, num_tokens = tokacc.token_cross_entropy(
+    ...   logits, labels, where=weights
+    ... )
+    >>> num_tokens
+    Array(1.5, dtype=float32)
+    >>> loss_sum / num_tokens
+    Array(1.3862944, dtype=float32)
   """
   logits = jnp.asarray(logits)
   labels = jnp.asarray(labels)
-  where = None if where is None else jnp.asarray(where, jnp.bool_)
-  _check_shapes(logits, labels, where)
-  counted = jnp.ones(labels.shape, jnp.bool_)
-  if ignore_index is not None:
-    counted = labels != ignore_index
-  if where is not None:
-    counted = jnp.logical_and(counted, where)
+  where = None if where is None else jnp.asarray(where)
+  _check_inputs(logits, labels, where)
+  weights = _token_weights(labels, where, ignore_index)
+  counted = weights != 0
   safe_labels = jnp.where(counted, labels, jnp.zeros_like(labels))
   compute_dtype = jnp.promote_types(logits.dtype, jnp.float32)
   token_losses = optax.losses.softmax_cross_entropy_with_integer_labels(
     logits.astype(compute_dtype), safe_labels
   )
-  loss_sum = jnp.sum(jnp.where(counted, token_losses, 0))
-  num_tokens = jnp.sum(counted, dtype=jnp.int32)
+  weighted = token_losses * weights.astype(compute_dtype)
+  loss_sum = jnp.sum(jnp.where(counted, weighted, 0))
+  num_tokens = jnp.sum(weights)
   return loss_sum, num_tokens

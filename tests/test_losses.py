@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import optax_tokacc as tokacc
@@ -11,15 +12,19 @@ import optax_tokacc as tokacc
 BATCH, LENGTH, VOCAB = 3, 5, 7
 
 
-def reference_cross_entropy(logits, labels, counted):
-  """Plain float32 NumPy cross-entropy summed over the counted positions."""
+def reference_cross_entropy(logits, labels, weights):
+  """Plain float32 NumPy cross-entropy: (sum of weight x loss, sum of weights).
+
+  ``weights`` is 0 at positions that do not count; bool weights are a mask.
+  """
   logits = np.asarray(logits, np.float32)
   shifted = logits - logits.max(axis=-1, keepdims=True)
   log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-  safe_labels = np.where(counted, labels, 0)
+  safe_labels = np.where(weights != 0, labels, 0)
   picked = np.take_along_axis(log_probs, safe_labels[..., None], axis=-1)
   token_losses = -picked[..., 0]
-  return np.where(counted, token_losses, 0).sum(), int(counted.sum())
+  weights = np.asarray(weights, np.float64)
+  return (weights * token_losses).sum(), weights.sum()
 
 
 def make_inputs(dtype, seed=0):
@@ -30,10 +35,31 @@ def make_inputs(dtype, seed=0):
   return logits, labels, rng
 
 
+def make_where(kind, rng, shape):
+  """A mask or weights of the given kind, with some zeros."""
+  mask = rng.random(shape) < 0.7
+  if kind is None:
+    return None
+  if kind == 'bool':
+    return mask
+  if kind == 'int 0/1':
+    return mask.astype(np.int32)
+  if kind == 'int weights':
+    return mask * rng.integers(1, 4, size=shape, dtype=np.int32)
+  if kind == 'float 0/1':
+    return mask.astype(np.float32)
+  assert kind == 'float weights'
+  return (mask * rng.uniform(0.05, 2.0, size=shape)).astype(np.float32)
+
+
+WHERE_KINDS = [None, 'bool', 'int 0/1', 'int weights', 'float 0/1']
+WHERE_KINDS += ['float weights']
+
+
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize('use_where', [False, True])
+@pytest.mark.parametrize('where_kind', WHERE_KINDS)
 @pytest.mark.parametrize('ignore_index', [-100, 3, None])
-def test_matches_reference(dtype, use_where, ignore_index):
+def test_matches_reference(dtype, where_kind, ignore_index):
   logits, labels, rng = make_inputs(dtype)
   counted = np.ones(labels.shape, bool)
   if ignore_index == -100:
@@ -43,10 +69,8 @@ def test_matches_reference(dtype, use_where, ignore_index):
     labels[0, :2] = 3
   if ignore_index is not None:
     counted &= labels != ignore_index
-  where = None
-  if use_where:
-    where = rng.random(labels.shape) < 0.7
-    counted &= where
+  where = make_where(where_kind, rng, labels.shape)
+  weights = counted if where is None else np.where(counted, where, 0)
 
   fn = jax.jit(
     lambda logits, labels, where: tokacc.token_cross_entropy(
@@ -57,13 +81,90 @@ def test_matches_reference(dtype, use_where, ignore_index):
 
   # The reference upcasts the (already rounded) bf16 logits to float32.
   expected_sum, expected_tokens = reference_cross_entropy(
-    np.asarray(logits.astype(jnp.float32)), labels, counted
+    np.asarray(logits.astype(jnp.float32)), labels, weights
   )
-  assert 0 < expected_tokens < labels.size or ignore_index is None
+  assert 0 < np.count_nonzero(weights) < labels.size or ignore_index is None
   assert loss_sum.dtype == jnp.float32
-  assert num_tokens.dtype == jnp.int32
-  assert int(num_tokens) == expected_tokens
+  if where_kind is None or not where_kind.startswith('float'):
+    assert num_tokens.dtype == jnp.int32  # an exact count
+    assert int(num_tokens) == expected_tokens
+  else:
+    assert num_tokens.dtype == jnp.float32
+    chex.assert_trees_all_close(num_tokens, expected_tokens, rtol=1e-6)
   chex.assert_trees_all_close(loss_sum, expected_sum, rtol=1e-6, atol=1e-5)
+
+
+def test_fractional_weights_are_not_a_mask():
+  logits = jnp.log(jnp.array([[[1.0, 3.0], [1.0, 1.0], [3.0, 1.0]]]))
+  labels = jnp.array([[1, 0, -100]])
+  where = jnp.array([[0.25, 0.5, 1.0]])  # the padding counts 0 all the same
+  loss_sum, num_tokens = tokacc.token_cross_entropy(logits, labels, where=where)
+  # -log p: log(4/3) for the first position, log(2) for the second.
+  expected = 0.25 * np.log(4 / 3) + 0.5 * np.log(2)
+  chex.assert_trees_all_close(loss_sum, np.float32(expected), rtol=1e-6)
+  assert num_tokens.dtype == jnp.float32
+  assert float(num_tokens) == 0.75
+
+
+@pytest.mark.parametrize(
+  ('where', 'dtype'),
+  [
+    (np.array([True, False, True]), jnp.int32),
+    (np.array([1, 0, 2], np.int8), jnp.int32),
+    (np.array([1.0, 0.0, 2.0], np.float32), jnp.float32),
+    (jnp.array([1.0, 0.0, 2.0], jnp.bfloat16), jnp.float32),
+    (jnp.array([1.0, 0.0, 2.0], jnp.float16), jnp.float32),
+  ],
+)
+def test_count_dtype_follows_where(where, dtype):
+  _, num_tokens = tokacc.token_cross_entropy(
+    jnp.zeros((3, 4)), jnp.arange(3), where=where
+  )
+  assert num_tokens.dtype == dtype
+  assert num_tokens == np.asarray(where, np.float32).sum()
+
+
+def test_fractional_weights_accumulate_exactly_with_float_tokens():
+  """k micro-batches of weighted tokens give the weighted full-batch step."""
+  k, dim = 3, 4
+  rng = np.random.default_rng(2)
+  features = rng.normal(size=(k, BATCH, LENGTH, dim)).astype(np.float32)
+  labels = rng.integers(0, VOCAB, size=(k, BATCH, LENGTH)).astype(np.int32)
+  weights = make_where('float weights', rng, labels.shape)
+  weights[0] *= 0.1  # micro-batches of very different total weight
+  params = {'w': jnp.asarray(rng.normal(size=(dim, VOCAB)), jnp.float32)}
+
+  def loss_fn(params, features, labels, weights):
+    logits = features @ params['w']
+    return tokacc.token_cross_entropy(logits, labels, where=weights)
+
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(1.0), every_k_schedule=k, token_dtype=jnp.float32
+  )
+
+  @jax.jit
+  def micro_step(opt_state, features, labels, weights):
+    (loss, num_tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      params, features, labels, weights
+    )
+    return tx.update(grads, opt_state, params, num_tokens=num_tokens, loss=loss)
+
+  opt_state = tx.init(params)
+  for i in range(k):
+    updates, opt_state = micro_step(
+      opt_state, features[i], labels[i], weights[i]
+    )
+
+  def weighted_mean(params):  # plain: sum_i w_i l_i / sum_i w_i, all at once
+    log_probs = jax.nn.log_softmax(features @ params['w'], axis=-1)
+    picked = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)
+    return -jnp.sum(weights * picked[..., 0]) / weights.sum()
+
+  expected = jax.tree.map(jnp.negative, jax.grad(weighted_mean)(params))
+  chex.assert_trees_all_close(updates, expected, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(
+    tokacc.window_loss(opt_state), weighted_mean(params), rtol=1e-5
+  )
 
 
 def test_bfloat16_logits_use_float32_math():
@@ -72,7 +173,7 @@ def test_bfloat16_logits_use_float32_math():
   labels = jnp.array([1])
   loss_sum, _ = tokacc.token_cross_entropy(logits, labels)
   expected, _ = reference_cross_entropy(
-    np.asarray(logits.astype(jnp.float32)), np.asarray(labels), np.ones(1, bool)
+    np.asarray(logits.astype(jnp.float32)), np.asarray(labels), np.ones(1)
   )
   chex.assert_trees_all_close(loss_sum, expected, rtol=1e-5)
 
@@ -136,3 +237,10 @@ def test_bad_dtypes():
     tokacc.token_cross_entropy(jnp.zeros((2, 7)), jnp.zeros(2))
   with pytest.raises(TypeError, match='logits must be floating'):
     tokacc.token_cross_entropy(jnp.zeros((2, 7), jnp.int32), jnp.zeros(2, int))
+
+
+def test_complex_where_is_refused():
+  with pytest.raises(TypeError, match='where must be a bool mask or real'):
+    tokacc.token_cross_entropy(
+      jnp.zeros((2, 7)), jnp.zeros(2, int), where=jnp.ones(2, jnp.complex64)
+    )
