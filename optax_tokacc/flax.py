@@ -12,61 +12,94 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Flax integration: a linen ``TrainState`` for token-weighted accumulation.
+"""Flax integration: a linen ``TrainState`` and an ``nnx.Optimizer``.
 
 Import it explicitly (Flax is an optional dependency)::
 
-  from optax_tokacc.flax import TrainState
+  from optax_tokacc.flax import Optimizer, TrainState
 
-With ``flax.nnx`` nothing extra is needed: ``nnx.Optimizer(model, tx,
-wrt=nnx.Param).update(model, grads, num_tokens=n, loss=l)`` forwards the
-keyword arguments to the transform, and micro-steps add zero updates.
+Both count ``step`` in optimizer updates (one per window of micro-batches),
+so that logs, schedules and checkpoints line up with a run without
+accumulation, and count the micro-batches fed in ``micro_step``.
 """
 
 from typing import Any, Optional
 
+from flax import nnx
 from flax.training import train_state
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_tokacc import _multistep
+import optax_tokacc
 
 # The key of flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT.
 _OVERWRITE_WITH_GRADIENT = '_overwrite_with_gradient'
 
 
 def _find_state(
-  opt_state: optax.OptState,
-) -> _multistep.TokenWeightedMultiStepState:
+  opt_state: optax.OptState, owner: str, plain: str
+) -> optax_tokacc.TokenWeightedMultiStepState:
+  """The accumulator's state, or an error naming ``owner``."""
   try:
-    return _multistep.find_state(opt_state)
+    return optax_tokacc.find_state(opt_state)
   except ValueError as e:
     raise ValueError(
-      'optax_tokacc.flax.TrainState needs tx to be '
-      'optax_tokacc.token_weighted_multistep(...) or a transformation that '
-      f'contains it once (e.g. optax.chain); {e} For a plain optimizer use '
-      'flax.training.train_state.TrainState.'
+      f'{owner} needs tx to be optax_tokacc.token_weighted_multistep(...) or '
+      f'a transformation that contains it once (e.g. optax.chain); {e} For a '
+      f'plain optimizer use {plain}.'
     ) from e
+
+
+def _value(x: Any) -> jax.Array:
+  """The array held by ``x``, an array or an ``nnx.Variable``."""
+  return jnp.asarray(x[...] if isinstance(x, nnx.Variable) else x)
+
+
+def _gradient_step(
+  opt_state: optax.OptState, owner: str, plain: str
+) -> jax.Array:
+  """The accumulator's count of optimizer updates.
+
+  Unlike the state's ``emitted`` flag, whether it advanced cannot go stale
+  when a wrapper such as ``optax.apply_if_finite`` returns the previous state.
+  """
+  return _value(_find_state(opt_state, owner, plain).gradient_step)
+
+
+def _advance(step: jax.typing.ArrayLike, emitted: jax.Array) -> jax.Array:
+  """``step + 1`` where ``emitted``, else ``step`` (saturating)."""
+  step = jnp.asarray(step)
+  return jnp.where(emitted, optax.safe_increment(step), step)
+
+
+_LINEN = (
+  'optax_tokacc.flax.TrainState',
+  'flax.training.train_state.TrainState',
+)
 
 
 class TrainState(train_state.TrainState):
   r"""A linen ``TrainState`` whose ``step`` counts optimizer updates.
 
-  ``tx`` is :func:`optax_tokacc.token_weighted_multistep` (or a chain that
-  contains it). Each call of :meth:`apply_gradients` feeds one micro-batch:
+  ``tx`` is :func:`optax_tokacc.token_weighted_multistep` (or a transformation
+  that contains it). Each call of :meth:`apply_gradients` feeds one
+  micro-batch:
 
   .. math::
 
-    \text{step} \leftarrow \text{step} + [\text{window emitted}], \qquad
-    \text{micro\_step} \leftarrow \text{micro\_step} + 1,
+    \text{step} \leftarrow \text{step} + [\text{gradient\_step advanced}],
+    \qquad \text{micro\_step} \leftarrow \text{micro\_step} + 1,
 
-  so ``step`` matches a run without accumulation at the same point of
-  training (for logs, schedules on ``step`` and checkpoints), and the
-  parameters are only rewritten when a window emits.
+  so ``step`` equals the step of a run without accumulation at the same
+  point of training, also under wrappers that reject micro-batches (such as
+  ``optax.apply_if_finite``). Micro-steps add zero updates, so the
+  parameters keep their values.
 
   Attributes:
     micro_step: micro-batches fed to :meth:`apply_gradients` so far (int32).
+    has_updated: whether the last :meth:`apply_gradients` emitted an optimizer
+      update (boolean scalar).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -88,14 +121,15 @@ class TrainState(train_state.TrainState):
     ...   return state.apply_gradients(grads=grads, num_tokens=num_tokens,
     ...                                loss=loss)
     >>> state = train_step(state, x, jnp.array([1, 1, 1, 0]))
-    >>> int(state.step), int(state.micro_step)
-    (0, 1)
+    >>> int(state.step), int(state.micro_step), bool(state.has_updated)
+    (0, 1, False)
     >>> state = train_step(state, x, jnp.array([1, 0, 0, 0]))
-    >>> int(state.step), int(state.micro_step)
-    (1, 2)
+    >>> int(state.step), int(state.micro_step), bool(state.has_updated)
+    (1, 2, True)
   """
 
   micro_step: jax.typing.ArrayLike = 0
+  has_updated: jax.typing.ArrayLike = False
 
   @classmethod
   def create(cls, *, apply_fn, params, tx, **kwargs) -> 'TrainState':
@@ -116,9 +150,11 @@ class TrainState(train_state.TrainState):
         :class:`optax_tokacc.TokenWeightedMultiStepState`.
     """
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
-    _find_state(state.opt_state)
+    _find_state(state.opt_state, *_LINEN)
     return state.replace(
-      step=jnp.zeros([], jnp.int32), micro_step=jnp.zeros([], jnp.int32)
+      step=jnp.zeros([], jnp.int32),
+      micro_step=jnp.zeros([], jnp.int32),
+      has_updated=jnp.zeros([], jnp.bool_),
     )
 
   def apply_gradients(
@@ -129,11 +165,12 @@ class TrainState(train_state.TrainState):
     loss: Optional[jax.typing.ArrayLike] = None,
     **kwargs: Any,
   ) -> 'TrainState':
-    """Feeds one micro-batch's gradients to ``tx``.
+    """Feeds one micro-batch's gradients to ``tx`` and applies its updates.
 
     Unlike the parent class, ``kwargs`` go to ``tx.update`` (e.g.
-    ``emit_now``), not to ``replace``. On micro-steps the parameters are not
-    rewritten (:func:`optax_tokacc.apply_if_updated`) and ``step`` stays.
+    ``emit_now``), not to ``replace``. The updates are applied with
+    ``optax.apply_updates`` on every call, so that transformations beside
+    the accumulator (e.g. in ``optax.multi_transform``) keep theirs.
 
     Args:
       grads: gradients of the micro-batch's token-summed loss (or mean loss
@@ -144,8 +181,13 @@ class TrainState(train_state.TrainState):
       **kwargs: further keyword arguments of ``tx.update``.
 
     Returns:
-      The new state: ``step`` advanced by one if a window emitted,
-      ``micro_step`` by one, ``params`` and ``opt_state`` updated.
+      The new state: ``step`` advanced by one if the accumulator emitted an
+      optimizer update, ``micro_step`` by one, ``params`` and ``opt_state``
+      updated.
+
+    Raises:
+      ValueError: if ``grads`` holds fp8 ``'_overwrite_with_gradient'``
+        collections.
     """
     if isinstance(grads, dict) and _OVERWRITE_WITH_GRADIENT in grads:
       raise ValueError(
@@ -161,21 +203,152 @@ class TrainState(train_state.TrainState):
       loss=loss,
       **kwargs,
     )
-    updated = _find_state(new_opt_state).emitted
-    step = jnp.asarray(self.step)
+    emitted = _gradient_step(new_opt_state, *_LINEN) != _gradient_step(
+      self.opt_state, *_LINEN
+    )
     return self.replace(
-      step=jnp.where(updated, optax.safe_increment(step), step),
+      step=_advance(self.step, emitted),
       micro_step=optax.safe_increment(jnp.asarray(self.micro_step)),
-      params=_multistep.apply_if_updated(self.params, updates, new_opt_state),
+      has_updated=emitted,
+      params=optax.apply_updates(self.params, updates),
       opt_state=new_opt_state,
     )
 
   @property
+  def window_loss(self) -> jax.Array:
+    """Token-mean loss of the last emitted window.
+
+    NaN before the first window and when ``loss`` was never passed (see
+    :func:`optax_tokacc.window_loss`).
+    """
+    return _value(_find_state(self.opt_state, *_LINEN).last_loss)
+
+
+_NNX = ('optax_tokacc.flax.Optimizer', 'flax.nnx.Optimizer')
+
+
+class Optimizer(nnx.Optimizer):
+  r"""An ``nnx.Optimizer`` whose ``step`` counts optimizer updates.
+
+  ``tx`` is :func:`optax_tokacc.token_weighted_multistep` (or a transformation
+  that contains it). Each call of :meth:`update` feeds one micro-batch:
+
+  .. math::
+
+    \text{step} \leftarrow \text{step} + [\text{gradient\_step advanced}],
+    \qquad \text{micro\_step} \leftarrow \text{micro\_step} + 1,
+
+  where ``nnx.Optimizer`` would count every call in ``step``. Micro-steps
+  add zero updates, so the model's parameters keep their values.
+
+  Attributes:
+    step: optimizer updates so far (an ``nnx.OptState``, uint32).
+    micro_step: micro-batches fed to :meth:`update` so far (an
+      ``nnx.OptState``, uint32): what ``nnx.Optimizer`` counts in ``step``.
+    emitted: whether the last :meth:`update` emitted an optimizer update (an
+      ``nnx.OptState``; read it as an array with :attr:`has_updated`).
+    tx: the transformation.
+    opt_state: its state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import optax_tokacc as tokacc
+    >>> from optax_tokacc.flax import Optimizer
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> tx = tokacc.token_weighted_multistep(optax.sgd(0.1), every_k_schedule=2)
+    >>> optimizer = Optimizer(model, tx, wrt=nnx.Param)
+    >>> def loss_fn(model, x, mask):  # summed over the counted rows
+    ...   return jnp.sum(model(x)[:, 0] ** 2 * mask), mask.sum()
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, x, mask):
+    ...   (loss, num_tokens), grads = nnx.value_and_grad(
+    ...       loss_fn, has_aux=True)(model, x, mask)
+    ...   optimizer.update(model, grads, num_tokens=num_tokens, loss=loss)
+    >>> x = jnp.ones((4, 2))
+    >>> train_step(model, optimizer, x, jnp.array([1, 1, 1, 0]))
+    >>> int(optimizer.step[...]), int(optimizer.micro_step[...])
+    (0, 1)
+    >>> train_step(model, optimizer, x, jnp.array([1, 0, 0, 0]))
+    >>> int(optimizer.step[...]), int(optimizer.micro_step[...])
+    (1, 2)
+    >>> bool(optimizer.has_updated)
+    True
+  """
+
+  def __init__(
+    self,
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    *,
+    wrt: Any,
+    **kwargs: Any,
+  ):
+    """Creates the optimizer state of ``model``'s ``wrt`` variables.
+
+    Args:
+      model: the model.
+      tx: :func:`optax_tokacc.token_weighted_multistep`, or a transformation
+        containing it.
+      wrt: filter of the variables to train (usually ``nnx.Param``), as for
+        ``nnx.Optimizer``.
+      **kwargs: further keyword arguments of ``nnx.Optimizer``.
+
+    Raises:
+      ValueError: if ``tx``'s state holds no
+        :class:`optax_tokacc.TokenWeightedMultiStepState`.
+    """
+    super().__init__(model, tx, wrt=wrt, **kwargs)
+    _find_state(self.opt_state, *_NNX)
+    self.micro_step = nnx.OptState(jnp.zeros([], jnp.uint32))
+    self.emitted = nnx.OptState(jnp.zeros([], jnp.bool_))
+
+  def update(
+    self,
+    model: nnx.Module,
+    grads: Any,
+    /,
+    *,
+    num_tokens: jax.typing.ArrayLike,
+    loss: Optional[jax.typing.ArrayLike] = None,
+    **kwargs: Any,
+  ) -> Any:
+    """Feeds one micro-batch's gradients to ``tx`` and updates ``model``.
+
+    Args:
+      model: the model, as passed to the constructor.
+      grads: gradients of the micro-batch's token-summed loss (or mean loss
+        with ``loss_reduction='mean'``), e.g. from ``nnx.grad``.
+      num_tokens: counted tokens of the micro-batch (scalar).
+      loss: optional micro-batch loss with the same reduction, for
+        :attr:`window_loss`.
+      **kwargs: further keyword arguments of ``tx.update`` (e.g.
+        ``emit_now``).
+
+    Returns:
+      What ``nnx.Optimizer.update`` returns (the updates in recent Flax).
+    """
+    step = self.step[...]
+    gradient_step = _gradient_step(self.opt_state, *_NNX)
+    updates = super().update(
+      model, grads, num_tokens=num_tokens, loss=loss, **kwargs
+    )
+    emitted = _gradient_step(self.opt_state, *_NNX) != gradient_step
+    self.step[...] = _advance(step, emitted)
+    self.micro_step[...] = optax.safe_increment(self.micro_step[...])
+    self.emitted[...] = emitted
+    return updates
+
+  @property
   def has_updated(self) -> jax.Array:
-    """Whether the last :meth:`apply_gradients` emitted an update."""
-    return _multistep.has_updated(self.opt_state)
+    """Whether the last :meth:`update` emitted an optimizer update."""
+    return _value(self.emitted)
 
   @property
   def window_loss(self) -> jax.Array:
-    """Token-mean loss of the last emitted window (see ``window_loss``)."""
-    return _find_state(self.opt_state).last_loss
+    """Token-mean loss of the last emitted window.
+
+    NaN before the first window and when ``loss`` was never passed (see
+    :func:`optax_tokacc.window_loss`).
+    """
+    return _value(_find_state(self.opt_state, *_NNX).last_loss)

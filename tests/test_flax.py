@@ -1,4 +1,4 @@
-"""Flax linen TrainState and nnx.Optimizer equal full-batch training."""
+"""optax_tokacc.flax: TrainState and Optimizer equal full-batch training."""
 
 import functools
 
@@ -239,6 +239,17 @@ def nnx_params(model):
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+def assert_same_bits(actual, expected):
+  """Bit-for-bit equality (unlike ==, tells -0.0 from 0.0)."""
+
+  def same_bits(x, y):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+  jax.tree.map(same_bits, actual, expected)
+
+
 @functools.cache
 def nnx_reference_run():
   """Full-batch training with nnx.Optimizer: (params, loss, step) per window."""
@@ -251,10 +262,12 @@ def nnx_reference_run():
   return run
 
 
-@pytest.mark.parametrize('every_k', [2, 4])
-def test_nnx_optimizer_equals_full_batch(every_k):
+@pytest.mark.parametrize(('every_k', 'in_chain'), [(2, False), (4, True)])
+def test_nnx_optimizer_equals_full_batch(every_k, in_chain):
   model = NnxLM(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, multistep(every_k), wrt=nnx.Param)
+  opt = tokacc_flax.Optimizer(
+    model, multistep(every_k, in_chain), wrt=nnx.Param
+  )
   reference_run = nnx_reference_run()
   for window, (reference_params, reference_loss, reference_step) in enumerate(
     reference_run
@@ -262,18 +275,202 @@ def test_nnx_optimizer_equals_full_batch(every_k):
     for i, micro_batch in enumerate(split(make_batch(window), every_k)):
       previous = nnx_params(model)
       nnx_train_step(model, opt, micro_batch)
+      assert int(opt.micro_step[...]) == every_k * window + i + 1
       if i < every_k - 1:
-        assert not bool(tokacc.has_updated(opt.opt_state))
-        chex.assert_trees_all_equal(nnx_params(model), previous)
-
-    # nnx.Optimizer.step counts update calls (micro-batches); the state of
-    # the transform counts optimizer updates.
-    assert int(opt.step[...]) == every_k * (window + 1)
-    gradient_step = tokacc.find_state(opt.opt_state).gradient_step
-    assert int(gradient_step[...]) == reference_step == window + 1
+        assert not bool(opt.has_updated)
+        assert int(opt.step[...]) == window
+        assert_same_bits(nnx_params(model), previous)
+    assert bool(opt.has_updated)
+    assert int(opt.step[...]) == reference_step == window + 1
     chex.assert_trees_all_close(
       nnx_params(model), reference_params, rtol=1e-5, atol=1e-5
     )
-    chex.assert_trees_all_close(
-      jnp.asarray(tokacc.window_loss(opt.opt_state)), reference_loss, rtol=1e-5
+    chex.assert_trees_all_close(opt.window_loss, reference_loss, rtol=1e-5)
+
+
+def test_nnx_optimizer_keeps_the_step_dtype_of_nnx():
+  model = NnxLM(nnx.Rngs(0))
+  plain = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
+  opt = tokacc_flax.Optimizer(model, multistep(2), wrt=nnx.Param)
+  assert opt.step[...].dtype == plain.step[...].dtype
+  assert opt.micro_step[...].dtype == plain.step[...].dtype
+  assert int(opt.step[...]) == int(opt.micro_step[...]) == 0
+  assert not bool(opt.has_updated)
+
+
+def test_nnx_optimizer_needs_the_transform():
+  model = NnxLM(nnx.Rngs(0))
+  with pytest.raises(ValueError, match='needs tx to be optax_tokacc'):
+    tokacc_flax.Optimizer(model, optimizer(), wrt=nnx.Param)
+
+
+# Compositions with other optax transformations, on two parameters 'a' and
+# 'b' and gradients given directly: each micro-batch is (grads, num_tokens).
+
+INITIAL = {
+  'a': np.array([1.0, -2.0], np.float32),
+  'b': np.array([0.5, 3.0], np.float32),
+}
+
+
+def micro_batches(finite):
+  """One micro-batch per entry of ``finite``; NaN gradients where False."""
+  rng = np.random.default_rng(1)
+  feeds = []
+  for is_finite in finite:
+    grads = {
+      k: rng.normal(size=v.shape).astype(np.float32) for k, v in INITIAL.items()
+    }
+    if not is_finite:
+      grads['a'][0] = np.nan
+    feeds.append((grads, int(rng.integers(1, 20))))
+  return feeds
+
+
+class TwoParams(nnx.Module):
+  def __init__(self):
+    self.a = nnx.Param(jnp.asarray(INITIAL['a']))
+    self.b = nnx.Param(jnp.asarray(INITIAL['b']))
+
+
+@jax.jit
+def linen_feed(state, grads, num_tokens):
+  return state.apply_gradients(grads=grads, num_tokens=num_tokens)
+
+
+@nnx.jit
+def nnx_feed(model, opt, grads, num_tokens):
+  def linear_loss(model):  # its gradient is `grads`
+    return jnp.sum(grads['a'] * model.a[...]) + jnp.sum(
+      grads['b'] * model.b[...]
     )
+
+  opt.update(model, nnx.grad(linear_loss)(model), num_tokens=num_tokens)
+
+
+def run(framework, tx, feeds):
+  """(params, step, has_updated, micro_step) after each micro-batch."""
+  if framework == 'linen':
+    state = tokacc_flax.TrainState.create(apply_fn=None, params=INITIAL, tx=tx)
+  else:
+    model = TwoParams()
+    opt = tokacc_flax.Optimizer(model, tx, wrt=nnx.Param)
+  trace = []
+  for grads, num_tokens in feeds:
+    if framework == 'linen':
+      state = linen_feed(state, grads, num_tokens)
+      params, step, updated = state.params, state.step, state.has_updated
+      micro_step = state.micro_step
+    else:
+      nnx_feed(model, opt, grads, num_tokens)
+      params = {'a': model.a[...], 'b': model.b[...]}
+      step, updated, micro_step = (
+        opt.step[...],
+        opt.has_updated,
+        opt.micro_step[...],
+      )
+    trace.append(
+      (jax.device_get(params), int(step), bool(updated), int(micro_step))
+    )
+  return trace
+
+
+def window_update(window, learning_rate):
+  """Plain SGD on the token-mean gradient of a window of (grads, tokens)."""
+  num_tokens = sum(tokens for _, tokens in window)
+  return {
+    k: -learning_rate * sum(grads[k] for grads, _ in window) / num_tokens
+    for k in INITIAL
+  }
+
+
+@pytest.mark.parametrize('framework', ['linen', 'nnx'])
+def test_step_counts_windows_under_apply_if_finite(framework):
+  # A rejected micro-batch returns the previous state, whose `emitted` flag
+  # may be True: the step must not advance on it.
+  every_k, learning_rate = 2, 0.5
+  finite = [True, True, False, True, False, False, True, False, True, True]
+  feeds = micro_batches(finite)
+  tx = optax.apply_if_finite(
+    tokacc.token_weighted_multistep(optax.sgd(learning_rate), every_k),
+    max_consecutive_errors=100,
+  )
+  trace = run(framework, tx, feeds)
+
+  params, window, step = dict(INITIAL), [], 0
+  for i, ((grads, num_tokens), actual) in enumerate(zip(feeds, trace)):
+    if finite[i]:
+      window.append((grads, num_tokens))
+    updated = len(window) == every_k
+    if updated:
+      update = window_update(window, learning_rate)
+      params = {k: params[k] + update[k] for k in params}
+      window, step = [], step + 1
+    actual_params, actual_step, actual_updated, micro_step = actual
+    assert (actual_step, actual_updated, micro_step) == (step, updated, i + 1)
+    chex.assert_trees_all_close(actual_params, params, rtol=1e-6)
+  assert step == 3
+
+
+@pytest.mark.parametrize('framework', ['linen', 'nnx'])
+def test_multi_transform_keeps_the_updates_of_other_transforms(framework):
+  every_k, learning_rate = 2, 0.5
+
+  def labels(params):
+    def label(path, _):
+      key = path[0]  # nnx.Optimizer.__init__ passes Variables
+      name = getattr(key, 'key', getattr(key, 'name', None))
+      return 'acc' if name == 'a' else 'plain'
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+  tx = optax.multi_transform(
+    {
+      'acc': tokacc.token_weighted_multistep(optax.sgd(learning_rate), every_k),
+      'plain': optax.sgd(1.0),
+    },
+    labels,
+  )
+  feeds = micro_batches([True] * 3 * every_k)
+  trace = run(framework, tx, feeds)
+
+  a, b = INITIAL['a'].copy(), INITIAL['b'].copy()
+  for i, ((grads, _), actual) in enumerate(zip(feeds, trace)):
+    b = b - 1.0 * grads['b']  # plain SGD moves 'b' on every micro-batch
+    updated = (i + 1) % every_k == 0
+    if updated:
+      a = a + window_update(feeds[i + 1 - every_k : i + 1], learning_rate)['a']
+    actual_params, actual_step, actual_updated, _ = actual
+    assert (actual_step, actual_updated) == ((i + 1) // every_k, updated)
+    chex.assert_trees_all_close(actual_params, {'a': a, 'b': b}, rtol=1e-6)
+
+
+@pytest.mark.parametrize('framework', ['linen', 'nnx'])
+def test_window_loss_is_nan_until_known(framework):
+  # Before the first window, and after windows fed without `loss`.
+  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2)
+  feeds = micro_batches([True] * 2)
+  if framework == 'linen':
+    state = tokacc_flax.TrainState.create(apply_fn=None, params=INITIAL, tx=tx)
+    assert np.isnan(state.window_loss)
+    for grads, num_tokens in feeds:
+      state = linen_feed(state, grads, num_tokens)
+    assert bool(state.has_updated) and np.isnan(state.window_loss)
+  else:
+    model = TwoParams()
+    opt = tokacc_flax.Optimizer(model, tx, wrt=nnx.Param)
+    assert np.isnan(opt.window_loss)
+    for grads, num_tokens in feeds:
+      nnx_feed(model, opt, grads, num_tokens)
+    assert bool(opt.has_updated) and np.isnan(opt.window_loss)
+
+
+def test_nnx_emit_now_is_forwarded():
+  model = TwoParams()
+  opt = tokacc_flax.Optimizer(model, multistep(4), wrt=nnx.Param)
+  ((grads, num_tokens),) = micro_batches([True])
+  grads = nnx.State({k: nnx.Param(jnp.asarray(v)) for k, v in grads.items()})
+  opt.update(model, grads, num_tokens=num_tokens, emit_now=True)
+  assert int(opt.step[...]) == 1 and int(opt.micro_step[...]) == 1
+  assert bool(opt.has_updated)
+  assert not np.allclose(model.a[...], INITIAL['a'])
