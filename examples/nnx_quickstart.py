@@ -15,10 +15,12 @@
 """The shortest flax.nnx training loop with exact gradient accumulation.
 
 A tiny next-token model trains on padded sequences of random lengths, so
-micro-batches hold different numbers of tokens. ``nnx.Optimizer`` forwards
-``num_tokens`` and ``loss`` to ``optax_tokacc.token_weighted_multistep``;
-the model changes once per window of ``k`` micro-batches. Each window prints
-the exact token-mean loss (``window_loss``) next to the average of the
+micro-batches hold different numbers of tokens. ``optax_tokacc.flax.Optimizer``
+(an ``nnx.Optimizer``) forwards ``num_tokens`` and ``loss`` to
+``optax_tokacc.token_weighted_multistep``; the model changes once per window
+of ``k`` micro-batches, and ``optimizer.step`` counts those windows while
+``optimizer.micro_step`` counts micro-batches. Each window prints the exact
+token-mean loss (``optimizer.window_loss``) next to the average of the
 micro-batch means that naive accumulation would report::
 
   python examples/nnx_quickstart.py            # a few seconds on a CPU
@@ -34,6 +36,7 @@ import numpy as np
 import optax
 
 import optax_tokacc as tokacc
+from optax_tokacc.flax import Optimizer
 
 VOCAB, DIM, LENGTH, ROWS = 32, 32, 16, 4
 
@@ -67,29 +70,36 @@ def train_step(model, optimizer, inputs, labels):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
   parser.add_argument('--k', type=int, default=4, help='micro-batches/step')
   parser.add_argument('--windows', type=int, default=10, help='optimizer steps')
   args = parser.parse_args()
+  for flag, value in (('--k', args.k), ('--windows', args.windows)):
+    if value < 1:
+      parser.error(f'{flag} must be >= 1; got {value}')
 
   model = BigramLM(nnx.Rngs(0))
   tx = tokacc.token_weighted_multistep(optax.adamw(3e-2), args.k)
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  optimizer = Optimizer(model, tx, wrt=nnx.Param)
   rng = np.random.default_rng(0)
 
   print(f'{args.k} micro-batches of {ROWS} padded sequences per step')
-  print('step  tokens  window_loss  mean of micro-batch means (wrong)')
+  print('step  micro  tokens  window_loss  mean of micro-batch means (wrong)')
   for _ in range(args.windows):
     kernel = model.out.kernel[...]
     micro_means = []
     for micro in range(args.k):
       micro_means.append(float(train_step(model, optimizer, *micro_batch(rng))))
       if micro < args.k - 1:  # micro-steps leave the model as it was
+        assert not bool(optimizer.has_updated)
         assert bool(jnp.all(model.out.kernel[...] == kernel))
-    state = tokacc.find_state(optimizer.opt_state)
+    tokens = tokacc.find_state(optimizer.opt_state).last_tokens[...]
     print(
-      f'{int(state.gradient_step[...]):4d}  {int(state.last_tokens[...]):6d}'
-      f'  {float(tokacc.window_loss(optimizer.opt_state)[...]):11.4f}'
+      f'{int(optimizer.step[...]):4d}  {int(optimizer.micro_step[...]):5d}'
+      f'  {int(tokens):6d}  {float(optimizer.window_loss):11.4f}'
       f'  {np.mean(micro_means):11.4f}'
     )
 
