@@ -270,20 +270,19 @@ def add_data_args(parser: argparse.ArgumentParser, **defaults) -> None:
     '--seq-len',
     type=int,
     default=config.seq_len,
-    help='longest sequence in bytes; shorter ones are padded (default: '
-    '%(default)s)',
+    help='longest sequence in bytes; shorter ones are padded',
   )
   parser.add_argument(
     '--d-model',
     type=int,
     default=config.d_model,
-    help='transformer width (default: %(default)s)',
+    help='transformer width',
   )
   parser.add_argument(
     '--layers',
     type=int,
     default=config.num_layers,
-    help='transformer blocks (default: %(default)s)',
+    help='transformer blocks',
   )
   parser.add_argument(
     '--seed', type=int, default=0, help='initialization and data seed'
@@ -292,7 +291,7 @@ def add_data_args(parser: argparse.ArgumentParser, **defaults) -> None:
     '--out',
     type=pathlib.Path,
     default=defaults.pop('out'),
-    help='output folder (default: %(default)s)',
+    help='output folder',
   )
 
 

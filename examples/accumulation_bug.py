@@ -49,24 +49,25 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
   parser = argparse.ArgumentParser(
     description=__doc__.split('\n\n')[0],
     epilog='Example: python examples/accumulation_bug.py --updates 100 --k 8',
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   parser.add_argument(
     '--updates',
     type=int,
     default=300,
-    help='optimizer updates of each run (default: %(default)s)',
+    help='optimizer updates of each run',
   )
   parser.add_argument(
     '--k',
     type=int,
     default=4,
-    help='micro-batches per optimizer update (default: %(default)s)',
+    help='micro-batches per optimizer update',
   )
   parser.add_argument(
     '--micro-batch-size',
     type=int,
     default=8,
-    help='sequences per micro-batch (default: %(default)s)',
+    help='sequences per micro-batch',
   )
   parser.add_argument(
     '--lr', type=float, default=1e-3, help='AdamW learning rate'
@@ -75,21 +76,21 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     '--eval-every',
     type=int,
     default=10,
-    help='updates between comparisons (plot points) (default: %(default)s)',
+    help='updates between comparisons (plot points)',
   )
   parser.add_argument(
     '--table-every',
     type=int,
     default=50,
-    help='updates between table rows (default: %(default)s)',
+    help='updates between table rows',
   )
   parser.add_argument(
-    '--no-group-by-length',
-    dest='group_by_length',
-    action='store_false',
-    help='cut micro-batches at random instead of sorting each window by '
-    'sequence length (token counts then vary less between micro-batches, '
-    'and so does the bug)',
+    '--group-by-length',
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help='sort each window by sequence length before cutting micro-batches; '
+    'without it micro-batches are cut at random (token counts then vary '
+    'less between micro-batches, and so does the bug)',
   )
   _lm.add_data_args(
     parser, out=pathlib.Path('runs/accumulation_bug'), model={'seq_len': 64}

@@ -49,40 +49,39 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
   parser = argparse.ArgumentParser(
     description=__doc__.split('\n\n')[0].split('\n')[0],
     epilog='Example: python examples/train_lm.py --steps 50 --k 8 --devices 4',
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   parser.add_argument(
     '--steps',
     type=int,
     default=200,
-    help='optimizer updates (windows of k micro-batches) (default: '
-    '%(default)s)',
+    help='optimizer updates (windows of k micro-batches)',
   )
   parser.add_argument(
     '--k',
     type=int,
     default=4,
-    help='micro-batches accumulated per optimizer update (default: '
-    '%(default)s)',
+    help='micro-batches accumulated per optimizer update',
   )
   parser.add_argument(
     '--micro-batch-size',
     type=int,
     default=8,
-    help='sequences per micro-batch on each device (default: %(default)s)',
+    help='sequences per micro-batch on each device',
   )
   parser.add_argument(
     '--devices',
     type=int,
     default=2,
-    help='data-parallel devices; on CPU this many fake devices are created '
-    '(default: %(default)s)',
+    help='data-parallel devices; on CPU this many fake devices are created',
   )
   parser.add_argument(
     '--lr', type=float, default=3e-3, help='peak learning rate of AdamW'
   )
   parser.add_argument(
     '--group-by-length',
-    action='store_true',
+    action=argparse.BooleanOptionalAction,
+    default=False,
     help='sort each window by sequence length before cutting micro-batches '
     '(makes token counts per micro-batch vary even more)',
   )
@@ -96,6 +95,13 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     devices=args.devices,
   )
   return parser, args
+
+
+def status_text(loss: float, tokens_per_s: float) -> str:
+  """The progress bar's status after a window; NaN tokens/s is not shown."""
+  if math.isnan(tokens_per_s):
+    return f'loss {loss:.3f}'
+  return f'loss {loss:.3f}  {tokens_per_s:,.0f} tok/s'
 
 
 def main(argv=None) -> None:
@@ -169,16 +175,14 @@ def main(argv=None) -> None:
   columns = (
     *progress.Progress.get_default_columns()[:-1],
     progress.MofNCompleteColumn(),
-    progress.TextColumn('loss {task.fields[loss]:.3f}'),
-    progress.TextColumn('{task.fields[tokens_per_s]:,.0f} tok/s'),
+    progress.TextColumn('{task.fields[status]}'),
     progress.TimeRemainingColumn(),
   )
   start = time.perf_counter()
   steady_start = steady_tokens = None  # throughput after compilation
+  tokens_per_s = math.nan  # measured from the second window on
   with progress.Progress(*columns) as bar:
-    task = bar.add_task(
-      'training', total=args.steps, loss=math.nan, tokens_per_s=0.0
-    )
+    task = bar.add_task('training', total=args.steps, status='compiling…')
     for _ in range(args.steps):
       window = _lm.sample_window(
         rng,
@@ -197,12 +201,11 @@ def main(argv=None) -> None:
       window_tokens.append(int(window.lengths.sum() - window.lengths.size))
       if steady_start is None:
         steady_start, steady_tokens = time.perf_counter(), 0
-        tokens_per_s = 0.0
       else:
         steady_tokens += window_tokens[-1]
         tokens_per_s = steady_tokens / (time.perf_counter() - steady_start)
       bar.update(
-        task, advance=1, loss=window_losses[-1], tokens_per_s=tokens_per_s
+        task, advance=1, status=status_text(window_losses[-1], tokens_per_s)
       )
 
   state = jax.tree.map(lambda x: x[0], jax.device_get(state))
@@ -240,16 +243,18 @@ def main(argv=None) -> None:
     'first_window_loss': window_losses[0],
     'last_window_loss': window_losses[-1],
     'heldout_loss': heldout_loss,
-    'tokens_per_s': tokens_per_s,
+    'tokens_per_s': None if math.isnan(tokens_per_s) else tokens_per_s,
     'seconds': elapsed,
   }
-  (out / 'summary.json').write_text(json.dumps(summary, indent=2) + '\n')
+  summary_path = out / 'summary.json'
+  summary_path.write_text(json.dumps(summary, indent=2) + '\n')
   print(
     f'Summary: {args.steps} updates on {sum(window_tokens):,} counted tokens '
     f'in {elapsed:.0f} s ({tokens_per_s:,.0f} tokens/s after compilation); '
     f'window loss {window_losses[0]:.3f} -> {window_losses[-1]:.3f}, '
     f'held-out loss {heldout_loss:.3f} nats/byte.\n'
-    f'Checkpoint: {checkpoint_dir}\nLoss plot: {plot_path}'
+    f'Checkpoint: {checkpoint_dir}\nLoss plot: {plot_path}\n'
+    f'Summary JSON: {summary_path}'
   )
 
 

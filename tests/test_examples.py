@@ -27,14 +27,17 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / 'examples'
+EXAMPLE_SCRIPTS = sorted(
+  path.name for path in EXAMPLES.glob('*.py') if not path.name.startswith('_')
+)
 # Tiny model and data: a few seconds per run, most of it compilation.
 TINY = ('--seq-len', '32', '--d-model', '16', '--layers', '1')
 
 pytestmark = pytest.mark.slow  # each test starts Python processes
 
 
-def run_example(script: str, *args: str, timeout: float = 120):
-  env = dict(os.environ)
+def run_example(script: str, *args: str, timeout: float = 120, env=None):
+  env = dict(os.environ, **(env or {}))
   env['PYTHONPATH'] = os.pathsep.join(
     [str(REPO)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else [])
   )
@@ -53,11 +56,20 @@ def assert_ok(result) -> None:
   assert result.returncode == 0, result.stdout + result.stderr
 
 
+def without_escapes(text: str) -> str:
+  """Terminal output without ANSI escape sequences."""
+  return re.sub(r'\x1b\[[0-9;?]*[A-Za-z]', '', text)
+
+
 def restore(checkpoint: pathlib.Path):
   import orbax.checkpoint as ocp
 
   with ocp.StandardCheckpointer() as checkpointer:
     return checkpointer.restore(checkpoint)
+
+
+# rich draws its live progress bar only on a terminal.
+TERMINAL = {'FORCE_COLOR': '1', 'TERM': 'xterm', 'COLUMNS': '160'}
 
 
 @pytest.fixture(scope='module')
@@ -72,6 +84,7 @@ def train_lm_runs(tmp_path_factory):
       '--steps', 3, '--k', 2,
       '--devices', devices, '--micro-batch-size', micro_batch_size,
       '--out', out,
+      env=TERMINAL if devices == 2 else None,
     )  # fmt: skip
     runs[devices] = (result, out)
   return runs
@@ -80,10 +93,17 @@ def train_lm_runs(tmp_path_factory):
 def test_train_lm_writes_checkpoint_plot_and_summary(train_lm_runs):
   result, out = train_lm_runs[2]
   assert_ok(result)
-  assert '2 cpu devices' in result.stdout
+  stdout = without_escapes(result.stdout)
+  assert '2 cpu devices' in stdout
   assert re.search(
-    r'^Summary: 3 updates on [\d,]+ counted tokens', result.stdout, re.M
+    r'^Summary: 3 updates on [\d,]+ counted tokens', stdout, re.M
   )
+  assert f'Summary JSON: {out.resolve() / "summary.json"}' in stdout
+  assert sorted(path.name for path in out.iterdir()) == [
+    'checkpoint',
+    'loss.png',
+    'summary.json',
+  ]
   assert (out / 'loss.png').stat().st_size > 0
   summary = json.loads((out / 'summary.json').read_text())
   assert summary['updates'] == 3
@@ -91,6 +111,19 @@ def test_train_lm_writes_checkpoint_plot_and_summary(train_lm_runs):
   restored = restore(out / 'checkpoint')
   assert int(restored['step']) == 3
   assert set(restored) == {'step', 'params', 'opt_state'}
+
+
+def test_train_lm_progress_bar_says_compiling_before_the_first_window(
+  train_lm_runs,
+):
+  result, _ = train_lm_runs[2]
+  assert_ok(result)
+  frames = without_escapes(result.stdout).replace('\r', '\n')
+  first_frame = re.search(r'^training .*$', frames, re.M)
+  assert first_frame and 'compiling…' in first_frame.group(), frames
+  assert 'loss nan' not in frames, frames
+  assert not re.search(r'\s0 tok/s', frames), frames
+  assert re.search(r'3/3 loss \d+\.\d{3}  [\d,]+ tok/s', frames), frames
 
 
 def test_train_lm_data_parallel_matches_one_device(train_lm_runs):
@@ -133,6 +166,32 @@ def test_nnx_quickstart():
   result = run_example('nnx_quickstart.py', '--k', 2, '--windows', 2)
   assert_ok(result)
   assert re.search(r'^\s+2\s+\d+\s+\d', result.stdout, re.M), result.stdout
+
+
+def help_entries(text: str) -> dict[str, str]:
+  """``{'--flag': 'its help, on one line'}`` from an argparse ``--help``."""
+  entries, flag = {}, None
+  for line in text.splitlines():
+    match = re.match(r'  (-[-\w]+)', line)
+    if match:
+      flag = match.group(1)
+      entries[flag] = line
+    elif flag and line.startswith('   '):
+      entries[flag] += line
+    else:
+      flag = None
+  return {flag: ' '.join(entry.split()) for flag, entry in entries.items()}
+
+
+@pytest.mark.parametrize('script', EXAMPLE_SCRIPTS)
+def test_help_shows_every_default(script):
+  result = run_example(script, '--help')
+  assert_ok(result)
+  entries = help_entries(result.stdout)
+  assert '--k' in entries, result.stdout
+  entries.pop('-h')
+  for flag, entry in entries.items():
+    assert re.search(r'\(default: [^)]+\)', entry), (flag, result.stdout)
 
 
 @pytest.mark.parametrize('script', ['train_lm.py', 'accumulation_bug.py'])
