@@ -17,15 +17,15 @@
 from optax_tokacc._checks import with_input_checks
 from optax_tokacc._losses import token_cross_entropy
 from optax_tokacc._microbatch import microbatched_value_and_grad
-from optax_tokacc._multistep import TokenWeightedMultiStepState
-from optax_tokacc._multistep import apply_if_updated
-from optax_tokacc._multistep import find_state
-from optax_tokacc._multistep import has_updated
 from optax_tokacc._multistep import skip_not_finite
 from optax_tokacc._multistep import token_weighted_multistep
-from optax_tokacc._multistep import window_loss
+from optax_tokacc._state import TokenWeightedMultiStepState
+from optax_tokacc._state import apply_if_updated
+from optax_tokacc._state import find_state
+from optax_tokacc._state import has_updated
+from optax_tokacc._state import window_loss
 
-__version__ = '0.1.0'
+__version__ = '0.2.0'
 
 __all__ = (
   'TokenWeightedMultiStepState',

@@ -21,7 +21,7 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import optax
 
-from optax_tokacc._multistep import find_state
+from optax_tokacc._state import find_state
 
 
 def with_input_checks(

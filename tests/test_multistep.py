@@ -551,7 +551,7 @@ class TestErrors:
       )
 
   def test_non_numeric_token_dtype(self):
-    with pytest.raises(TypeError, match=r'token_dtype must be an integer'):
+    with pytest.raises(TypeError, match=r'token_dtype must be int32 or a floating'):
       tokacc.token_weighted_multistep(optax.sgd(0.1), 2, token_dtype=jnp.bool_)
 
   def test_missing_num_tokens(self):
@@ -571,11 +571,21 @@ class TestErrors:
       jax.jit(tx.update)(params, state, params, num_tokens=jnp.ones(3))
 
   def test_traced_float_num_tokens_with_integer_counter(self):
+    """A float count holding a whole number is exact; a fractional one is
+    never rounded: its window is dropped (defect 8 of 0.1)."""
     params = init_params()
-    tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2)
+    tx = tokacc.token_weighted_multistep(optax.sgd(1.0), 2)
+    update = jax.jit(tx.update)
+    grads = jax.tree.map(jnp.ones_like, params)
     state = tx.init(params)
-    with pytest.raises(TypeError, match=r'token_dtype=jnp.float32'):
-      jax.jit(tx.update)(params, state, params, num_tokens=jnp.float32(3))
+    _, state = update(grads, state, params, num_tokens=jnp.float32(3))
+    updates, state = update(grads, state, params, num_tokens=jnp.float32(1))
+    assert int(state.last_tokens) == 4 and int(state.gradient_step) == 1
+    chex.assert_trees_all_close(updates, jax.tree.map(lambda g: -g / 2, grads))
+    _, state = update(grads, state, params, num_tokens=jnp.float32(2.5))
+    updates, state = update(grads, state, params, num_tokens=jnp.float32(1))
+    assert int(state.dropped_windows) == 1 and int(state.gradient_step) == 1
+    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, grads))
 
   def test_grads_structure_differs_from_params(self):
     params = init_params()

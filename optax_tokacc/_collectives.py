@@ -1,0 +1,196 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Collectives and sharding rules under ``pmap`` and ``shard_map``.
+
+One rule decides what is summed over the data axes (``axis_name``) when a
+window closes: a per-device value is summed over the axes it varies over.
+A gradient is, in addition, never summed over an axis along which its
+parameter is sharded (the parameter varies there: each device holds a
+different shard). Under ``pmap`` or ``shard_map(check_vma=False)`` JAX does
+not track variance, and everything is summed over all of ``axis_name``.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+import warnings
+
+import jax
+from jax import lax
+import optax
+
+AxisName = Union[str, tuple[str, ...]]
+
+
+def as_tuple(axis_name: AxisName) -> tuple[str, ...]:
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes ``x`` varies over inside ``shard_map``."""
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  manual_axis_type = getattr(aval, 'manual_axis_type', None)
+  if manual_axis_type is not None:
+    return frozenset(manual_axis_type.varying)
+  return frozenset(getattr(aval, 'vma', None) or ())
+
+
+def make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
+  """Marks ``x`` as varying over ``axes`` too (no work at run time)."""
+  missing = tuple(sorted(axes - varying_axes(x)))
+  if not missing:
+    return x
+  if hasattr(lax, 'pcast'):
+    return lax.pcast(x, missing, to='varying')
+  return lax.pvary(x, missing)
+
+
+def check_bound(axis_name: AxisName) -> None:
+  """Raises if ``axis_name`` is not bound by ``pmap`` / ``shard_map``."""
+  try:
+    for axis in as_tuple(axis_name):
+      lax.axis_index(axis)
+  except NameError as e:
+    raise ValueError(
+      f'axis_name={axis_name!r} is not bound here: update the transform '
+      'inside jax.pmap(..., axis_name=...) or jax.shard_map over a mesh with '
+      'that axis. Under jax.jit with NamedSharding (global arrays), leave '
+      'axis_name=None.'
+    ) from e
+
+
+def tracks_variance(axes: Sequence[str]) -> bool:
+  """Whether JAX tracks which values vary over ``axes`` (``check_vma``)."""
+  return all(a in varying_axes(lax.axis_index(a)) for a in axes)
+
+
+def sum_axes(x: Any, axes: Sequence[str], tracked: bool) -> tuple[str, ...]:
+  """The axes to sum a per-device value over: those it varies over."""
+  if not tracked:
+    return tuple(axes)
+  return tuple(a for a in axes if a in varying_axes(x))
+
+
+def grad_sum_axes(
+  grads: optax.Updates,
+  params: Optional[optax.Params],
+  axes: Sequence[str],
+  tracked: bool,
+) -> list[tuple[str, ...]]:
+  """Per gradient leaf, the axes to sum it over when the window closes.
+
+  Never an axis along which the parameter is sharded. A gradient that is
+  already invariant over an axis (``shard_map`` autodiff summed it on this
+  micro-step) is not summed again; a warning says how to avoid that cost.
+  """
+  grad_leaves = jax.tree.leaves(grads)
+  if params is None:
+    param_axes = [frozenset()] * len(grad_leaves)
+  else:
+    param_axes = [varying_axes(p) for p in jax.tree.leaves(params)]
+  if not tracked:
+    return [tuple(axes)] * len(grad_leaves)
+  per_leaf = [
+    tuple(a for a in sum_axes(g, axes, tracked) if a not in sharded)
+    for g, sharded in zip(grad_leaves, param_axes)
+  ]
+  summed = {
+    a
+    for g, sharded in zip(grad_leaves, param_axes)
+    for a in axes
+    if a not in varying_axes(g) and a not in sharded
+  }
+  if summed:
+    warnings.warn(
+      f'token_weighted_multistep: gradients arrive already summed over '
+      f'{sorted(summed)} (shard_map autodiff reduced them on this '
+      'micro-step, since the parameters are invariant there). They are not '
+      'summed again, so the result is exact, but each micro-step pays an '
+      'all-reduce. For one reduction per window, differentiate with respect '
+      f'to jax.lax.pcast(params, {tuple(axes)!r}, to="varying").',
+      stacklevel=5,
+    )
+  return per_leaf
+
+
+def reduce_window(
+  sums: optax.Updates,
+  grad_axes: list[tuple[str, ...]],
+  scalars: Any,
+  scalar_axes: tuple[str, ...],
+  params: Optional[optax.Params],
+  axes: Sequence[str],
+) -> tuple[optax.Updates, Any]:
+  """Sums the window over devices: one ``psum`` per distinct set of axes.
+
+  In data parallelism every leaf and the scalars (token parts, loss) share
+  the same axes, so this is a single all-reduce per window.
+  """
+  leaves, treedef = jax.tree.flatten(sums)
+  groups: dict[tuple[str, ...], list[Any]] = {}
+  for index, leaf_axes in enumerate(grad_axes):
+    groups.setdefault(leaf_axes, []).append(index)
+  groups.setdefault(scalar_axes, [])
+  for group_axes, indices in groups.items():
+    operands = [leaves[i] for i in indices]
+    with_scalars = group_axes == scalar_axes
+    if group_axes:
+      operands, summed_scalars = lax.psum(
+        (operands, scalars if with_scalars else ()), group_axes
+      )
+      scalars = summed_scalars if with_scalars else scalars
+    for i, leaf in zip(indices, operands):
+      leaves[i] = leaf
+  if params is not None:
+    sharded = [varying_axes(p) for p in jax.tree.leaves(params)]
+    leaves = [_invariant(x, s, axes) for x, s in zip(leaves, sharded)]
+  return treedef.unflatten(leaves), scalars
+
+
+def _invariant(x: jax.Array, sharded: frozenset, axes: Sequence[str]):
+  """``x``, equal on the devices of ``axes`` it is not sharded over, made
+  invariant there (a gradient summed by autodiff, held per device)."""
+  same = tuple(a for a in axes if a in varying_axes(x) and a not in sharded)
+  return lax.pmean(x, same) if same else x
+
+
+def any_device(flag: jax.Array, axes: Sequence[str], tracked: bool):
+  """Whether ``flag`` is true on any device of ``axes``."""
+  over = sum_axes(flag, axes, tracked)
+  if not over:
+    return flag
+  return lax.pmax(flag.astype('int32'), over) > 0
+
+
+def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands):
+  """``lax.cond`` whose branches may differ in the axes their outputs vary.
+
+  Inside ``shard_map`` the accumulators vary over the data axes while the
+  summed window does not; each output is marked varying over the union of
+  what the two branches give, as ``lax.cond`` requires. Elsewhere this is
+  ``lax.cond``.
+  """
+  true_out = jax.eval_shape(true_fn, *operands)
+  false_out = jax.eval_shape(false_fn, *operands)
+  target = jax.tree.map(
+    lambda a, b: varying_axes(a) | varying_axes(b), true_out, false_out
+  )
+
+  def matched(fn):
+    def fn_with_vma(*args):
+      return jax.tree.map(make_varying, fn(*args), target)
+
+    return fn_with_vma
+
+  return lax.cond(pred, matched(true_fn), matched(false_fn), *operands)

@@ -1,0 +1,98 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Accumulation into the window's sums: plain, or Kahan-compensated."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _wide(dtype) -> jnp.dtype:
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _compensated_add(
+  total: jax.Array, error: jax.Array, value: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Kahan-compensated ``total + value``: the new total and its error.
+
+  The arithmetic runs in at least float32 (explicitly, not relying on excess
+  precision); the new total is rounded to the accumulator dtype and its
+  exact rounding error (TwoSum) is kept, to be added back at the next step.
+  """
+  wide = _wide(total.dtype)
+  total_wide = total.astype(wide)
+  value = value.astype(wide) + error.astype(wide)
+  new_total = (total_wide + value).astype(total.dtype)
+  new_wide = new_total.astype(wide)
+  virtual = new_wide - total_wide
+  new_error = (total_wide - (new_wide - virtual)) + (value - virtual)
+  return new_total, new_error.astype(total.dtype)
+
+
+def accumulate(
+  acc_grads: optax.Updates,
+  acc_compensation: optax.Updates,
+  addends: optax.Updates,
+  restart: jax.Array,
+  compensated: bool,
+) -> tuple[optax.Updates, optax.Updates]:
+  """Adds ``addends`` into the window's sums; ``restart`` starts a window.
+
+  A restart selects (never multiplies by zero), so what the buffer held
+  before, scratch or a NaN of a finished window, cannot leak into the new
+  window. ``acc_compensation`` is ``()`` when summation is not compensated.
+  """
+  if not compensated:
+    acc_grads = jax.tree.map(
+      lambda total, value: jnp.where(
+        restart, value.astype(total.dtype), total + value.astype(total.dtype)
+      ),
+      acc_grads,
+      addends,
+    )
+    return acc_grads, ()
+  treedef = jax.tree.structure(acc_grads)
+  sums = [
+    _compensated_add(
+      jnp.where(restart, jnp.zeros_like(total), total),
+      jnp.where(restart, jnp.zeros_like(error), error),
+      value,
+    )
+    for total, error, value in zip(
+      treedef.flatten_up_to(acc_grads),
+      treedef.flatten_up_to(acc_compensation),
+      treedef.flatten_up_to(addends),
+    )
+  ]
+  return (
+    treedef.unflatten([total for total, _ in sums]),
+    treedef.unflatten([error for _, error in sums]),
+  )
+
+
+def window_sums(
+  acc_grads: optax.Updates, acc_compensation: optax.Updates, compensated: bool
+) -> optax.Updates:
+  """The window's sums: with compensation, ``total + error`` in >= float32."""
+  if not compensated:
+    return acc_grads
+  return jax.tree.map(
+    lambda total, error: (
+      total.astype(_wide(total.dtype)) + error.astype(_wide(total.dtype))
+    ),
+    acc_grads,
+    acc_compensation,
+  )

@@ -1,0 +1,194 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The state of the transform, and helpers that read it."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+class TokenWeightedMultiStepState(NamedTuple):
+  """State of :func:`optax_tokacc.token_weighted_multistep`.
+
+  A window is the run of micro-steps that ends with one optimizer update.
+  Fields marked *per device* hold this device's share under ``axis_name``
+  (lay them out with :func:`optax_tokacc.state_sharding`); the others are
+  the same on every device.
+
+  Attributes:
+    mini_step: micro-steps taken in the current window (int32); 0 right
+      after a window closed. Without ``axis_name`` a micro-batch rejected by
+      ``should_skip_update_fn`` does not advance it; with ``axis_name`` it
+      advances on every call, so that all devices close the window together.
+    gradient_step: optimizer updates emitted so far (int32, saturating).
+    acc_grads: *per device*. During a window, the token-summed gradients of
+      its micro-batches so far, in the accumulator dtype, shaped (and
+      sharded) like the parameters. Right after an emitting step the buffer
+      is scratch: it may hold the emitted updates (reusing it saves a
+      parameter-sized write on every micro-step); the next micro-step
+      overwrites it with a select, never reads it.
+    acc_tokens: *per device*. Counted tokens of the current window; -1 once
+      the window is invalid (a negative, NaN, fractional or out-of-range
+      ``num_tokens``), and such a window is dropped when it closes.
+    acc_loss: *per device*. Token-summed loss of the current window; NaN if
+      a micro-step did not pass ``loss``.
+    inner_state: state of the wrapped optimizer; advances once per window and
+      keeps its dtypes.
+    last_loss: token-mean loss of the last emitted window over all devices;
+      NaN before the first window and when ``loss`` was not passed.
+    last_tokens: counted tokens of the last emitted window over all devices.
+    skip_state: *per device*. What ``should_skip_update_fn`` returned at the
+      last call; ``()`` without one.
+    emitted: whether the call that returned this state emitted an update.
+    acc_compensation: *per device*. With ``compensated=True``, the rounding
+      error of ``acc_grads`` (Kahan summation), a tree like ``acc_grads``,
+      zero at the start of a window; ``()`` otherwise.
+    dropped_windows: windows dropped because their token count was invalid
+      (int32, saturating). A dropped window emits zero updates and no step.
+  """
+
+  mini_step: jax.typing.ArrayLike
+  gradient_step: jax.typing.ArrayLike
+  acc_grads: optax.Updates
+  acc_tokens: jax.typing.ArrayLike
+  acc_loss: jax.typing.ArrayLike
+  inner_state: optax.OptState
+  last_loss: jax.typing.ArrayLike
+  last_tokens: jax.typing.ArrayLike
+  skip_state: Any = ()
+  emitted: jax.typing.ArrayLike = np.bool_(False)
+  acc_compensation: optax.Updates = ()
+  dropped_windows: jax.typing.ArrayLike = np.int32(0)
+
+
+PER_DEVICE_FIELDS = (
+  'acc_grads',
+  'acc_tokens',
+  'acc_loss',
+  'skip_state',
+  'acc_compensation',
+)
+
+
+def _is_state(x: Any) -> bool:
+  return isinstance(x, TokenWeightedMultiStepState)
+
+
+def find_state(opt_state: optax.OptState) -> TokenWeightedMultiStepState:
+  """The :class:`TokenWeightedMultiStepState` inside an optimizer state.
+
+  Args:
+    opt_state: the state of :func:`token_weighted_multistep`, or of a
+      transformation containing it (e.g. ``optax.chain``).
+
+  Returns:
+    The one :class:`TokenWeightedMultiStepState` found.
+
+  Raises:
+    ValueError: if ``opt_state`` holds none, or more than one.
+  """
+  if _is_state(opt_state):
+    return opt_state
+  leaves = jax.tree.leaves(opt_state, is_leaf=_is_state)
+  found = [leaf for leaf in leaves if _is_state(leaf)]
+  if len(found) != 1:
+    raise ValueError(
+      'Expected the optimizer state to hold exactly one '
+      f'TokenWeightedMultiStepState, found {len(found)}. Pass the state of '
+      'token_weighted_multistep, or of a chain containing it once.'
+    )
+  return found[0]
+
+
+def has_updated(opt_state: optax.OptState) -> jax.Array:
+  """Whether the call that returned ``opt_state`` emitted an optimizer update.
+
+  False after a micro-step, a rejected micro-batch, and a window that was
+  dropped or had no counted tokens. A wrapper that returns an older state
+  (``optax.apply_if_finite`` rejecting a step) returns its flag with it; to
+  count updates, use differences of ``gradient_step``, which cannot go stale.
+
+  Args:
+    opt_state: the state of :func:`token_weighted_multistep`, or of a
+      transformation containing it (e.g. ``optax.chain``).
+
+  Returns:
+    A boolean scalar.
+  """
+  return jnp.asarray(find_state(opt_state).emitted, jnp.bool_)
+
+
+def window_loss(opt_state: optax.OptState) -> jax.Array:
+  """Token-mean loss of the last emitted window, over all devices.
+
+  .. math::
+
+    L = \\frac{\\sum_k \\sum_{i \\le N_k} \\ell_{ki}}{\\sum_k N_k},
+
+  the loss that full-batch training on the window reports. It is NaN before
+  the first window, and for a window where a micro-step did not pass
+  ``loss`` to ``update``: it is never mistaken for a measured loss.
+
+  Args:
+    opt_state: the state of :func:`token_weighted_multistep`, or of a
+      transformation containing it (e.g. ``optax.chain``).
+
+  Returns:
+    A floating scalar.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> tx = tokacc.token_weighted_multistep(optax.sgd(0.1), every_k_schedule=2)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> tokacc.window_loss(state)  # no window yet
+    Array(nan, dtype=float32)
+    >>> grads = {'w': jnp.ones(2)}
+    >>> _, state = tx.update(grads, state, params, num_tokens=3, loss=6.0)
+    >>> _, state = tx.update(grads, state, params, num_tokens=1, loss=4.0)
+    >>> tokacc.window_loss(state)  # (6 + 4) / (3 + 1)
+    Array(2.5, dtype=float32)
+  """
+  return jnp.asarray(find_state(opt_state).last_loss)
+
+
+def apply_if_updated(
+  params: optax.Params,
+  updates: optax.Updates,
+  opt_state: optax.OptState,
+) -> optax.Params:
+  """Applies ``updates`` to ``params``; kept from 0.1, now ``apply_updates``.
+
+  In 0.1 this applied the updates only after an emitting step, which lost
+  the micro-step updates of other transforms (``optax.multi_transform``,
+  ``optax.masked``). Since 0.2 it gives exactly ``optax.apply_updates(params,
+  updates)`` in every composition, at the same cost: micro-steps return zero
+  updates from the transform, so they leave its parameters bit-identical.
+
+  Args:
+    params: the parameters.
+    updates: the updates returned with ``opt_state``.
+    opt_state: the optimizer state containing the transform's state (checked,
+      not used).
+
+  Returns:
+    The new parameters.
+  """
+  find_state(opt_state)
+  return optax.apply_updates(params, updates)
