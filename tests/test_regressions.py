@@ -290,8 +290,10 @@ main()
 @pytest.mark.parametrize('mode', ['pmap', 'shard_map'])
 def test_1_data_parallel_skip_closes_window_everywhere(mode):
   env = dict(os.environ)
+  # The worker imports the same optax_tokacc as this process.
+  package_root = pathlib.Path(tokacc.__file__).resolve().parents[1]
   env['PYTHONPATH'] = os.pathsep.join(
-    filter(None, [str(TESTS_DIR.parent), str(TESTS_DIR), env.get('PYTHONPATH')])
+    filter(None, [str(package_root), str(TESTS_DIR), env.get('PYTHONPATH')])
   )
   env.pop('XLA_FLAGS', None)
   try:
