@@ -19,6 +19,9 @@ from optax_tokacc._losses import token_cross_entropy
 from optax_tokacc._microbatch import microbatched_value_and_grad
 from optax_tokacc._multistep import skip_not_finite
 from optax_tokacc._multistep import token_weighted_multistep
+from optax_tokacc._sharding import init_sharded
+from optax_tokacc._sharding import state_partition_specs
+from optax_tokacc._sharding import state_shardings
 from optax_tokacc._state import TokenWeightedMultiStepState
 from optax_tokacc._state import apply_if_updated
 from optax_tokacc._state import find_state
@@ -32,8 +35,11 @@ __all__ = (
   'apply_if_updated',
   'find_state',
   'has_updated',
+  'init_sharded',
   'microbatched_value_and_grad',
   'skip_not_finite',
+  'state_partition_specs',
+  'state_shardings',
   'token_cross_entropy',
   'token_weighted_multistep',
   'window_loss',

@@ -30,6 +30,9 @@ import jax
 from jax import lax
 import optax
 
+from optax_tokacc import _compat
+from optax_tokacc._compat import varying_axes
+
 AxisName = Union[str, tuple[str, ...]]
 
 
@@ -37,23 +40,10 @@ def as_tuple(axis_name: AxisName) -> tuple[str, ...]:
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
-def varying_axes(x: Any) -> frozenset:
-  """The manual mesh axes ``x`` varies over inside ``shard_map``."""
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  manual_axis_type = getattr(aval, 'manual_axis_type', None)
-  if manual_axis_type is not None:
-    return frozenset(manual_axis_type.varying)
-  return frozenset(getattr(aval, 'vma', None) or ())
-
-
 def make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
   """Marks ``x`` as varying over ``axes`` too (no work at run time)."""
-  missing = tuple(sorted(axes - varying_axes(x)))
-  if not missing:
-    return x
-  if hasattr(lax, 'pcast'):
-    return lax.pcast(x, missing, to='varying')
-  return lax.pvary(x, missing)
+  missing = sorted(axes - varying_axes(x))
+  return _compat.pcast_to_varying(x, missing) if missing else x
 
 
 def check_bound(axis_name: AxisName) -> None:

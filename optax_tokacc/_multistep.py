@@ -30,6 +30,7 @@ import optax
 
 from optax_tokacc import _collectives
 from optax_tokacc import _compensated
+from optax_tokacc import _state
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
 from optax_tokacc._state import TokenWeightedMultiStepState
@@ -211,7 +212,7 @@ def _init(config: _Config, params: optax.Params) -> TokenWeightedMultiStepState:
       params,
     )
   no_loss = jnp.full([], jnp.nan, config.loss_dtype)
-  return TokenWeightedMultiStepState(
+  state = TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
     acc_grads=acc_grads,
@@ -227,6 +228,7 @@ def _init(config: _Config, params: optax.Params) -> TokenWeightedMultiStepState:
     ),
     dropped_windows=jnp.zeros([], jnp.int32),
   )
+  return state if config.axis_name is None else _state.with_device_slot(state)
 
 
 def _update(
@@ -241,6 +243,9 @@ def _update(
   **extra_args: Any,
 ) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory)."""
+  _validation.is_state(state)
+  if config.axis_name is not None:
+    state = _state.without_device_slot(state)
   _validation.state_matches(
     state,
     [config.acc_dtype(g) for g in jax.tree.leaves(grads)],
@@ -301,6 +306,8 @@ def _update(
       jnp.logical_and(emit, jnp.logical_not(valid)), state.dropped_windows
     ),
   )
+  if config.axis_name is not None:
+    new_state = _state.with_device_slot(new_state)
   return updates, new_state
 
 
@@ -412,7 +419,12 @@ def _close_if(config, emit, grads, window, inner_state, params, extra_args, dp):
 
   def accumulating(acc_grads, inner_state, params):
     held = acc_grads if in_buffer else _zeros(shapes)
-    none = (False, True, jnp.zeros_like(acc_tokens), jnp.zeros_like(acc_loss))
+    none = (
+      False,
+      True,
+      jnp.zeros([], acc_tokens.dtype),
+      jnp.zeros([], acc_loss.dtype),
+    )
     return held, inner_state, jax.tree.map(jnp.asarray, none)
 
   held, inner_state, closed = _collectives.cond(

@@ -26,9 +26,11 @@ class TokenWeightedMultiStepState(NamedTuple):
   """State of :func:`optax_tokacc.token_weighted_multistep`.
 
   A window is the run of micro-steps that ends with one optimizer update.
-  Fields marked *per device* hold this device's share under ``axis_name``
-  (lay them out with :func:`optax_tokacc.state_sharding`); the others are
-  the same on every device.
+  Fields marked *per device* hold this device's share under ``axis_name``;
+  there each of their leaves carries a leading axis of length 1 (the
+  device's slot), so that the global state stacks the devices' shares along
+  it (:func:`optax_tokacc.state_partition_specs` gives the layout). The
+  other fields are the same on every device.
 
   Attributes:
     mini_step: micro-steps taken in the current window (int32); 0 right
@@ -83,6 +85,40 @@ PER_DEVICE_FIELDS = (
   'skip_state',
   'acc_compensation',
 )
+
+
+def map_per_device(fn: Any, state: 'TokenWeightedMultiStepState'):
+  """``state`` with ``fn`` applied to every leaf of its per-device fields."""
+  return state._replace(
+    **{
+      name: jax.tree.map(fn, getattr(state, name)) for name in PER_DEVICE_FIELDS
+    }
+  )
+
+
+def without_device_slot(state: 'TokenWeightedMultiStepState'):
+  """This device's share: the per-device fields without their slot axis.
+
+  With ``axis_name`` the per-device fields carry a leading axis of length 1
+  (this device's slot), so that the global state stacks the devices' shares
+  along it and ``shard_map`` / ``pmap`` need no hand-written layout.
+  """
+  for name in PER_DEVICE_FIELDS:
+    for leaf in jax.tree.leaves(getattr(state, name)):
+      if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != 1:
+        raise ValueError(
+          f'With axis_name, state.{name} carries a leading device-slot axis '
+          f'of length 1 on each device; got a leaf of shape '
+          f'{jnp.shape(leaf)}. Initialize the state with '
+          'tokacc.init_sharded(tx, params, mesh, ...) for shard_map, or '
+          'jax.pmap(tx.init) / tx.init replicated for pmap.'
+        )
+  return map_per_device(lambda x: x[0], state)
+
+
+def with_device_slot(state: 'TokenWeightedMultiStepState'):
+  """The inverse of :func:`without_device_slot`."""
+  return map_per_device(lambda x: jnp.asarray(x)[None], state)
 
 
 def _is_state(x: Any) -> bool:

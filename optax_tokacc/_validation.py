@@ -237,6 +237,16 @@ def grads(grads: Any, params: Any, accumulator: Any) -> None:
       )
 
 
+def is_state(state: Any) -> None:
+  """``state`` must be the transform's own state."""
+  if type(state).__name__ != 'TokenWeightedMultiStepState':
+    raise TypeError(
+      'state must be the TokenWeightedMultiStepState returned by tx.init '
+      f'of this transform; got {type(state).__name__}. Inside optax.chain, '
+      "pass the chain's state to the chain's update."
+    )
+
+
 def state_matches(
   state: Any,
   acc_dtypes: list,
@@ -245,12 +255,6 @@ def state_matches(
   loss_dtype: jnp.dtype,
 ) -> None:
   """Refuses a state made (or restored) for another configuration."""
-  if type(state).__name__ != 'TokenWeightedMultiStepState':
-    raise TypeError(
-      'state must be the TokenWeightedMultiStepState returned by tx.init '
-      f'of this transform; got {type(state).__name__}. Inside optax.chain, '
-      "pass the chain's state to the chain's update."
-    )
   acc_leaves = jax.tree.leaves(state.acc_grads)
   for leaf, expected in zip(acc_leaves, acc_dtypes):
     if jnp.result_type(leaf) != expected:

@@ -21,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
+import optax_tokacc as tokacc
+
 FEATURES = 8
 SEQS = 2  # sequences per device per micro-step
 SEQ_LEN = 4
@@ -132,44 +134,15 @@ def fetch(tree):
   )
 
 
-def is_local_field(name):
-  """State fields that hold this device's share of the window (``acc_*``)."""
-  return name.startswith('acc_')
-
-
-def _map_local_fields(fn, state):
-  return state._replace(
-    **{
-      name: jax.tree.map(fn, getattr(state, name))
-      for name in state._fields
-      if is_local_field(name)
-    }
-  )
-
-
-def state_specs(state, axes):
-  """``shard_map`` specs: a device axis on the ``acc_*`` fields, else P()."""
-  specs = jax.tree.map(lambda _: P(), state)
-  return specs._replace(
-    **{
-      name: jax.tree.map(lambda _: P(axes), getattr(state, name))
-      for name in state._fields
-      if is_local_field(name)
-    }
-  )
+def state_specs(tx, axes):
+  """``shard_map`` specs of the state, from the library's layout helper."""
+  return tokacc.state_partition_specs(tx, init_params(), axis_name=axes)
 
 
 def shard_map_state(tx, params, mesh, axes):
   """``tx.init`` laid out for :func:`shard_map_step` on ``mesh``."""
-  num_devices = mesh.devices.size
-  state = jax.tree.map(np.asarray, tx.init(params))
-  state = _map_local_fields(
-    lambda x: np.broadcast_to(x[None], (num_devices,) + x.shape), state
-  )
-  specs = state_specs(state, axes)
-  return jax.tree.map(
-    lambda x, spec: put(x, NamedSharding(mesh, spec)), state, specs
-  )
+  params = jax.tree.map(lambda x: put(x, NamedSharding(mesh, P())), params)
+  return tokacc.init_sharded(tx, params, mesh, axis_name=axes)
 
 
 def shard_map_step(
@@ -185,10 +158,10 @@ def shard_map_step(
   ``mark_varying=False`` the gradient is taken with respect to the replicated
   parameters themselves, as a user who does not know the pattern would.
   """
-  specs = state_specs(state, axes)
+  del state  # Its layout comes from `tx`.
+  specs = state_specs(tx, axes)
 
   def local_step(params, state, batch, *emit_now):
-    state = _map_local_fields(lambda x: x[0], state)
     local_params = params
     if mark_varying:
       local_params = jax.tree.map(
@@ -204,7 +177,7 @@ def shard_map_step(
       emit_now=emit_now[0][0] if with_emit_now else False,
     )
     params = optax.apply_updates(params, updates)
-    return params, _map_local_fields(lambda x: x[None], state)
+    return params, state
 
   data_specs = (P(axes), P(axes)) if with_emit_now else (P(axes),)
   return jax.jit(
@@ -311,8 +284,6 @@ def _run_worker(args):
     process_id=args.process_id,
     initialization_timeout=60,
   )
-  import optax_tokacc as tokacc  # noqa: PLC0415
-
   num_devices = jax.device_count()
   mesh = jax.make_mesh(
     (num_devices,),

@@ -1,0 +1,184 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The layout of the whole optimizer state on a mesh, from the parameters'.
+
+No training step writes the state's layout by hand: the parameter-shaped
+parts of the state follow the parameters' specs (optax's
+``tree_map_params``), scalars are replicated, and with ``axis_name`` the
+per-device fields of :class:`TokenWeightedMultiStepState` stack the
+devices' shares along their leading slot axis, split over the data axes
+along which the parameter is not sharded.
+"""
+
+from typing import Any, Optional
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import optax
+
+from optax_tokacc import _collectives
+from optax_tokacc import _state
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def _spec_axes(spec: P) -> set:
+  """The mesh axes a spec shards over."""
+  used = set()
+  for entry in spec:
+    if entry is None:
+      continue
+    used.update((entry,) if isinstance(entry, str) else entry)
+  return used
+
+
+_REPLICATED = P()
+
+
+def _slot(axes: tuple[str, ...], spec: P = _REPLICATED) -> P:
+  """``spec`` behind a slot axis split over the data axes it leaves free."""
+  free = tuple(a for a in axes if a not in _spec_axes(spec))
+  lead = None if not free else free[0] if len(free) == 1 else free
+  return P(lead, *spec)
+
+
+def _is_spec_or_state(x: Any) -> bool:
+  return _is_spec(x) or isinstance(x, _state.TokenWeightedMultiStepState)
+
+
+def _per_device_specs(state_specs: Any, axes: tuple[str, ...]) -> Any:
+  def slot_all(tree):
+    return jax.tree.map(lambda s: _slot(axes, s), tree, is_leaf=_is_spec)
+
+  return state_specs._replace(
+    acc_grads=slot_all(state_specs.acc_grads),
+    acc_compensation=slot_all(state_specs.acc_compensation),
+    acc_tokens=_slot(axes),
+    acc_loss=_slot(axes),
+    skip_state=jax.tree.map(
+      lambda _: _slot(axes), state_specs.skip_state, is_leaf=_is_spec
+    ),
+  )
+
+
+def state_partition_specs(
+  tx: optax.GradientTransformation,
+  params: optax.Params,
+  *,
+  param_specs: Optional[Any] = None,
+  axis_name: Optional[_collectives.AxisName] = None,
+) -> Any:
+  """The ``PartitionSpec`` of every leaf of ``tx.init(params)``.
+
+  Parameter-shaped leaves (accumulator, optimizer moments) take their
+  parameter's spec; scalars are replicated. With ``axis_name`` (the data
+  axes given to :func:`token_weighted_multistep`), the per-device fields
+  carry a leading slot axis split over the data axes along which the
+  parameter is not sharded: DDP keeps one full accumulator per device, FSDP
+  and HSDP a shard of it. Use the result as ``shard_map``'s ``in_specs`` and
+  ``out_specs`` for the state, or build ``NamedSharding``'s from it.
+
+  Args:
+    tx: :func:`token_weighted_multistep`, or a transformation containing it.
+    params: the parameters, or their shapes (``jax.ShapeDtypeStruct``).
+    param_specs: a tree of ``PartitionSpec`` like ``params``; None means
+      replicated parameters.
+    axis_name: the transform's ``axis_name``; None under ``jax.jit`` with
+      global arrays (the accumulator then simply follows the parameters).
+
+  Returns:
+    A tree of ``PartitionSpec`` with the structure of the state.
+  """
+  if param_specs is None:
+    param_specs = jax.tree.map(lambda _: P(), params)
+  abstract = jax.eval_shape(tx.init, params)
+  specs = optax.tree_map_params(
+    tx,
+    lambda _, spec: spec,
+    abstract,
+    param_specs,
+    transform_non_params=lambda _: P(),
+    is_leaf=_is_spec,
+  )
+  if axis_name is None:
+    return specs
+  axes = _collectives.as_tuple(axis_name)
+
+  def fix(node):
+    if isinstance(node, _state.TokenWeightedMultiStepState):
+      return _per_device_specs(node, axes)
+    return node
+
+  return jax.tree.map(fix, specs, is_leaf=_is_spec_or_state)
+
+
+def state_shardings(
+  tx: optax.GradientTransformation,
+  params: optax.Params,
+  mesh: jax.sharding.Mesh,
+  *,
+  param_specs: Optional[Any] = None,
+  axis_name: Optional[_collectives.AxisName] = None,
+) -> Any:
+  """:func:`state_partition_specs` as ``NamedSharding``'s on ``mesh``."""
+  specs = state_partition_specs(
+    tx, params, param_specs=param_specs, axis_name=axis_name
+  )
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def init_sharded(
+  tx: optax.GradientTransformation,
+  params: optax.Params,
+  mesh: jax.sharding.Mesh,
+  *,
+  param_specs: Optional[Any] = None,
+  axis_name: Optional[_collectives.AxisName] = None,
+) -> optax.OptState:
+  """``tx.init(params)`` laid out on ``mesh`` (global arrays).
+
+  With ``axis_name`` the state is initialized inside ``jax.shard_map`` over
+  the mesh, so each device gets its slot of the per-device fields; without,
+  under ``jax.jit`` with the shardings of :func:`state_shardings`.
+
+  Args:
+    tx: :func:`token_weighted_multistep`, or a transformation containing it.
+    params: the parameters, global arrays laid out by ``param_specs``.
+    mesh: the device mesh.
+    param_specs: a tree of ``PartitionSpec`` like ``params``; None means
+      replicated parameters.
+    axis_name: the transform's ``axis_name``.
+
+  Returns:
+    The optimizer state, global arrays sharded as
+    :func:`state_partition_specs` says.
+  """
+  if param_specs is None:
+    param_specs = jax.tree.map(lambda _: P(), params)
+  specs = state_partition_specs(
+    tx, params, param_specs=param_specs, axis_name=axis_name
+  )
+  if axis_name is None:
+    shardings = jax.tree.map(
+      lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec
+    )
+    return jax.jit(tx.init, out_shardings=shardings)(params)
+  init = jax.shard_map(
+    tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=specs
+  )
+  return jax.jit(init)(params)
