@@ -3,7 +3,6 @@
 import functools
 
 import chex
-import flax
 from flax import nnx
 import flax.linen as nn
 from flax.training import train_state
@@ -413,18 +412,7 @@ def test_step_counts_windows_under_apply_if_finite(framework):
   assert step == 3
 
 
-# nnx.Optimizer of flax < 0.12 cannot hold the empty MaskedNode leaves of
-# optax.multi_transform and optax.masked (to_opt_state reads them with [...]).
-NNX_MASKED = pytest.param(
-  'nnx',
-  marks=pytest.mark.skipif(
-    tuple(int(part) for part in flax.__version__.split('.')[:2]) < (0, 12),
-    reason='flax < 0.12: nnx.Optimizer fails on masked optimizer states',
-  ),
-)
-
-
-@pytest.mark.parametrize('framework', ['linen', NNX_MASKED])
+@pytest.mark.parametrize('framework', ['linen', 'nnx'])
 def test_multi_transform_keeps_the_updates_of_other_transforms(framework):
   every_k, learning_rate = 2, 0.5
 
