@@ -185,15 +185,6 @@ CASES = {
     lambda p, s: full_batch_trajectory(momentum(), p, s, grad_scale=2.0),
     False,
   ),
-  'chain_before_and_after': (
-    lambda: optax.chain(
-      optax.scale(2.0), acc(momentum()), optax.scale(0.5), optax.identity()
-    ),
-    lambda p, s: full_batch_trajectory(
-      momentum(), p, s, grad_scale=2.0, update_scale=0.5
-    ),
-    False,
-  ),
   'multi_transform': (
     lambda: optax.multi_transform(
       {'acc': acc(adam()), 'plain': optax.sgd(PLAIN_LEARNING_RATE)}, LABELS
