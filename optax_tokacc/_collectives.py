@@ -184,3 +184,31 @@ def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands):
     return fn_with_vma
 
   return lax.cond(pred, matched(true_fn), matched(false_fn), *operands)
+
+
+def check_complete(
+  count: jax.Array,
+  grads: optax.Updates,
+  params: Optional[optax.Params],
+  axes: Sequence[str],
+) -> None:
+  """Refuses data split over a mesh axis that ``axis_name`` leaves out.
+
+  A count (or a gradient of a parameter not sharded there) that varies over
+  such an axis would be summed over only some of the devices holding the
+  window's data: silently wrong, so it is an error at trace time.
+  """
+  missing = varying_axes(count) - set(axes)
+  what = 'num_tokens'
+  if not missing and params is not None:
+    for grad, param in zip(jax.tree.leaves(grads), jax.tree.leaves(params)):
+      missing |= varying_axes(grad) - set(axes) - varying_axes(param)
+    what = 'a gradient of a parameter replicated there'
+  if missing:
+    raise ValueError(
+      f'{what} varies over the mesh axes {sorted(missing)}, which '
+      f'axis_name={tuple(axes)!r} leaves out: the window would be summed '
+      'over only some of the devices that hold its data. Pass axis_name='
+      f'{tuple(axes) + tuple(sorted(missing))!r} (every axis the batch is '
+      'split over).'
+    )

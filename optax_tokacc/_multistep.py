@@ -21,7 +21,6 @@ count, runs the wrapped optimizer once, and keeps its state's dtypes.
 """
 
 from collections.abc import Callable
-import dataclasses
 from typing import Any, Optional, Union
 
 import jax
@@ -29,10 +28,10 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _collectives
-from optax_tokacc import _compensated
 from optax_tokacc import _state
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
+from optax_tokacc import _window
 from optax_tokacc._state import TokenWeightedMultiStepState
 
 AxisName = Union[str, tuple[str, ...]]
@@ -61,31 +60,6 @@ def skip_not_finite(
     ``(should_skip, {'should_skip': ..., 'num_not_finite': ...})``.
   """
   return optax.skip_not_finite(updates, gradient_step, params)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  """The transform's configuration, checked and canonicalized."""
-
-  inner: optax.GradientTransformationExtraArgs
-  schedule: Callable[[jax.Array], Any]
-  axis_name: Optional[AxisName]
-  mean_loss: bool
-  accumulator_dtype: Optional[jnp.dtype]
-  compensated: bool
-  should_skip_update_fn: Optional[ShouldSkipUpdateFn]
-  token_dtype: jnp.dtype
-
-  def acc_dtype(self, leaf: Any) -> jnp.dtype:
-    """The accumulator dtype of a leaf: configured, or at least float32."""
-    if self.accumulator_dtype is not None:
-      return self.accumulator_dtype
-    return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
-
-  @property
-  def loss_dtype(self) -> jnp.dtype:
-    """float64 under ``jax_enable_x64``, float32 otherwise."""
-    return jax.dtypes.canonicalize_dtype(jnp.float64)
 
 
 def token_weighted_multistep(
@@ -174,7 +148,7 @@ def token_weighted_multistep(
   )
   if axis_name is not None:
     _validation.axis_name(axis_name)
-  config = _Config(
+  config = _validation.Config(
     inner=optax.with_extra_args_support(inner),
     schedule=_validation.schedule(every_k_schedule),
     axis_name=axis_name,
@@ -199,7 +173,9 @@ def token_weighted_multistep(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _init(config: _Config, params: optax.Params) -> TokenWeightedMultiStepState:
+def _init(
+  config: _validation.Config, params: optax.Params
+) -> TokenWeightedMultiStepState:
   acc_grads = jax.tree.map(
     lambda p: jnp.zeros_like(p, dtype=config.acc_dtype(p)), params
   )
@@ -232,7 +208,7 @@ def _init(config: _Config, params: optax.Params) -> TokenWeightedMultiStepState:
 
 
 def _update(
-  config: _Config,
+  config: _validation.Config,
   grads: optax.Updates,
   state: TokenWeightedMultiStepState,
   params: Optional[optax.Params] = None,
@@ -259,199 +235,73 @@ def _update(
   )
   loss = _validation.loss(loss)
   emit_now = _validation.emit_now(emit_now)
-  axes = ()
-  if config.axis_name is not None:
-    _collectives.check_bound(config.axis_name)
-    axes = _collectives.as_tuple(config.axis_name)
-  tracked = bool(axes) and _collectives.tracks_variance(axes)
+  dp = _data_parallel(config)
+  if dp[1]:
+    _collectives.check_complete(count, grads, params, dp[0])
 
-  keep, skip_state = _keep(config, grads, state, params)
-  window = _add_micro_batch(config, state, grads, count, loss, keep)
+  keep, skip_state = _window.keep(config, grads, state, params)
+  window = _window.add_micro_batch(config, state, grads, count, loss, keep)
   mini_step = optax.safe_increment(state.mini_step)
-  if keep is not None and not axes:
+  if keep is not None and not dp[0]:
     mini_step = jnp.where(keep, mini_step, state.mini_step)
-  k = config.schedule(state.gradient_step)
-  _validation.check_k(k)
-  emit = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
-  if emit_now is not None:
-    emit_now = _collectives.any_device(emit_now, axes, tracked)
-    emit = jnp.logical_or(emit, emit_now)
-
-  updates, acc_grads, inner_state, closed = _close_if(
-    config,
-    emit,
-    grads,
-    window,
-    state.inner_state,
-    params,
-    extra_args,
-    (axes, tracked),
+  emit = _should_emit(config, state, mini_step, emit_now, dp)
+  updates, acc_grads, inner_state, closed = _window.close_if(
+    config, emit, grads, window, state.inner_state, params, extra_args, dp
   )
-  emitted, valid, total, mean_loss = closed
-  new_state = TokenWeightedMultiStepState(
-    mini_step=jnp.where(emit, jnp.zeros_like(mini_step), mini_step),
-    gradient_step=_increment_if(emitted, state.gradient_step),
-    acc_grads=acc_grads,
-    acc_tokens=jnp.where(emit, jnp.zeros_like(window[2]), window[2]),
-    acc_loss=jnp.where(emit, jnp.zeros_like(window[3]), window[3]),
-    inner_state=inner_state,
-    last_loss=jnp.where(emitted, mean_loss, state.last_loss),
-    last_tokens=jnp.where(emitted, total, state.last_tokens),
-    skip_state=skip_state,
-    emitted=emitted,
-    acc_compensation=jax.tree.map(
-      lambda error: jnp.where(emit, jnp.zeros_like(error), error), window[1]
-    ),
-    dropped_windows=_increment_if(
-      jnp.logical_and(emit, jnp.logical_not(valid)), state.dropped_windows
-    ),
+  new_state = _next_state(
+    state, emit, mini_step, window, acc_grads, inner_state, closed
   )
+  new_state = new_state._replace(skip_state=skip_state)
   if config.axis_name is not None:
     new_state = _state.with_device_slot(new_state)
   return updates, new_state
 
 
+def _data_parallel(config: _validation.Config) -> tuple[tuple[str, ...], bool]:
+  """The data axes (none without ``axis_name``), and whether JAX tracks
+  which values vary over them."""
+  if config.axis_name is None:
+    return (), False
+  _collectives.check_bound(config.axis_name)
+  axes = _collectives.as_tuple(config.axis_name)
+  return axes, _collectives.tracks_variance(axes)
+
+
+def _should_emit(config, state, mini_step, emit_now, dp) -> jax.Array:
+  """Whether this call closes the window: the same on every device."""
+  k = config.schedule(state.gradient_step)
+  _validation.check_k(k)
+  emit = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
+  if emit_now is None:
+    return emit
+  return jnp.logical_or(emit, _collectives.any_device(emit_now, *dp))
+
+
+def _next_state(state, emit, mini_step, window, acc_grads, inner_state, closed):
+  """The state after this call; a closed window starts afresh."""
+  emitted, valid, total, mean_loss = closed
+  _, acc_compensation, acc_tokens, acc_loss = window
+
+  def reset_if_emit(x):
+    return jnp.where(emit, jnp.zeros_like(x), x)
+
+  return TokenWeightedMultiStepState(
+    mini_step=reset_if_emit(mini_step),
+    gradient_step=_increment_if(emitted, state.gradient_step),
+    acc_grads=acc_grads,
+    acc_tokens=reset_if_emit(acc_tokens),
+    acc_loss=reset_if_emit(acc_loss),
+    inner_state=inner_state,
+    last_loss=jnp.where(emitted, mean_loss, state.last_loss),
+    last_tokens=jnp.where(emitted, total, state.last_tokens),
+    skip_state=state.skip_state,
+    emitted=emitted,
+    acc_compensation=jax.tree.map(reset_if_emit, acc_compensation),
+    dropped_windows=_increment_if(
+      jnp.logical_and(emit, jnp.logical_not(valid)), state.dropped_windows
+    ),
+  )
+
+
 def _increment_if(condition: jax.Array, counter: jax.Array) -> jax.Array:
   return jnp.where(condition, optax.safe_increment(counter), counter)
-
-
-def _keep(config, grads, state, params) -> tuple[Optional[jax.Array], Any]:
-  """Whether to keep the micro-batch (None: always), and the skip state."""
-  if config.should_skip_update_fn is None:
-    return None, state.skip_state
-  skip, skip_state = _validation.call_skip_fn(
-    config.should_skip_update_fn, grads, state.gradient_step, params
-  )
-  return jnp.logical_not(skip), skip_state
-
-
-def _add_micro_batch(config, state, grads, count, loss, keep) -> tuple:
-  """The window with this micro-batch added: grads, compensation, tokens,
-  loss. Contributions are selected, never multiplied by zero."""
-  adds = keep
-  if config.mean_loss:
-    adds = count > 0 if adds is None else jnp.logical_and(adds, count > 0)
-
-  def addend(acc, grad):
-    dtype = jnp.promote_types(acc.dtype, jnp.float32)
-    grad = grad.astype(dtype if config.compensated else acc.dtype)
-    if config.mean_loss:
-      grad = grad * count.astype(grad.dtype)
-    return grad if adds is None else jnp.where(adds, grad, 0).astype(grad.dtype)
-
-  acc_grads, acc_compensation = _compensated.accumulate(
-    state.acc_grads,
-    state.acc_compensation,
-    jax.tree.map(addend, state.acc_grads, grads),
-    state.mini_step == 0,
-    config.compensated,
-  )
-  acc_tokens = _tokens.add(
-    state.acc_tokens, count if keep is None else jnp.where(keep, count, 0)
-  )
-  if loss is None:  # No loss: the window's loss is unknown, NaN.
-    loss_sum = jnp.full([], jnp.nan, config.loss_dtype)
-  else:
-    loss_sum = jnp.asarray(loss, config.loss_dtype)
-    if config.mean_loss:
-      loss_sum = loss_sum * count.astype(loss_sum.dtype)
-    if adds is not None:
-      loss_sum = jnp.where(adds, loss_sum, 0).astype(loss_sum.dtype)
-  acc_loss = state.acc_loss + loss_sum
-  return acc_grads, acc_compensation, acc_tokens, acc_loss
-
-
-def _close_if(config, emit, grads, window, inner_state, params, extra_args, dp):
-  """Closes the window if ``emit``, in one ``lax.cond``.
-
-  Returns ``(updates, acc_grads, inner_state, (emitted, valid, tokens,
-  mean_loss))``. Where the accumulator can hold the emitted updates exactly
-  (same or wider dtype, not per-device varying), the closing branch writes
-  them into its buffer, so a micro-step writes no parameter-sized zeros.
-  """
-  acc_grads, acc_compensation, acc_tokens, acc_loss = window
-  axes, tracked = dp
-  grad_axes = _collectives.grad_sum_axes(grads, params, axes, tracked)
-  scalar_axes = _collectives.sum_axes(acc_tokens, axes, tracked)
-
-  def close(inner_state, params):
-    sums = _compensated.window_sums(
-      acc_grads, acc_compensation, config.compensated
-    )
-    scalars = (_tokens.to_parts(acc_tokens), acc_loss)
-    if axes:
-      sums, scalars = _collectives.reduce_window(
-        sums, grad_axes, scalars, scalar_axes, params, axes
-      )
-    total, valid = _tokens.from_parts(scalars[0], config.token_dtype)
-    emitted = jnp.logical_and(valid, total > 0)
-    divisor = jnp.maximum(total, 1)
-    mean_grads = jax.tree.map(
-      lambda s: (
-        s.astype(jnp.promote_types(s.dtype, jnp.float32))
-        / divisor.astype(jnp.promote_types(s.dtype, jnp.float32))
-      ),
-      sums,
-    )
-    updates, new_inner = config.inner.update(
-      optax.tree.cast_like(mean_grads, grads), inner_state, params, **extra_args
-    )
-    updates = jax.tree.map(
-      lambda u: jnp.where(emitted, u, 0).astype(u.dtype), updates
-    )
-    new_inner = jax.tree.map(
-      lambda new, old: jnp.where(emitted, new, old).astype(
-        jnp.result_type(old)
-      ),
-      new_inner,
-      inner_state,
-    )
-    mean_loss = scalars[1] / divisor.astype(scalars[1].dtype)
-    return updates, new_inner, (emitted, valid, total, mean_loss)
-
-  shapes = jax.eval_shape(close, inner_state, params)[0]
-  in_buffer = _holds_exactly(acc_grads, shapes)
-
-  def closing(acc_grads, inner_state, params):
-    updates, new_inner, closed = close(inner_state, params)
-    held = optax.tree.cast_like(updates, acc_grads) if in_buffer else updates
-    return held, new_inner, closed
-
-  def accumulating(acc_grads, inner_state, params):
-    held = acc_grads if in_buffer else _zeros(shapes)
-    none = (
-      False,
-      True,
-      jnp.zeros([], acc_tokens.dtype),
-      jnp.zeros([], acc_loss.dtype),
-    )
-    return held, inner_state, jax.tree.map(jnp.asarray, none)
-
-  held, inner_state, closed = _collectives.cond(
-    emit, closing, accumulating, acc_grads, inner_state, params
-  )
-  if not in_buffer:
-    return held, acc_grads, inner_state, closed
-  updates = jax.tree.map(
-    lambda h, s: jnp.where(closed[0], h, 0).astype(s.dtype), held, shapes
-  )
-  return updates, held, inner_state, closed
-
-
-def _holds_exactly(acc_grads: optax.Updates, updates: Any) -> bool:
-  """Whether the accumulator's buffer can hold ``updates`` exactly."""
-  acc_leaves = jax.tree.leaves(acc_grads)
-  update_leaves = jax.tree.leaves(updates)
-  if jax.tree.structure(acc_grads) != jax.tree.structure(updates):
-    return False
-  return all(
-    a.shape == u.shape
-    and jnp.promote_types(a.dtype, u.dtype) == a.dtype
-    and not _collectives.varying_axes(a)
-    for a, u in zip(acc_leaves, update_leaves)
-  )
-
-
-def _zeros(shapes: Any) -> Any:
-  """Zeros of the given shapes and dtypes, varying over no axis."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

@@ -20,7 +20,8 @@ the token rules in ``_tokens``.
 """
 
 from collections.abc import Callable
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,31 @@ import optax
 
 _LOSS_REDUCTIONS = ('sum', 'mean')
 _CALL = 'updates, state = tx.update(grads, state, params, num_tokens=n)'
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The transform's configuration, checked and canonicalized."""
+
+  inner: optax.GradientTransformationExtraArgs
+  schedule: Callable[[jax.Array], Any]
+  axis_name: Optional[Union[str, tuple[str, ...]]]
+  mean_loss: bool
+  accumulator_dtype: Optional[jnp.dtype]
+  compensated: bool
+  should_skip_update_fn: Optional[Callable]
+  token_dtype: jnp.dtype
+
+  def acc_dtype(self, leaf: Any) -> jnp.dtype:
+    """The accumulator dtype of a leaf: configured, or at least float32."""
+    if self.accumulator_dtype is not None:
+      return self.accumulator_dtype
+    return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
+
+  @property
+  def loss_dtype(self) -> jnp.dtype:
+    """float64 under ``jax_enable_x64``, float32 otherwise."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64)
 
 
 def check_options(

@@ -381,3 +381,41 @@ def test_axis_name_missing_from_the_mesh():
         out_specs=P('data'),
       )
     )(jnp.ones((jax.device_count(), 3)))
+
+
+def test_hybrid_mesh_with_an_axis_left_out_is_refused():
+  """Data split over ('replica', 'fsdp') but axis_name='replica': the window
+  would be summed over half the devices (0.1: half the tokens, silently)."""
+  mesh = jax.make_mesh(
+    (2, 2), ('replica', 'fsdp'), (AUTO, AUTO), devices=jax.devices()[:4]
+  )
+  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2, axis_name='replica')
+  params = {'w': np.zeros(4, np.float32)}
+  specs = tokacc.state_partition_specs(tx, params, axis_name='replica')
+  state = tokacc.init_sharded(
+    tx,
+    jax.device_put(params, NamedSharding(mesh, P())),
+    mesh,
+    axis_name='replica',
+  )
+
+  def local_step(params, state, x):
+    local = jax.tree.map(
+      lambda p: lax.pcast(p, ('replica', 'fsdp'), to='varying'), params
+    )
+    grads = jax.grad(lambda p: jnp.sum(p['w'] * x))(local)
+    return tx.update(grads, state, params, num_tokens=x.size)
+
+  step = jax.jit(
+    jax.shard_map(
+      local_step,
+      mesh=mesh,
+      in_specs=(P(), specs, P(('replica', 'fsdp'))),
+      out_specs=(P(), specs),
+    )
+  )
+  x = jax.device_put(
+    np.ones(16, np.float32), NamedSharding(mesh, P(('replica', 'fsdp')))
+  )
+  with pytest.raises(ValueError, match=r"axis_name=\('replica', 'fsdp'\)"):
+    step(jax.device_put(params, NamedSharding(mesh, P())), state, x)

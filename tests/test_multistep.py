@@ -551,7 +551,9 @@ class TestErrors:
       )
 
   def test_non_numeric_token_dtype(self):
-    with pytest.raises(TypeError, match=r'token_dtype must be int32 or a floating'):
+    with pytest.raises(
+      TypeError, match=r'token_dtype must be int32 or a floating'
+    ):
       tokacc.token_weighted_multistep(optax.sgd(0.1), 2, token_dtype=jnp.bool_)
 
   def test_missing_num_tokens(self):
