@@ -192,12 +192,24 @@ def check_complete(
   params: Optional[optax.Params],
   axes: Sequence[str],
 ) -> None:
-  """Refuses data split over a mesh axis that ``axis_name`` leaves out.
+  """Refuses layouts where the sums would be silently wrong.
 
   A count (or a gradient of a parameter not sharded there) that varies over
-  such an axis would be summed over only some of the devices holding the
-  window's data: silently wrong, so it is an error at trace time.
+  an axis ``axis_name`` leaves out would be summed over only some of the
+  devices holding the window's data; parameters that all vary over every
+  data axis (replicas stacked per device, typed as varying) would not be
+  summed at all. Both are errors at trace time.
   """
+  param_leaves = [] if params is None else jax.tree.leaves(params)
+  if param_leaves and all(set(axes) <= varying_axes(p) for p in param_leaves):
+    raise ValueError(
+      f'Every parameter varies over all of axis_name={tuple(axes)!r}, so '
+      'no gradient would be summed over the devices. Parameters that are '
+      'replicas stacked per device (pmap style) must enter shard_map '
+      'replicated (in_specs P()): lay the state out with '
+      'tokacc.state_partition_specs / tokacc.init_sharded. Parameters '
+      'sharded over the data axes are summed only where they are replicated.'
+    )
   missing = varying_axes(count) - set(axes)
   what = 'num_tokens'
   if not missing and params is not None:
