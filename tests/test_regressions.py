@@ -35,6 +35,7 @@ LEARNING_RATE = 0.1
 PLAIN_LEARNING_RATE = 0.01
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 TIMEOUT_S = 120
+BF16 = jnp.bfloat16
 
 
 def init_params(dtype=jnp.float32):
@@ -223,11 +224,15 @@ def train_pmap(windows, devices):
     return optax.apply_updates(params, updates), state
 
   p_step = jax.pmap(step, axis_name='data', devices=devices)
-  params = jax.tree.map(
-    lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
-    harness.init_params(),
+  # Sharded over the axis of the step's outputs, so that it compiles once.
+  replicate = jax.pmap(lambda x: x, axis_name='data', devices=devices)
+  params = replicate(
+    jax.tree.map(
+      lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
+      harness.init_params(),
+    )
   )
-  state = jax.pmap(tx.init, devices=devices)(params)
+  state = jax.pmap(tx.init, axis_name='data', devices=devices)(params)
   for window in windows:
     for batch in window:
       batch = jax.tree.map(
@@ -393,87 +398,88 @@ def dtypes_of(tree):
   return jax.tree.map(lambda x: jnp.result_type(x), tree)
 
 
-@pytest.mark.parametrize(
-  'param_dtype, grad_dtype, mu_dtype',
-  [
-    (jnp.bfloat16, jnp.float32, None),
-    (jnp.bfloat16, jnp.bfloat16, jnp.float32),
-  ],
-  ids=['bf16_params_f32_grads', 'bf16_params_mu_f32'],
-)
-def test_2_adam_mixed_precision(param_dtype, grad_dtype, mu_dtype):
-  inner = optax.adam(LEARNING_RATE, eps=1e-3, mu_dtype=mu_dtype)
-  tx = tokacc.token_weighted_multistep(inner, K)
-  grad_fn = grads_in(grad_dtype)
-  windows = make_windows()
-  params = init_params(param_dtype)
-  expected, expected_state = train_dtype_stable_reference(
-    inner, params, windows, grad_fn, grad_dtype
-  )
-  update_dtypes = expected_update_dtypes(inner, params, grad_dtype)
-
-  @jax.jit
-  def step(params, state, grads, num_tokens):
-    updates, state = tx.update(grads, state, params, num_tokens=num_tokens)
-    return optax.apply_updates(params, updates), state, updates
-
-  state = tx.init(params)
-  for batch in flatten(windows):
-    params, state, updates = step(
-      params, state, grad_fn(params, batch), int_count(batch)
-    )
-    assert dtypes_of(updates) == update_dtypes
-  assert dtypes_of(state.inner_state) == dtypes_of(expected_state)
-  assert dtypes_of(params) == dtypes_of(expected)
-  chex.assert_trees_all_close(params, expected, rtol=1e-2, atol=1e-2)
+# bf16 parameters with Adam: f32 gradients (Adam's mu is promoted by the
+# update), and mu_dtype=float32 with bf16 gradients (f32 updates).
+MIXED_PRECISION = {
+  'adam_f32_grads': (lambda: optax.adam(LEARNING_RATE, eps=1e-3), jnp.float32),
+  'adam_mu_f32_bf16_grads': (
+    lambda: optax.adam(LEARNING_RATE, eps=1e-3, mu_dtype=jnp.float32),
+    jnp.bfloat16,
+  ),
+}
 
 
-def test_2_adam_mu_dtype_f32_bf16_params_under_pmap():
-  num_devices = 2
-  grad_dtype = jnp.bfloat16
-  inner = optax.adam(LEARNING_RATE, eps=1e-3, mu_dtype=jnp.float32)
-  tx = tokacc.token_weighted_multistep(inner, K, axis_name='data')
-  grad_fn = grads_in(grad_dtype)
+def test_2_adam_bf16_params_under_pmap():
+  """Both settings of MIXED_PRECISION in one pmapped step over 2 devices."""
+  devices = jax.devices()[:2]
+  inners = {name: make() for name, (make, _) in MIXED_PRECISION.items()}
+  txs = {
+    name: tokacc.token_weighted_multistep(inner, K, axis_name='data')
+    for name, inner in inners.items()
+  }
   # Device d holds micro-batches of its own: both together make the window.
   per_device = [make_windows(), make_windows(((1, 8, 0), (6, 3, 4)), seed=50)]
-  params = init_params(jnp.bfloat16)
   reference_windows = [
     per_device[0][w] + per_device[1][w] for w in range(len(TOKEN_COUNTS))
   ]
-  expected, _ = train_dtype_stable_reference(
-    inner, params, reference_windows, grad_fn, grad_dtype
-  )
-  update_dtypes = expected_update_dtypes(inner, params, grad_dtype)
 
-  def step(params, state, batch):
-    grads = jax.grad(loss_sum)(
-      jax.tree.map(lambda p: p.astype(grad_dtype), params),
-      jax.tree.map(lambda x: x.astype(grad_dtype), batch),
-    )
-    updates, state = tx.update(
-      grads, state, params, num_tokens=int_count(batch)
-    )
-    return optax.apply_updates(params, updates), state, updates
-
-  p_step = jax.pmap(step, axis_name='data', devices=jax.devices()[:num_devices])
+  def step(params, states, batch):
+    results = {}
+    for name, tx in txs.items():
+      grad_dtype = MIXED_PRECISION[name][1]
+      grads = jax.grad(loss_sum)(
+        jax.tree.map(lambda p, g=grad_dtype: p.astype(g), params[name]),
+        jax.tree.map(lambda x, g=grad_dtype: x.astype(g), batch),
+      )
+      updates, state = tx.update(
+        grads, states[name], params[name], num_tokens=int_count(batch)
+      )
+      new_params = optax.apply_updates(params[name], updates)
+      results[name] = (new_params, state, updates)
+    return results
 
   def stack(*xs):
-    return jnp.stack(xs)
+    return np.stack(xs)
 
-  replicated = jax.tree.map(lambda x: stack(*[x] * num_devices), params)
-  state = jax.pmap(tx.init, devices=jax.devices()[:num_devices])(replicated)
+  # Sharded over the axis of the step's outputs, so that it compiles once.
+  replicate = jax.pmap(lambda x: x, axis_name='data', devices=devices)
+  params = {
+    name: replicate(jax.tree.map(lambda x: stack(x, x), init_params(BF16)))
+    for name in txs
+  }
+  states = {
+    name: jax.pmap(tx.init, axis_name='data', devices=devices)(params[name])
+    for name, tx in txs.items()
+  }
+  p_step = jax.pmap(step, axis_name='data', devices=devices)
+  updates = {name: [] for name in txs}
   for w in range(len(TOKEN_COUNTS)):
     for m in range(K):
       batch = jax.tree.map(stack, per_device[0][w][m], per_device[1][w][m])
-      replicated, state, updates = p_step(replicated, state, batch)
-      assert dtypes_of(updates) == update_dtypes
-  for d in range(num_devices):
-    chex.assert_trees_all_close(
-      jax.tree.map(lambda x, d=d: x[d], replicated),
-      expected,
-      rtol=1e-2,
-      atol=1e-2,
+      results = p_step(params, states, batch)
+      for name, (new_params, state, new_updates) in results.items():
+        params[name], states[name] = new_params, state
+        updates[name].append(new_updates)
+  for name, inner in inners.items():
+    grad_dtype = MIXED_PRECISION[name][1]
+    expected, _ = train_dtype_stable_reference(
+      inner,
+      init_params(BF16),
+      reference_windows,
+      grads_in(grad_dtype),
+      grad_dtype,
     )
+    update_dtypes = expected_update_dtypes(inner, init_params(BF16), grad_dtype)
+    for step_updates in updates[name]:
+      assert dtypes_of(step_updates) == update_dtypes, name
+    for d in range(len(devices)):
+      chex.assert_trees_all_close(
+        jax.tree.map(lambda x, d=d: x[d], params[name]),
+        expected,
+        rtol=1e-2,
+        atol=1e-2,
+        custom_message=f'{name} on device {d}',
+      )
 
 
 # Defect 3: updates of other transforms dropped by apply_if_updated.
