@@ -22,6 +22,7 @@ counted tokens.
 
 from collections.abc import Callable
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -42,6 +43,7 @@ class Model:
       number of counted tokens)``.
     windows: ``num_windows`` lists of ``k`` micro-batches each.
     description: sizes, for the table and the JSON.
+    mu_dtype: AdamW's ``mu_dtype`` for this model (None: the parameters').
   """
 
   name: str
@@ -49,6 +51,7 @@ class Model:
   loss_sum: Callable[[Any, Any], tuple[jax.Array, jax.Array]]
   windows: list[list[Any]]
   description: str
+  mu_dtype: Any = None
 
   @property
   def num_params(self) -> int:
@@ -57,6 +60,10 @@ class Model:
   @property
   def param_bytes(self) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(self.params))
+
+  @property
+  def param_dtype(self) -> str:
+    return str(jax.tree.leaves(self.params)[0].dtype)
 
   def loss_mean(self, params, batch):
     """The micro-batch's token-mean loss (what ``optax.MultiSteps`` takes)."""
@@ -71,22 +78,28 @@ def _mask(rng, shape, keep):
   return mask.astype(np.float32)
 
 
-def mlp(*, width, depth, batch_size, k, num_windows=2, seed=0):
+def mlp(
+  *, width, depth, batch_size, k, num_windows=2, seed=0, dtype=jnp.float32
+):
   """A ReLU MLP classifier: ``depth`` dense layers of ``width`` x ``width``.
 
   Rows are the tokens; about 10% of the rows of each micro-batch are padding.
+  Parameters and activations in ``dtype``; with bfloat16 (mixed precision)
+  AdamW keeps its first moment in float32 (``mu_dtype``).
   """
   keys = jax.random.split(jax.random.key(seed), depth)
   params = {
     f'layer_{i}': {
-      'w': jax.random.normal(keys[i], (width, width)) / np.sqrt(width),
-      'b': jnp.zeros((width,)),
+      'w': (jax.random.normal(keys[i], (width, width)) / np.sqrt(width)).astype(
+        dtype
+      ),
+      'b': jnp.zeros((width,), dtype),
     }
     for i in range(depth)
   }
 
   def loss_sum(params, batch):
-    hidden = batch['x']
+    hidden = batch['x'].astype(dtype)
     for i in range(depth):
       layer = params[f'layer_{i}']
       hidden = hidden @ layer['w'] + layer['b']
@@ -106,12 +119,17 @@ def mlp(*, width, depth, batch_size, k, num_windows=2, seed=0):
     }
 
   windows = [[micro_batch() for _ in range(k)] for _ in range(num_windows)]
+  mixed = jnp.dtype(dtype) != jnp.float32
   return Model(
-    name='mlp',
+    name='mlp_bf16' if mixed else 'mlp',
     params=params,
     loss_sum=loss_sum,
     windows=windows,
-    description=f'MLP {depth} x ({width} x {width}), micro-batch {batch_size}',
+    description=(
+      f'MLP {depth} x ({width} x {width}), micro-batch {batch_size}, '
+      f'{jnp.dtype(dtype).name} parameters'
+    ),
+    mu_dtype=jnp.float32 if mixed else None,
   )
 
 
@@ -238,7 +256,13 @@ SIZES = {
     ),
   },
 }
-MODELS = {'mlp': mlp, 'transformer': transformer}
+for _sizes in SIZES.values():
+  _sizes['mlp_bf16'] = _sizes['mlp']
+MODELS = {
+  'mlp': mlp,
+  'transformer': transformer,
+  'mlp_bf16': functools.partial(mlp, dtype=jnp.bfloat16),
+}
 
 
 def build(name: str, setting: str, k: int) -> Model:

@@ -25,7 +25,7 @@ window after warm-up, its ratio to the ideal reference and to
 
   python benchmarks/run.py --quick            # about 1 minute on 2 CPU cores
   python benchmarks/run.py --out results.json # the full run (17 min there)
-  python benchmarks/run.py --models mlp --methods ideal,multisteps,tokacc_aiu
+  python benchmarks/run.py --models mlp_bf16 --methods ideal,multisteps,tokacc
 
 Methods (``--methods``):
 
@@ -35,11 +35,21 @@ Methods (``--methods``):
 - ``multisteps``: ``optax.MultiSteps(adamw, k)`` on the mean loss, with
   ``optax.apply_updates``.
 - ``tokacc``: ``token_weighted_multistep(adamw, k)`` with
-  ``optax.apply_updates`` (the parameters are rewritten on every micro-step).
-- ``tokacc_aiu``: the same with ``tokacc.apply_if_updated``.
+  ``optax.apply_updates`` (since 0.2 also what ``tokacc.apply_if_updated``
+  runs: the 0.1 row ``tokacc_aiu`` is gone).
+- ``tokacc_chain``: ``optax.chain(token_weighted_multistep(adamw, k),
+  optax.clip(1.0))`` with ``optax.apply_updates``: a transform chained after
+  the accumulator (the clip never binds at this learning rate).
 - ``tokacc_flax``: ``optax_tokacc.flax.TrainState.apply_gradients``.
 - ``microbatched``: one jitted step per window on the whole window's batch,
   ``tokacc.microbatched_value_and_grad`` then AdamW.
+
+Models (``--models``): ``mlp`` and ``transformer`` in float32, and
+``mlp_bf16``, the mixed-precision configuration: the same MLP with bfloat16
+parameters and activations, AdamW with ``mu_dtype=jnp.float32``; the
+accumulators are float32 (``ideal``: by hand; ``tokacc``: the default
+``accumulator_dtype=None`` promotes bfloat16 gradients to float32;
+``multisteps`` accumulates in the parameters' bfloat16, as optax does).
 
 Exact methods (all but ``plain`` and ``multisteps``) hold the same
 parameters after the first window; the largest difference to ``ideal``
@@ -52,6 +62,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -63,11 +74,11 @@ METHODS = (
   'ideal',
   'multisteps',
   'tokacc',
-  'tokacc_aiu',
+  'tokacc_chain',
   'tokacc_flax',
   'microbatched',
 )
-MODEL_NAMES = ('mlp', 'transformer')
+MODEL_NAMES = ('mlp', 'transformer', 'mlp_bf16')
 SETTINGS = {
   # windows timed, warm-up windows, k values, models
   'full': dict(windows=10, warmup=2, ks=(4, 8), models=MODEL_NAMES),
@@ -220,12 +231,16 @@ class Method:
       lambda p, u, s: optax.apply_updates(p, u),
     )
 
-  def _setup_tokacc_aiu(self):
+  def _setup_tokacc_chain(self):
+    import optax  # noqa: PLC0415
+
     import optax_tokacc as tokacc  # noqa: PLC0415
 
     self._step_method(
-      tokacc.token_weighted_multistep(self.adamw, self.k),
-      tokacc.apply_if_updated,
+      optax.chain(
+        tokacc.token_weighted_multistep(self.adamw, self.k), optax.clip(1.0)
+      ),
+      lambda p, u, s: optax.apply_updates(p, u),
     )
 
   def _setup_ideal(self):
@@ -238,18 +253,28 @@ class Method:
     @functools.partial(jax.jit, donate_argnums=(1, 2))
     def micro_step(params, acc, acc_tokens, batch):
       grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
-      return jax.tree.map(jnp.add, acc, grads), acc_tokens + num_tokens
+      acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+      return acc, acc_tokens + num_tokens
 
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
     def window_update(params, opt_state, acc, acc_tokens):
-      mean = jax.tree.map(lambda g: g / acc_tokens.astype(g.dtype), acc)
+      # The token mean in the (float32) accumulator's dtype, handed to AdamW
+      # in the gradients' dtype, as token_weighted_multistep does.
+      mean = jax.tree.map(
+        lambda g, p: (g / acc_tokens.astype(g.dtype)).astype(p.dtype),
+        acc,
+        params,
+      )
       updates, opt_state = adamw.update(mean, opt_state, params)
       zeros = jax.tree.map(jnp.zeros_like, acc)
       params = optax.apply_updates(params, updates)
       return params, opt_state, zeros, jnp.zeros_like(acc_tokens)
 
     self._opt_state = adamw.init(self._params)
-    self._acc = jax.tree.map(jnp.zeros_like, self._params)
+    self._acc = jax.tree.map(
+      lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)),
+      self._params,
+    )
     self._acc_tokens = jnp.zeros([], jnp.int32)
     batch = self.window()[0]
     self.compiled['micro_step'] = micro_step.lower(
@@ -354,10 +379,11 @@ def max_difference(params, reference):
 def bench_model(model_name, setting, k, method_names, windows, warmup):
   """Rows of one model and k: time per window, ratios, memory, check."""
   import _models  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
   import optax  # noqa: PLC0415
 
   model = _models.build(model_name, setting, k)
-  adamw = optax.adamw(1e-4)
+  adamw = optax.adamw(1e-4, mu_dtype=model.mu_dtype)
   methods = {}
   for name in method_names:
     try:
@@ -387,6 +413,8 @@ def bench_model(model_name, setting, k, method_names, windows, warmup):
     row = {
       'model': model_name,
       'model_description': model.description,
+      'param_dtype': model.param_dtype,
+      'mu_dtype': model.mu_dtype and jnp.dtype(model.mu_dtype).name,
       'num_params': model.num_params,
       'param_bytes': model.param_bytes,
       'k': k,
@@ -446,24 +474,38 @@ def print_table(rows):
 
 
 def print_collectives(rows):
-  print(
-    f'\n{"collectives (fake CPU devices)":<32}{"k":>2}'
-    f'{"per micro-step":>16}{"per window":>12}'
-  )
-  for row in rows:
-    counts = row['per_step']
-    print(
-      f'{row["pattern"]:<32}{row["k"]:>2}'
-      f'{sum(counts["unconditional"].values()):>16}'
-      f'{row["per_window"]["collectives"]:>12}'
-    )
+  import collectives  # noqa: PLC0415
+
+  print(f'\ncollectives on {rows[0]["devices"]} fake CPU devices:')
+  collectives.print_table(rows)
+
+
+def _git(*args):
+  """The output of a git command in this repository ('' if it fails)."""
+  try:
+    return subprocess.run(
+      ['git', *args],
+      capture_output=True,
+      text=True,
+      cwd=os.path.dirname(os.path.abspath(__file__)),
+      timeout=10,
+    ).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return ''
 
 
 def machine():
   import jax  # noqa: PLC0415
+  import optax  # noqa: PLC0415
 
   device = jax.devices()[0]
   return {
+    'date': time.strftime('%Y-%m-%d %H:%M %Z'),
+    'commit': _git('rev-parse', 'HEAD'),
+    'library_changes_uncommitted': bool(
+      _git('status', '--porcelain', '--', '../optax_tokacc')
+    ),
+    'optax': optax.__version__,
     'platform': platform.platform(),
     'processor': platform.processor(),
     'cpu_count': os.cpu_count(),

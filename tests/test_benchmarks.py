@@ -28,11 +28,20 @@ ALL_METHODS = (
   'ideal',
   'multisteps',
   'tokacc',
-  'tokacc_aiu',
+  'tokacc_chain',
   'tokacc_flax',
   'microbatched',
 )
-EXACT_METHODS = ('tokacc', 'tokacc_aiu', 'tokacc_flax', 'microbatched')
+EXACT_METHODS = ('tokacc', 'tokacc_chain', 'tokacc_flax', 'microbatched')
+MODELS = ('mlp', 'transformer', 'mlp_bf16')
+PATTERNS = (
+  'DDP',
+  'FSDP (GSPMD)',
+  'HSDP partial-manual',
+  'HSDP fully manual',
+  'pmean + MultiSteps',
+  'sharded jit',
+)
 
 pytestmark = pytest.mark.slow  # starts a Python process
 
@@ -51,14 +60,12 @@ def run_benchmarks(*args):
 
 def test_tiny_run_writes_every_method_and_figure(tmp_path):
   out = tmp_path / 'results.json'
-  result = run_benchmarks('--tiny', '--devices', 2, '--out', out)
+  result = run_benchmarks('--tiny', '--devices', 4, '--out', out)
   assert result.returncode == 0, result.stdout + result.stderr
   results = json.loads(out.read_text())
   rows = results['rows']
   assert {(row['model'], row['method']) for row in rows} == {
-    (model, method)
-    for model in ('mlp', 'transformer')
-    for method in ALL_METHODS
+    (model, method) for model in MODELS for method in ALL_METHODS
   }
   for row in rows:
     assert row['median_window_s'] > 0
@@ -66,14 +73,47 @@ def test_tiny_run_writes_every_method_and_figure(tmp_path):
       assert analysis['argument_size_in_bytes'] > 0
       assert analysis['temp_size_in_bytes'] >= 0
     if row['method'] in EXACT_METHODS:
-      # Same parameters as the ideal reference after one window.
+      # Same parameters as the ideal reference after one window (in the
+      # same dtypes: bf16 parameters, f32 accumulator, f32 first moment).
       assert row['max_abs_diff_to_ideal_after_one_window'] < 1e-5, row
-  tokacc_collectives = [
-    row for row in results['collectives'] if row['pattern'] == 'tokacc'
-  ]
-  assert tokacc_collectives
-  for row in tokacc_collectives:
-    assert sum(row['per_step']['unconditional'].values()) == 0, row
+    if row['model'] == 'mlp_bf16':
+      assert row['param_dtype'] == 'bfloat16' and row['mu_dtype'] == 'float32'
+  check_collectives(results['collectives'])
+
+
+def window_by_axes(row):
+  return {
+    axes: entry['collectives']
+    for axes, entry in row['summary']['window_by_axes'].items()
+  }
+
+
+def check_collectives(rows):
+  """What the compiled steps on 4 devices (k = 2) must show."""
+  rows = {row['pattern']: row for row in rows}
+  assert set(rows) == set(PATTERNS)
+  for name in PATTERNS:
+    row = rows[name]
+    assert row['summary']['other_branch'] == 0, row
+    if row['exact']:
+      assert row['max_abs_diff_to_full_batch'] < 1e-5, row
+  # DDP: no collective on micro-steps, one all-reduce per window.
+  ddp = rows['DDP']['summary']
+  assert ddp['micro_step']['collectives'] == 0
+  assert ddp['window']['collectives'] == 1
+  # pmean + MultiSteps: one all-reduce per micro-step.
+  assert rows['pmean + MultiSteps']['summary']['window']['collectives'] == 2
+  # HSDP: the inter-replica gradient all-reduce once per window, on the
+  # closing step, over the gradient shard (1/2 of the parameters here).
+  for name in ('HSDP partial-manual', 'HSDP fully manual'):
+    row = rows[name]
+    replica = [r for r in row['collectives'] if 'replica' in r['axes']]
+    assert all(r['where'] == 'closing step' for r in replica), row
+    assert window_by_axes(row)['replica'] == 1
+    assert row['accumulator_bytes_per_device'] == row['param_bytes'] // 2
+  assert rows['FSDP (GSPMD)']['accumulator_bytes_per_device'] == (
+    rows['FSDP (GSPMD)']['param_bytes'] // 4
+  )
 
 
 @pytest.mark.parametrize(

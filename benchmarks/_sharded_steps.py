@@ -1,0 +1,330 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The training steps of ``collectives.py``: one per sharding pattern.
+
+Each builder returns a :class:`Setup`: the jitted step ``(params, state,
+batch) -> (params, state)`` (parameters and state donated), the global
+parameters and optimizer state laid out on its mesh (state layouts from
+``tokacc.state_partition_specs`` and ``tokacc.init_sharded``, none written
+by hand), and the sharding of a micro-batch.
+"""
+
+from collections.abc import Callable
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+
+import optax_tokacc as tokacc
+
+WIDTH = 64
+OUTPUTS = 8
+ROWS_PER_DEVICE = 4
+LEARNING_RATE = 1e-3
+AUTO = jax.sharding.AxisType.Auto
+# FSDP: every parameter sharded along its first dimension.
+FSDP_SPECS = {'w1': P('fsdp', None), 'b1': P('fsdp'), 'w2': P('fsdp', None)}
+
+
+@dataclasses.dataclass
+class Setup:
+  mesh: jax.sharding.Mesh
+  step: Callable[..., Any]
+  params: Any
+  state: Any
+  batch_spec: P
+
+  @property
+  def mesh_axes(self):
+    return tuple(self.mesh.shape.items())
+
+
+def init_params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {
+    'w1': rng.normal(size=(WIDTH, WIDTH)).astype(np.float32) / 8,
+    'b1': np.zeros((WIDTH,), np.float32),
+    'w2': rng.normal(size=(WIDTH, OUTPUTS)).astype(np.float32) / 8,
+  }
+
+
+def make_windows(num_devices, k, num_windows=2, seed=1):
+  """Windows of ``k`` micro-batches, ``ROWS_PER_DEVICE`` rows per device,
+  about 80% of the rows counted (at least one per micro-batch)."""
+  rng = np.random.default_rng(seed)
+  rows = ROWS_PER_DEVICE * num_devices
+
+  def micro_batch():
+    mask = (rng.random(rows) < 0.8).astype(np.float32)
+    mask[0] = 1.0
+    return {
+      'x': rng.normal(size=(rows, WIDTH)).astype(np.float32),
+      'y': rng.normal(size=(rows, OUTPUTS)).astype(np.float32),
+      'mask': mask,
+    }
+
+  return [[micro_batch() for _ in range(k)] for _ in range(num_windows)]
+
+
+def loss_sum(params, batch, constrain=lambda x: x):
+  """Squared error summed over the counted rows, and their count."""
+  hidden = jnp.tanh(constrain(batch['x'] @ params['w1'] + params['b1']))
+  error = constrain(hidden @ params['w2']) - batch['y']
+  loss = jnp.sum(jnp.sum(error**2, axis=-1) * batch['mask'])
+  return loss, jnp.sum(batch['mask']).astype(jnp.int32)
+
+
+def loss_mean(params, batch):
+  loss, num_tokens = loss_sum(params, batch)
+  return loss / jnp.maximum(num_tokens, 1)
+
+
+def adamw():
+  return optax.adamw(LEARNING_RATE)
+
+
+def reference(params, windows):
+  """Single-device full-batch AdamW on each window's token-mean loss."""
+  optimizer = adamw()
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    grads, num_tokens = jax.grad(loss_sum, has_aux=True)(params, batch)
+    grads = jax.tree.map(lambda g: g / num_tokens, grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = jax.tree.map(jnp.asarray, params)
+  opt_state = optimizer.init(params)
+  for window in windows:
+    batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
+    params, opt_state = step(params, opt_state, batch)
+  return params
+
+
+def _put(tree, mesh, specs=None):
+  if specs is None:
+    specs = jax.tree.map(lambda _: P(), tree)
+  return jax.device_put(
+    tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  )
+
+
+def _varying(params, axes):
+  """Parameters marked varying over ``axes``: autodiff then leaves the
+  gradients per device instead of summing them on every micro-step."""
+  return jax.tree.map(lambda p: lax.pcast(p, axes, to='varying'), params)
+
+
+def _constrain_rows(spec, mesh):
+  """Constrains an activation's rows (batch) to ``spec`` on ``mesh`` (on
+  the abstract mesh inside ``shard_map``), so that GSPMD all-gathers the
+  parameters instead of splitting the activations (FSDP)."""
+
+  def constrain(x):
+    current = jax.sharding.get_abstract_mesh()
+    on = mesh if current.empty else current
+    return lax.with_sharding_constraint(x, NamedSharding(on, P(spec)))
+
+  return constrain
+
+
+def _tokacc_update(tx, grads, state, params, loss, num_tokens):
+  updates, state = tx.update(
+    grads, state, params, num_tokens=num_tokens, loss=loss
+  )
+  return optax.apply_updates(params, updates), state
+
+
+def ddp(num_devices, k, params):
+  mesh = jax.make_mesh((num_devices,), ('data',), axis_types=(AUTO,))
+  tx = tokacc.token_weighted_multistep(adamw(), k, axis_name='data')
+  specs = tokacc.state_partition_specs(tx, params, axis_name='data')
+
+  def step(params, state, batch):
+    (loss, num_tokens), grads = _value_and_grad(loss_sum)(
+      _varying(params, 'data'), batch
+    )
+    return _tokacc_update(tx, grads, state, params, loss, num_tokens)
+
+  step = jax.shard_map(
+    step,
+    mesh=mesh,
+    in_specs=(P(), specs, P('data')),
+    out_specs=(P(), specs),
+  )
+  params = _put(params, mesh)
+  state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
+  return Setup(mesh, _jit(step), params, state, P('data'))
+
+
+def _jit(step):
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _value_and_grad(fn):
+  """``((loss, num_tokens), grads)`` of ``fn(params, batch)``."""
+  return jax.value_and_grad(fn, has_aux=True)
+
+
+def fsdp_gspmd(num_devices, k, params):
+  mesh = jax.make_mesh((num_devices,), ('fsdp',), axis_types=(AUTO,))
+  tx = tokacc.token_weighted_multistep(adamw(), k)
+  constrain = _constrain_rows('fsdp', mesh)
+
+  def step(params, state, batch):
+    (loss, num_tokens), grads = _value_and_grad(
+      functools.partial(loss_sum, constrain=constrain)
+    )(params, batch)
+    return _tokacc_update(tx, grads, state, params, loss, num_tokens)
+
+  params = _put(params, mesh, FSDP_SPECS)
+  state = tokacc.init_sharded(tx, params, mesh, param_specs=FSDP_SPECS)
+  return Setup(mesh, _jit(step), params, state, P('fsdp'))
+
+
+def _hybrid_mesh(num_devices):
+  if num_devices < 4 or num_devices % 2:
+    raise ValueError('HSDP needs an even number >= 4 of devices.')
+  return jax.make_mesh(
+    (2, num_devices // 2), ('replica', 'fsdp'), axis_types=(AUTO, AUTO)
+  )
+
+
+def hsdp_partial_manual(num_devices, k, params):
+  """``shard_map`` manual over ``replica``; ``fsdp`` left to GSPMD."""
+  mesh = _hybrid_mesh(num_devices)
+  tx = tokacc.token_weighted_multistep(adamw(), k, axis_name='replica')
+  # Only the manual axis appears in shard_map's specs; the fsdp sharding of
+  # the parameters and accumulator is carried by the arrays (GSPMD).
+  specs = tokacc.state_partition_specs(tx, params, axis_name='replica')
+  constrain = _constrain_rows('fsdp', mesh)
+
+  def step(params, state, batch):
+    (loss, num_tokens), grads = _value_and_grad(
+      functools.partial(loss_sum, constrain=constrain)
+    )(_varying(params, 'replica'), batch)
+    return _tokacc_update(tx, grads, state, params, loss, num_tokens)
+
+  step = jax.shard_map(
+    step,
+    mesh=mesh,
+    in_specs=(P(), specs, P('replica')),
+    out_specs=(P(), specs),
+    axis_names={'replica'},
+  )
+  params = _put(params, mesh, FSDP_SPECS)
+  state = tokacc.init_sharded(
+    tx, params, mesh, param_specs=FSDP_SPECS, axis_name='replica'
+  )
+  return Setup(mesh, _jit(step), params, state, P(('replica', 'fsdp')))
+
+
+def hsdp_fully_manual(num_devices, k, params):
+  """``shard_map`` over both axes; parameter shards gathered over ``fsdp``
+  in the forward pass, so autodiff reduce-scatters their gradients."""
+  mesh = _hybrid_mesh(num_devices)
+  axes = ('replica', 'fsdp')
+  tx = tokacc.token_weighted_multistep(adamw(), k, axis_name=axes)
+  specs = tokacc.state_partition_specs(
+    tx, params, param_specs=FSDP_SPECS, axis_name=axes
+  )
+
+  def gathered_loss(shards, batch):
+    full = jax.tree.map(
+      lambda p: lax.all_gather(p, 'fsdp', axis=0, tiled=True), shards
+    )
+    return loss_sum(full, batch)
+
+  def step(params, state, batch):
+    (loss, num_tokens), grads = _value_and_grad(gathered_loss)(
+      _varying(params, 'replica'), batch
+    )
+    return _tokacc_update(tx, grads, state, params, loss, num_tokens)
+
+  step = jax.shard_map(
+    step,
+    mesh=mesh,
+    in_specs=(FSDP_SPECS, specs, P(axes)),
+    out_specs=(FSDP_SPECS, specs),
+  )
+  params = _put(params, mesh, FSDP_SPECS)
+  state = tokacc.init_sharded(
+    tx, params, mesh, param_specs=FSDP_SPECS, axis_name=axes
+  )
+  return Setup(mesh, _jit(step), params, state, P(axes))
+
+
+def pmean_multisteps(num_devices, k, params):
+  mesh = jax.make_mesh((num_devices,), ('data',), axis_types=(AUTO,))
+  tx = optax.MultiSteps(adamw(), k)
+
+  def step(params, state, batch):
+    grads = jax.grad(loss_mean)(_varying(params, 'data'), batch)
+    grads = lax.pmean(grads, 'data')
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = _put(params, mesh)
+  state = _put(tx.init(params), mesh)
+  specs = jax.tree.map(lambda _: P(), state)
+  step = jax.shard_map(
+    step,
+    mesh=mesh,
+    in_specs=(P(), specs, P('data')),
+    out_specs=(P(), specs),
+  )
+  return Setup(mesh, _jit(step), params, state, P('data'))
+
+
+def sharded_jit(num_devices, k, params):
+  mesh = jax.make_mesh((num_devices,), ('data',), axis_types=(AUTO,))
+  tx = tokacc.token_weighted_multistep(adamw(), k)
+
+  def step(params, state, batch):
+    (loss, num_tokens), grads = _value_and_grad(loss_sum)(params, batch)
+    return _tokacc_update(tx, grads, state, params, loss, num_tokens)
+
+  params = _put(params, mesh)
+  state = tokacc.init_sharded(tx, params, mesh)
+  return Setup(mesh, _jit(step), params, state, P('data'))
+
+
+BUILDERS = {
+  'DDP': ddp,
+  'FSDP (GSPMD)': fsdp_gspmd,
+  'HSDP partial-manual': hsdp_partial_manual,
+  'HSDP fully manual': hsdp_fully_manual,
+  'pmean + MultiSteps': pmean_multisteps,
+  'sharded jit': sharded_jit,
+}
+
+
+def accumulator_bytes_per_device(state):
+  """Bytes of the gradient accumulator held by one device."""
+  if isinstance(state, optax.MultiStepsState):
+    acc = state.acc_grads
+  else:
+    acc = tokacc.find_state(state).acc_grads
+  return sum(
+    leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(acc)
+  )
