@@ -1,8 +1,10 @@
-"""Multi-host data parallelism: 2 local processes x 2 CPU devices each.
+"""Multi-host training: 2 local processes x 2 CPU devices each.
 
-The test starts two ``jax.distributed`` processes on loopback (gloo CPU
+Each test starts two ``jax.distributed`` processes on loopback (gloo CPU
 collectives), each running ``multihost_worker.py`` over the global mesh of 4
-devices, and compares their result with single-process full-batch training.
+devices, and compares their result with single-process full-batch training:
+data parallelism over all 4 devices, and HSDP on a ``('replica', 'fsdp') =
+(2, 2)`` mesh where each process is one replica.
 """
 
 import os
@@ -27,7 +29,7 @@ def free_port():
     return sock.getsockname()[1]
 
 
-def run_workers(out):
+def run_workers(out, mode='ddp'):
   """Runs the worker processes to completion; kills them all on failure."""
   port = free_port()
   repo = pathlib.Path(__file__).resolve().parents[1]
@@ -46,6 +48,7 @@ def run_workers(out):
         f'--port={port}',
         f'--local_devices={LOCAL_DEVICES}',
         f'--out={out}',
+        f'--mode={mode}',
       ],
       env=env,
       stdout=subprocess.PIPE,
@@ -68,9 +71,10 @@ def run_workers(out):
         process.wait()
   failed = [p.returncode for p in processes if p.returncode != 0]
   if failed or len(outputs) < NUM_PROCESSES:
+    codes = [p.returncode for p in processes]
     pytest.fail(
-      f'multi-host workers failed (exit codes {[p.returncode for p in processes]}'
-      '):\n' + '\n----\n'.join(output[-3000:] for output in outputs)
+      f'multi-host workers failed (exit codes {codes}):\n'
+      + '\n----\n'.join(output[-3000:] for output in outputs)
     )
 
 
@@ -90,4 +94,25 @@ def test_two_processes_equal_full_batch(tmp_path):
     chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(
       result[f'{prefix}_loss'], expected_losses[-1], rtol=1e-5
+    )
+
+
+def test_two_processes_hsdp_equal_full_batch(tmp_path):
+  """HSDP, each process one replica: partial-manual (``axis_name='replica'``,
+  ``fsdp`` by GSPMD) and fully manual (``axis_name=('replica', 'fsdp')``)."""
+  out = tmp_path / 'result.npz'
+  run_workers(out, mode='hsdp')
+  result = dict(np.load(out))
+  num_devices = NUM_PROCESSES * LOCAL_DEVICES
+  assert int(result['num_devices']) == num_devices
+
+  windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  expected_params, expected_losses = worker.train_full_batch(
+    worker.adamw(), worker.init_params(), windows
+  )
+  for layout in worker.MULTIHOST_HSDP_LAYOUTS:
+    params = {name: result[f'{layout}_{name}'] for name in expected_params}
+    chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+      result[f'{layout}_loss'], expected_losses[-1], rtol=1e-5
     )
