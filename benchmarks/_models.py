@@ -133,29 +133,14 @@ def mlp(
   )
 
 
-def transformer(
-  *,
-  vocab,
-  d_model,
-  num_layers,
-  num_heads,
-  seq_len,
-  batch_size,
-  k,
-  num_windows=2,
-  seed=0,
-):
-  """A pre-LayerNorm causal transformer LM with learned positions.
-
-  Sequences have random lengths (padding after them is not counted).
-  """
+def _transformer_params(seed, vocab, d_model, num_layers, seq_len):
   d_ff = 4 * d_model
   keys = iter(jax.random.split(jax.random.key(seed), 4 + 4 * num_layers))
 
   def dense(shape):
     return jax.random.normal(next(keys), shape) / np.sqrt(shape[0])
 
-  params = {
+  return {
     'embed': jax.random.normal(next(keys), (vocab, d_model)) * 0.02,
     'position': jax.random.normal(next(keys), (seq_len, d_model)) * 0.02,
     'final_norm': jnp.ones((d_model,)),
@@ -172,9 +157,29 @@ def transformer(
     ],
   }
 
-  def norm(x, scale):
-    x = x - x.mean(-1, keepdims=True)
-    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * scale
+
+def _norm(x, scale):
+  x = x - x.mean(-1, keepdims=True)
+  return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * scale
+
+
+def transformer(
+  *,
+  vocab,
+  d_model,
+  num_layers,
+  num_heads,
+  seq_len,
+  batch_size,
+  k,
+  num_windows=2,
+  seed=0,
+):
+  """A pre-LayerNorm causal transformer LM with learned positions.
+
+  Sequences have random lengths (padding after them is not counted).
+  """
+  params = _transformer_params(seed, vocab, d_model, num_layers, seq_len)
 
   def attention(x, layer):
     batch, length, _ = x.shape
@@ -192,10 +197,10 @@ def transformer(
     tokens = batch['tokens']
     x = params['embed'][tokens[:, :-1]] + params['position'][: seq_len - 1]
     for layer in params['layers']:
-      x = x + attention(norm(x, layer['norm_1']), layer)
-      hidden = jax.nn.gelu(norm(x, layer['norm_2']) @ layer['ff_in'])
+      x = x + attention(_norm(x, layer['norm_1']), layer)
+      hidden = jax.nn.gelu(_norm(x, layer['norm_2']) @ layer['ff_in'])
       x = x + hidden @ layer['ff_out']
-    logits = norm(x, params['final_norm']) @ params['embed'].T
+    logits = _norm(x, params['final_norm']) @ params['embed'].T
     return tokacc.token_cross_entropy(
       logits, tokens[:, 1:], where=batch['mask'][:, 1:] > 0
     )

@@ -515,7 +515,8 @@ def machine():
   }
 
 
-def main(argv=None):
+def parse_args(argv=None):
+  """The command line, with the setting's defaults filled in."""
   parser = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -535,21 +536,26 @@ def main(argv=None):
   )
   parser.add_argument('--out', help='write the results as JSON to this file')
   args = parser.parse_args(argv)
-  setting = 'tiny' if args.tiny else 'quick' if args.quick else 'full'
-  defaults = SETTINGS[setting]
+  args.setting = 'tiny' if args.tiny else 'quick' if args.quick else 'full'
+  defaults = SETTINGS[args.setting]
   try:
-    methods = parse_names(args.methods, METHODS, 'method')
-    models = parse_names(
+    args.methods = parse_names(args.methods, METHODS, 'method')
+    args.models = parse_names(
       args.models or ','.join(defaults['models']), MODEL_NAMES, 'model'
     )
-    ks = parse_ks(args.k) if args.k else defaults['ks']
+    args.ks = parse_ks(args.k) if args.k else defaults['ks']
   except ValueError as e:
     parser.error(str(e))
-  windows = defaults['windows'] if args.windows is None else args.windows
-  warmup = defaults['warmup'] if args.warmup is None else args.warmup
-  if windows < 1 or warmup < 0:
+  for name in ('windows', 'warmup'):
+    if getattr(args, name) is None:
+      setattr(args, name, defaults[name])
+  if args.windows < 1 or args.warmup < 0:
     parser.error('--windows must be >= 1 and --warmup >= 0.')
+  return args
 
+
+def main(argv=None):
+  args = parse_args(argv)
   import jax  # noqa: PLC0415
 
   if args.devices:
@@ -560,33 +566,34 @@ def main(argv=None):
   info = machine()
   print(f'{info["device"]}, {info["cpu_count"]} CPUs, jax {info["jax"]}')
   rows = []
-  for model_name in models:
-    for k in ks:
-      print(f'  {model_name}, k={k}: {", ".join(methods)}', file=sys.stderr)
-      rows += bench_model(model_name, setting, k, methods, windows, warmup)
+  for model_name in args.models:
+    for k in args.ks:
+      print(
+        f'  {model_name}, k={k}: {", ".join(args.methods)}', file=sys.stderr
+      )
+      rows += bench_model(
+        model_name, args.setting, k, args.methods, args.windows, args.warmup
+      )
   print_table(rows)
   collective_rows = None
   if args.devices and len(jax.devices('cpu')) >= args.devices:
-    collective_rows = count_collectives(args.devices, ks)
+    collective_rows = count_collectives(args.devices, args.ks)
     if collective_rows is not None:
       print_collectives(collective_rows)
   if args.out:
+    results = {
+      'setting': args.setting,
+      'command': ' '.join(
+        ['python', 'benchmarks/run.py'] + list(argv or sys.argv[1:])
+      ),
+      'machine': info,
+      'windows': args.windows,
+      'warmup': args.warmup,
+      'rows': rows,
+      'collectives': collective_rows,
+    }
     with open(args.out, 'w') as f:
-      json.dump(
-        {
-          'setting': setting,
-          'command': ' '.join(
-            ['python', 'benchmarks/run.py'] + list(argv or sys.argv[1:])
-          ),
-          'machine': info,
-          'windows': windows,
-          'warmup': warmup,
-          'rows': rows,
-          'collectives': collective_rows,
-        },
-        f,
-        indent=2,
-      )
+      json.dump(results, f, indent=2)
   return rows
 
 
