@@ -97,11 +97,110 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
   return parser, args
 
 
+def data_parallel(model, params, tx, mesh):
+  """The train state on ``mesh`` and a jitted micro-step over it.
+
+  DDP with ``shard_map``: parameters and counters are replicated; each device
+  accumulates its own token-summed gradients, tokens and loss (the per-device
+  fields that :func:`optax_tokacc.state_partition_specs` lays out), and the
+  window is summed over the devices once, when it closes.
+  """
+  replicated = jax.NamedSharding(mesh, jax.P())
+  params = jax.device_put(params, replicated)
+  state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  state = jax.device_put(state.replace(opt_state=None), replicated).replace(
+    opt_state=tokacc.init_sharded(tx, params, mesh, axis_name='data')
+  )
+  specs = jax.tree.map(lambda _: jax.P(), state.replace(opt_state=None))
+  specs = specs.replace(
+    opt_state=tokacc.state_partition_specs(tx, params, axis_name='data')
+  )
+  loss_fn = _lm.loss_sum_fn(model)
+
+  def micro_step(state, tokens, lengths):  # one device's share of a batch
+    # Gradients of parameters marked varying stay per device: autodiff does
+    # not all-reduce them on every micro-step.
+    local = jax.tree.map(
+      lambda p: jax.lax.pcast(p, 'data', to='varying'), state.params
+    )
+    (loss, num_tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      local, tokens, lengths
+    )
+    return state.apply_gradients(grads=grads, num_tokens=num_tokens, loss=loss)
+
+  train_step = jax.jit(
+    jax.shard_map(
+      micro_step,
+      mesh=mesh,
+      in_specs=(specs, jax.P('data'), jax.P('data')),
+      out_specs=specs,
+    ),
+    donate_argnums=0,
+  )
+  return state, train_step
+
+
 def status_text(loss: float, tokens_per_s: float) -> str:
   """The progress bar's status after a window; NaN tokens/s is not shown."""
   if math.isnan(tokens_per_s):
     return f'loss {loss:.3f}'
   return f'loss {loss:.3f}  {tokens_per_s:,.0f} tok/s'
+
+
+def train(args, state, train_step, sequences, mesh):
+  """Runs ``args.steps`` windows with a progress bar.
+
+  Returns:
+    ``(state, window_losses, window_tokens, tokens_per_s)``; tokens/s is
+    measured after the first window (compilation), NaN with one window.
+  """
+  rng = np.random.default_rng(args.seed)
+  sharded = jax.NamedSharding(mesh, jax.P('data'))
+  rows = mesh.size * args.micro_batch_size
+  window_losses, window_tokens = [], []
+  columns = (
+    *progress.Progress.get_default_columns()[:-1],
+    progress.MofNCompleteColumn(),
+    progress.TextColumn('{task.fields[status]}'),
+    progress.TimeRemainingColumn(),
+  )
+  steady_start = steady_tokens = None  # throughput after compilation
+  tokens_per_s = math.nan
+  with progress.Progress(*columns) as bar:
+    task = bar.add_task('training', total=args.steps, status='compiling…')
+    for _ in range(args.steps):
+      window = _lm.sample_window(
+        rng, sequences, args.k, rows, args.group_by_length
+      )
+      for tokens, lengths in zip(window.tokens, window.lengths):
+        state = train_step(
+          state,
+          jax.device_put(tokens, sharded),
+          jax.device_put(lengths, sharded),
+        )
+      window_losses.append(float(state.window_loss))
+      window_tokens.append(int(window.lengths.sum() - window.lengths.size))
+      if steady_start is None:
+        steady_start, steady_tokens = time.perf_counter(), 0
+      else:
+        steady_tokens += window_tokens[-1]
+        tokens_per_s = steady_tokens / (time.perf_counter() - steady_start)
+      bar.update(
+        task, advance=1, status=status_text(window_losses[-1], tokens_per_s)
+      )
+  return state, window_losses, window_tokens, tokens_per_s
+
+
+def save_plot(path, args, num_devices, window_losses, heldout_loss) -> None:
+  figure = mpl_figure.Figure(figsize=(6, 3.5), layout='tight')
+  axis = figure.subplots()
+  axis.plot(np.arange(1, args.steps + 1), window_losses, label='window loss')
+  axis.axhline(heldout_loss, color='gray', ls='--', label='held-out (end)')
+  axis.set_xlabel('optimizer update')
+  axis.set_ylabel('loss (nats / byte)')
+  axis.set_title(f'{args.corpus.name}: k={args.k}, {num_devices} devices')
+  axis.legend()
+  figure.savefig(path, dpi=120)
 
 
 def main(argv=None) -> None:
@@ -115,7 +214,7 @@ def main(argv=None) -> None:
       f'Only {num_devices} {devices[0].platform} device(s) available; '
       f'using {num_devices} instead of --devices {args.devices}.'
     )
-  config, train, heldout = _lm.load_data(
+  config, train_data, heldout = _lm.load_data(
     parser, args, args.k * num_devices * args.micro_batch_size
   )
   out = args.out.resolve()
@@ -133,82 +232,20 @@ def main(argv=None) -> None:
     every_k_schedule=args.k,
     axis_name='data',  # sum the window over the data-parallel devices
   )
-  state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-
-  # Data parallelism with shard_map: each device holds its own copy of the
-  # state (its accumulator holds its own partial sums), so the state is
-  # stacked along a leading device axis, as with pmap.
   mesh = jax.make_mesh((num_devices,), ('data',), devices=devices)
-  sharded = jax.NamedSharding(mesh, jax.P('data'))
-  state = jax.device_put(
-    jax.tree.map(lambda x: np.stack([x] * num_devices), state), sharded
-  )
-  loss_fn = _lm.loss_sum_fn(model)
-
-  def micro_step(state, tokens, lengths):
-    state = jax.tree.map(lambda x: x[0], state)  # this device's copy
-    (loss, num_tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      state.params, tokens, lengths
-    )
-    state = state.apply_gradients(grads=grads, num_tokens=num_tokens, loss=loss)
-    return jax.tree.map(lambda x: x[None], state)
-
-  train_step = jax.jit(
-    jax.shard_map(
-      micro_step,
-      mesh=mesh,
-      in_specs=(jax.P('data'), jax.P('data'), jax.P('data')),
-      out_specs=jax.P('data'),
-    ),
-    donate_argnums=0,
-  )
-
+  state, train_step = data_parallel(model, params, tx, mesh)
   print(
     f'Byte-level transformer, {_lm.count_params(params):,} parameters, on '
-    f'{len(train):,} sequences of <= {config.seq_len + 1} bytes from '
+    f'{len(train_data):,} sequences of <= {config.seq_len + 1} bytes from '
     f'{args.corpus.name}.\n{args.steps} updates x {args.k} micro-batches x '
     f'{num_devices} {devices[0].platform} devices x {args.micro_batch_size} '
     'sequences.'
   )
-  rng = np.random.default_rng(args.seed)
-  window_losses, window_tokens = [], []
-  columns = (
-    *progress.Progress.get_default_columns()[:-1],
-    progress.MofNCompleteColumn(),
-    progress.TextColumn('{task.fields[status]}'),
-    progress.TimeRemainingColumn(),
-  )
   start = time.perf_counter()
-  steady_start = steady_tokens = None  # throughput after compilation
-  tokens_per_s = math.nan  # measured from the second window on
-  with progress.Progress(*columns) as bar:
-    task = bar.add_task('training', total=args.steps, status='compiling…')
-    for _ in range(args.steps):
-      window = _lm.sample_window(
-        rng,
-        train,
-        args.k,
-        num_devices * args.micro_batch_size,
-        args.group_by_length,
-      )
-      for tokens, lengths in zip(window.tokens, window.lengths):
-        state = train_step(
-          state,
-          jax.device_put(tokens, sharded),
-          jax.device_put(lengths, sharded),
-        )
-      window_losses.append(float(np.asarray(state.window_loss)[0]))
-      window_tokens.append(int(window.lengths.sum() - window.lengths.size))
-      if steady_start is None:
-        steady_start, steady_tokens = time.perf_counter(), 0
-      else:
-        steady_tokens += window_tokens[-1]
-        tokens_per_s = steady_tokens / (time.perf_counter() - steady_start)
-      bar.update(
-        task, advance=1, status=status_text(window_losses[-1], tokens_per_s)
-      )
-
-  state = jax.tree.map(lambda x: x[0], jax.device_get(state))
+  state, window_losses, window_tokens, tokens_per_s = train(
+    args, state, train_step, train_data, mesh
+  )
+  state = jax.device_get(state)
   if int(state.step) != args.steps:
     sys.exit(
       f'error: expected {args.steps} updates, state.step is {state.step}'
@@ -228,15 +265,7 @@ def main(argv=None) -> None:
       force=True,
     )
   plot_path = out / 'loss.png'
-  figure = mpl_figure.Figure(figsize=(6, 3.5), layout='tight')
-  axis = figure.subplots()
-  axis.plot(np.arange(1, args.steps + 1), window_losses, label='window loss')
-  axis.axhline(heldout_loss, color='gray', ls='--', label='held-out (end)')
-  axis.set_xlabel('optimizer update')
-  axis.set_ylabel('loss (nats / byte)')
-  axis.set_title(f'{args.corpus.name}: k={args.k}, {num_devices} devices')
-  axis.legend()
-  figure.savefig(plot_path, dpi=120)
+  save_plot(plot_path, args, num_devices, window_losses, heldout_loss)
   summary = {
     'updates': args.steps,
     'counted_tokens': int(sum(window_tokens)),
