@@ -421,8 +421,8 @@ def print_table(rows, file=None):
   """Per pattern and k: collectives (payload in parameter bytes P)."""
   print(
     f'{"pattern":<20} {"mesh":<18} {"k":>2} {"micro-step":>12} '
-    f'{"closing +":>11} {"window":>12}  {"window by axes":<34} '
-    f'{"acc/dev":>7} {"max|dp|":>8}',
+    f'{"closing +":>11} {"window":>13} {"acc/dev":>7} {"max|dp|":>8}  '
+    'window by mesh axes',
     file=file,
   )
   for row in rows:
@@ -436,9 +436,9 @@ def print_table(rows, file=None):
       f'{row["pattern"]:<20} {row["mesh"]:<18} {row["k"]:>2} '
       f'{_count(summary["micro_step"], size):>12} '
       f'{_count(summary["closing_step_extra"], size):>11} '
-      f'{_count(summary["window"], size):>12}  {axes or "-":<34} '
+      f'{_count(summary["window"], size):>13} '
       f'{row["accumulator_bytes_per_device"] / size:>6.3f}P '
-      f'{row["max_abs_diff_to_full_batch"]:>8.1e}{flag}',
+      f'{row["max_abs_diff_to_full_batch"]:>8.1e}  {axes or "-"}{flag}',
       file=file,
     )
 
