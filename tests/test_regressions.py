@@ -471,7 +471,10 @@ def test_2_adam_bf16_params_under_pmap():
     )
     update_dtypes = expected_update_dtypes(inner, init_params(BF16), grad_dtype)
     for step_updates in updates[name]:
-      assert dtypes_of(step_updates) == update_dtypes, name
+      assert dtypes_of(step_updates) == update_dtypes, (
+        f'{name}: updates of dtypes {dtypes_of(step_updates)}, but '
+        f'jax.eval_shape(inner.update, ...) gives {update_dtypes}'
+      )
     for d in range(len(devices)):
       chex.assert_trees_all_close(
         jax.tree.map(lambda x, d=d: x[d], params[name]),
