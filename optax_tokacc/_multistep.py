@@ -264,7 +264,15 @@ def _data_parallel(config: _validation.Config) -> tuple[tuple[str, ...], bool]:
     return (), False
   _collectives.check_bound(config.axis_name)
   axes = _collectives.as_tuple(config.axis_name)
-  return axes, _collectives.tracks_variance(axes)
+  tracked = _collectives.tracks_variance(axes)
+  if len(axes) > 1 and not tracked:
+    raise ValueError(
+      f'axis_name={axes!r} names several data axes, but JAX does not track '
+      'here which values vary over them (pmap, or shard_map with '
+      'check_vma=False), so sharded and replicated parameters cannot be '
+      'told apart. Use jax.shard_map with check_vma=True (the default).'
+    )
+  return axes, tracked
 
 
 def _should_emit(config, state, mini_step, emit_now, dp) -> jax.Array:

@@ -82,6 +82,7 @@ def state_partition_specs(
   *,
   param_specs: Optional[Any] = None,
   axis_name: Optional[_collectives.AxisName] = None,
+  manual_axes: Optional[Any] = None,
 ) -> Any:
   """The ``PartitionSpec`` of every leaf of ``tx.init(params)``.
 
@@ -100,6 +101,10 @@ def state_partition_specs(
       replicated parameters.
     axis_name: the transform's ``axis_name``; None under ``jax.jit`` with
       global arrays (the accumulator then simply follows the parameters).
+    manual_axes: for a partial-manual ``jax.shard_map(...,
+      axis_names=manual_axes)``, whose specs may only name its manual axes:
+      the other axes (left to GSPMD) are dropped from every spec. The arrays
+      keep the full layout (:func:`init_sharded` gives it).
 
   Returns:
     A tree of ``PartitionSpec`` with the structure of the state.
@@ -115,16 +120,40 @@ def state_partition_specs(
     transform_non_params=lambda _: P(),
     is_leaf=_is_spec,
   )
-  if axis_name is None:
+  if axis_name is not None:
+    axes = _collectives.as_tuple(axis_name)
+
+    def fix(node):
+      if isinstance(node, _state.TokenWeightedMultiStepState):
+        return _per_device_specs(node, axes)
+      return node
+
+    specs = jax.tree.map(fix, specs, is_leaf=_is_spec_or_state)
+  if manual_axes is None:
     return specs
-  axes = _collectives.as_tuple(axis_name)
+  return _only_manual(specs, axis_name, manual_axes)
 
-  def fix(node):
-    if isinstance(node, _state.TokenWeightedMultiStepState):
-      return _per_device_specs(node, axes)
-    return node
 
-  return jax.tree.map(fix, specs, is_leaf=_is_spec_or_state)
+def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
+  """``specs`` with the axes outside ``manual_axes`` dropped."""
+  manual = set(_collectives.as_tuple(manual_axes))
+  if (
+    axis_name is not None
+    and not set(_collectives.as_tuple(axis_name)) <= manual
+  ):
+    raise ValueError(
+      f'axis_name={axis_name!r} must be among the manual axes of shard_map '
+      f'(manual_axes={manual_axes!r}): the transform sums over manual axes.'
+    )
+
+  def keep(entry):
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    names = tuple(n for n in names if n in manual)
+    return None if not names else names[0] if len(names) == 1 else names
+
+  return jax.tree.map(
+    lambda spec: P(*(keep(entry) for entry in spec)), specs, is_leaf=_is_spec
+  )
 
 
 def state_shardings(

@@ -259,7 +259,7 @@ def grads(grads: Any, params: Any, accumulator: Any) -> None:
         f'A gradient has shape {jnp.shape(grad)} where the parameter (and the '
         f'accumulator) has shape {jnp.shape(acc)}. Pass the gradients of the parameters the '
         'transform was initialized with (under pmap / shard_map, initialize '
-        'with the per-device shapes, e.g. via tokacc.state_sharding).'
+        'with the per-device shapes, e.g. with tokacc.init_sharded).'
       )
 
 

@@ -179,5 +179,15 @@ def _holds_exactly(acc_grads: optax.Updates, updates: Any) -> bool:
 
 
 def _zeros(shapes: Any) -> Any:
-  """Zeros of the given shapes and dtypes, varying over no axis."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  """Zeros of the given shapes, dtypes and explicit shardings, varying over
+  no axis (``zeros_like`` of a gradient would inherit its per-device
+  variance and make the parameters vary)."""
+
+  def zeros(shape):
+    sharding = getattr(shape, 'sharding', None)
+    spec = getattr(sharding, 'spec', None)
+    if spec is not None and any(entry is not None for entry in spec):
+      return jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding)
+    return jnp.zeros(shape.shape, shape.dtype)
+
+  return jax.tree.map(zeros, shapes)
