@@ -40,7 +40,8 @@ def with_input_checks(
   - ``num_tokens`` is negative (or NaN);
   - ``loss`` is not finite;
   - the window that closes at this call was dropped (its token count, summed
-    over the window and the devices, does not fit ``token_dtype``).
+    over the window and the devices, does not fit ``token_dtype``, or a
+    count was fractional under the int32 counter).
 
   Updates and state are exactly those of ``tx``. As with any
   ``checkify.check``, the train step must be functionalized with
@@ -116,7 +117,8 @@ def with_input_checks(
       'token_weighted_multistep: the window closed at mini_step={mini_step}, '
       'gradient_step={gradient_step} was dropped: its token count, summed '
       'over the window and the devices, does not fit token_dtype (2**31 - 1 '
-      'for int32), or a micro-step had a negative num_tokens.',
+      'for int32), or a micro-step had a negative, NaN or (under an integer '
+      'counter) fractional num_tokens.',
       **where,
     )
     return new_updates, new_state
