@@ -214,9 +214,15 @@ def hsdp_partial_manual(num_devices, k, params):
   """``shard_map`` manual over ``replica``; ``fsdp`` left to GSPMD."""
   mesh = _hybrid_mesh(num_devices)
   tx = tokacc.token_weighted_multistep(adamw(), k, axis_name='replica')
-  # Only the manual axis appears in shard_map's specs; the fsdp sharding of
-  # the parameters and accumulator is carried by the arrays (GSPMD).
-  specs = tokacc.state_partition_specs(tx, params, axis_name='replica')
+  # Only the manual axis appears in shard_map's specs (manual_axes drops
+  # fsdp); the arrays carry the full layout from init_sharded.
+  specs = tokacc.state_partition_specs(
+    tx,
+    params,
+    param_specs=FSDP_SPECS,
+    axis_name='replica',
+    manual_axes=('replica',),
+  )
   constrain = _constrain_rows('fsdp', mesh)
 
   def step(params, state, batch):
