@@ -22,9 +22,9 @@ a version difference is handled in one place:
   over in ``aval.vma``; under ``pmap`` a ``jax.ShapeDtypeStruct`` (e.g. from
   ``jax.eval_shape``) holds ``vma=None`` there. JAX 0.10 replaced ``vma`` by
   ``aval.manual_axis_type.varying``.
-- ``pcast_to_varying``: ``lax.pcast(x, axes, to='varying')`` (jax >= 0.8.2);
-  older JAX and the deprecated spelling is ``lax.pvary(x, axes)``, removed in
-  jax 0.10.
+- ``pcast_to_varying``: ``lax.pcast(x, axes, to='varying')`` from jax 0.8.2;
+  before that the only spelling is ``lax.pvary(x, axes)``, which later
+  releases deprecate.
 """
 
 from collections.abc import Sequence
