@@ -286,7 +286,9 @@ def _should_emit(config, state, mini_step, emit_now, dp) -> jax.Array:
 
 
 def _next_state(state, emit, mini_step, window, acc_grads, inner_state, closed):
-  """The state after this call; a closed window starts afresh."""
+  """The state after this call; a closed window starts afresh (its
+  parameter-sized buffers are restarted by the next micro-step's select,
+  not rewritten here)."""
   emitted, valid, total, mean_loss = closed
   _, acc_compensation, acc_tokens, acc_loss = window
 
@@ -304,7 +306,7 @@ def _next_state(state, emit, mini_step, window, acc_grads, inner_state, closed):
     last_tokens=jnp.where(emitted, total, state.last_tokens),
     skip_state=state.skip_state,
     emitted=emitted,
-    acc_compensation=jax.tree.map(reset_if_emit, acc_compensation),
+    acc_compensation=acc_compensation,
     dropped_windows=_increment_if(
       jnp.logical_and(emit, jnp.logical_not(valid)), state.dropped_windows
     ),

@@ -58,8 +58,9 @@ class TokenWeightedMultiStepState(NamedTuple):
       last call; ``()`` without one.
     emitted: whether the call that returned this state emitted an update.
     acc_compensation: *per device*. With ``compensated=True``, the rounding
-      error of ``acc_grads`` (Kahan summation), a tree like ``acc_grads``,
-      zero at the start of a window; ``()`` otherwise.
+      error of ``acc_grads`` (Kahan summation), a tree like ``acc_grads``;
+      scratch right after an emitting step, like ``acc_grads`` (the next
+      micro-step restarts it); ``()`` otherwise.
     dropped_windows: windows dropped because their token count was invalid
       (int32, saturating). A dropped window emits zero updates and no step.
   """

@@ -14,6 +14,7 @@
 # ==============================================================================
 """The window: adding a micro-batch, and closing it in one ``lax.cond``."""
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -90,12 +91,14 @@ def _sum_over_devices(grads, params, window, dp):
   )
 
 
-def _close(config, grads, window, inner_state, params, extra_args, dp):
+def _close(config, grads, window, inner_state, params, extra_args, dp, hold):
   """Runs ``inner`` once on the window's token-mean gradient.
 
-  Returns ``(updates, inner_state, (emitted, valid, tokens, mean_loss))``;
-  a window without tokens or with an invalid count emits zero updates and
-  keeps the inner state (selected, so nothing of it leaks).
+  Returns ``(held, inner_state, (emitted, valid, tokens, mean_loss))``, with
+  ``held = hold(updates, acc_grads)``. A window without tokens or with an
+  invalid count emits no updates and keeps the inner state: a nested
+  ``cond``, since selecting between the new and the old inner state would
+  keep both alive (temporaries the size of the inner state on every step).
   """
   sums, (parts, loss_sum) = _sum_over_devices(
     grads, params, window + (config.compensated,), dp
@@ -104,57 +107,74 @@ def _close(config, grads, window, inner_state, params, extra_args, dp):
   emitted = jnp.logical_and(valid, total > 0)
   divisor = jnp.maximum(total, 1)
 
-  def mean(s):
-    wide = jnp.promote_types(s.dtype, jnp.float32)
-    return s.astype(wide) / divisor.astype(wide)
+  def step(acc_grads, sums, divisor, inner_state, params):
+    def mean(s):
+      wide = jnp.promote_types(s.dtype, jnp.float32)
+      return s.astype(wide) / divisor.astype(wide)
 
-  updates, new_inner = config.inner.update(
-    optax.tree.cast_like(jax.tree.map(mean, sums), grads),
-    inner_state,
-    params,
-    **extra_args,
-  )
-  updates = jax.tree.map(
-    lambda u: jnp.where(emitted, u, 0).astype(u.dtype), updates
-  )
-  new_inner = jax.tree.map(
-    lambda new, old: jnp.where(emitted, new, old).astype(jnp.result_type(old)),
-    new_inner,
-    inner_state,
+    updates, new_inner = config.inner.update(
+      optax.tree.cast_like(jax.tree.map(mean, sums), grads),
+      inner_state,
+      params,
+      **extra_args,
+    )
+    return hold(updates, acc_grads), optax.tree.cast_like(
+      new_inner, inner_state
+    )
+
+  def no_step(acc_grads, sums, divisor, inner_state, params):
+    del sums, divisor, params
+    return hold(None, acc_grads), inner_state
+
+  held, new_inner = _collectives.cond(
+    emitted, step, no_step, window[0], sums, divisor, inner_state, params
   )
   mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
-  return updates, new_inner, (emitted, valid, total, mean_loss)
+  return held, new_inner, (emitted, valid, total, mean_loss)
+
+
+def _held(updates, acc_grads, *, shapes, in_buffer):
+  """What the closing branch returns in place of the updates (None: no
+  updates): written into the accumulator's buffer where it holds them
+  exactly, so that a micro-step writes no parameter-sized zeros."""
+  if in_buffer:
+    if updates is None:
+      return acc_grads
+    return optax.tree.cast_like(updates, acc_grads)
+  return _zeros(shapes) if updates is None else updates
 
 
 def close_if(config, emit, grads, window, inner_state, params, extra_args, dp):
   """Closes the window if ``emit``, in one ``lax.cond``.
 
   Returns ``(updates, acc_grads, inner_state, (emitted, valid, tokens,
-  mean_loss))``. Where the accumulator can hold the emitted updates exactly
-  (same or wider dtype, not per-device varying), the closing branch writes
-  them into its buffer, so a micro-step writes no parameter-sized zeros.
+  mean_loss))``. The updates have the shapes and dtypes of ``inner``'s
+  (``jax.eval_shape``, as in ``optax.MultiSteps``). Everything the branches
+  read is an operand, never a closure: a buffer that reaches the ``cond``
+  twice is copied on every micro-step.
   """
   acc_grads, _, acc_tokens, acc_loss = window
-
-  def close(inner_state, params):
-    return _close(config, grads, window, inner_state, params, extra_args, dp)
-
-  shapes = jax.eval_shape(close, inner_state, params)[0]
+  shapes = jax.eval_shape(
+    lambda g, s, p: config.inner.update(g, s, p, **extra_args)[0],
+    grads,
+    inner_state,
+    params,
+  )
   in_buffer = _holds_exactly(acc_grads, shapes)
+  hold = functools.partial(_held, shapes=shapes, in_buffer=in_buffer)
 
-  def closing(acc_grads, inner_state, params):
-    updates, new_inner, closed = close(inner_state, params)
-    held = optax.tree.cast_like(updates, acc_grads) if in_buffer else updates
-    return held, new_inner, closed
+  def closing(window, inner_state, params):
+    return _close(
+      config, grads, window, inner_state, params, extra_args, dp, hold
+    )
 
-  def accumulating(acc_grads, inner_state, params):
-    held = acc_grads if in_buffer else _zeros(shapes)
+  def accumulating(window, inner_state, params):
     closed = (False, True, jnp.zeros([], acc_tokens.dtype))
     closed += (jnp.zeros([], acc_loss.dtype),)
-    return held, inner_state, jax.tree.map(jnp.asarray, closed)
+    return hold(None, window[0]), inner_state, jax.tree.map(jnp.asarray, closed)
 
   held, inner_state, closed = _collectives.cond(
-    emit, closing, accumulating, acc_grads, inner_state, params
+    emit, closing, accumulating, window, inner_state, params
   )
   if not in_buffer:
     return held, acc_grads, inner_state, closed
