@@ -164,7 +164,20 @@ def state_shardings(
   param_specs: Optional[Any] = None,
   axis_name: Optional[_collectives.AxisName] = None,
 ) -> Any:
-  """:func:`state_partition_specs` as ``NamedSharding``'s on ``mesh``."""
+  """:func:`state_partition_specs` as ``NamedSharding``'s on ``mesh``.
+
+  Args:
+    tx: :func:`token_weighted_multistep`, or a transformation containing it.
+    params: the parameters, or their shapes.
+    mesh: the device mesh.
+    param_specs: a tree of ``PartitionSpec`` like ``params``; None means
+      replicated parameters.
+    axis_name: the transform's ``axis_name``.
+
+  Returns:
+    A tree of ``NamedSharding`` with the structure of the state: the full
+    layout (every mesh axis), for ``jax.device_put`` or ``out_shardings``.
+  """
   specs = state_partition_specs(
     tx, params, param_specs=param_specs, axis_name=axis_name
   )
@@ -199,14 +212,11 @@ def init_sharded(
   """
   if param_specs is None:
     param_specs = jax.tree.map(lambda _: P(), params)
-  specs = state_partition_specs(
-    tx, params, param_specs=param_specs, axis_name=axis_name
-  )
+  layout = dict(param_specs=param_specs, axis_name=axis_name)
   if axis_name is None:
-    shardings = jax.tree.map(
-      lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec
-    )
+    shardings = state_shardings(tx, params, mesh, **layout)
     return jax.jit(tx.init, out_shardings=shardings)(params)
+  specs = state_partition_specs(tx, params, **layout)
   init = jax.shard_map(
     tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=specs
   )
