@@ -108,6 +108,18 @@ def state_partition_specs(
 
   Returns:
     A tree of ``PartitionSpec`` with the structure of the state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> tx = tokacc.token_weighted_multistep(
+    ...     optax.adam(0.1), 4, axis_name='data')
+    >>> specs = tokacc.state_partition_specs(
+    ...     tx, {'w': jnp.zeros((8, 2))}, axis_name='data')
+    >>> tuple(specs.acc_grads['w'])  # per device: its slot axis on 'data'
+    ('data',)
+    >>> tuple(specs.inner_state[0].mu['w']), tuple(specs.mini_step)
+    ((), ())
   """
   if param_specs is None:
     param_specs = jax.tree.map(lambda _: P(), params)

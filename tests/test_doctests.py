@@ -7,6 +7,8 @@ import pytest
 
 MODULES = [
   'optax_tokacc._multistep',
+  'optax_tokacc._state',
+  'optax_tokacc._sharding',
   'optax_tokacc._losses',
   'optax_tokacc._microbatch',
   'optax_tokacc._checks',
