@@ -17,15 +17,17 @@
 A byte-level causal transformer (Flax linen) and a corpus cut into
 variable-length sequences: each paragraph of the text is split into chunks
 of whole sentences of at most ``seq_len + 1`` bytes, then padded. Sequence
-lengths, and so the counted tokens of each micro-batch, vary a lot.
+lengths, and so the counted tokens of each micro-batch, vary a lot. Also a
+small reader of the collectives in a compiled step's HLO.
 """
 
 import argparse
+import collections
 import dataclasses
 import os
 import pathlib
 import re
-from typing import NoReturn
+from typing import Callable, NoReturn, Optional
 
 import flax.linen as nn
 import jax
@@ -199,29 +201,58 @@ class Block(nn.Module):
 
 
 class CausalLM(nn.Module):
-  """A small byte-level causal transformer language model."""
+  """A small byte-level causal transformer language model.
+
+  Attributes:
+    config: its size.
+    constrain: None, or a function applied to the activations between
+      blocks and to the logits, such as :func:`batch_sharded`.
+  """
 
   config: ModelConfig
+  constrain: Optional[Callable[[jax.Array], jax.Array]] = None
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     config = self.config
+    constrain = self.constrain or (lambda x: x)
     embed = nn.Embed(VOCAB_SIZE, config.d_model)
     positions = self.param(
       'positions',
       nn.initializers.normal(0.02),
       (config.seq_len, config.d_model),
     )
-    x = embed(tokens) + positions[: tokens.shape[-1]]
+    x = constrain(embed(tokens) + positions[: tokens.shape[-1]])
     mask = nn.make_causal_mask(tokens)
     for _ in range(config.num_layers):
-      x = Block(config.d_model, config.num_heads)(x, mask)
-    return embed.attend(nn.LayerNorm()(x))  # logits tied to the embedding
+      x = constrain(Block(config.d_model, config.num_heads)(x, mask))
+    # Logits tied to the embedding.
+    return constrain(embed.attend(nn.LayerNorm()(x)))
+
+
+def batch_sharded(mesh: jax.sharding.Mesh, axis: str):
+  """A ``constrain`` for :class:`CausalLM`: activations split over ``axis``
+  along their batch dimension, so that GSPMD gathers the parameters (FSDP)
+  rather than the activations.
+
+  Inside a partial-manual ``jax.shard_map`` the constraint names the
+  abstract mesh that it sets (with its manual axes).
+  """
+
+  def constrain(x: jax.Array) -> jax.Array:
+    current = jax.sharding.get_abstract_mesh()
+    on = mesh if current.empty else current
+    return jax.lax.with_sharding_constraint(
+      x, jax.NamedSharding(on, jax.P(axis))
+    )
+
+  return constrain
 
 
 def init_params(model: CausalLM, seed: int):
   tokens = jnp.zeros((1, model.config.seq_len), jnp.int32)
-  return model.init(jax.random.key(seed), tokens)['params']
+  # Jitted: one compilation instead of one per initializer op.
+  return jax.jit(model.init)(jax.random.key(seed), tokens)['params']
 
 
 def loss_sum_fn(model: CausalLM):
@@ -252,7 +283,128 @@ def count_params(params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))
 
 
-# ------------------------------------------------------------- arguments
+# ----------------------------------------------------------- collectives
+
+_COLLECTIVES = (
+  'all-reduce',
+  'all-gather',
+  'reduce-scatter',
+  'all-to-all',
+  'ragged-all-to-all',
+  'collective-permute',
+  'collective-broadcast',
+)
+_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?[\w.\-]+ = (.*)$')
+_OPCODE = re.compile(r'(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(')
+_CALLEE = re.compile(r'\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)')
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_TRUE_FALSE = re.compile(r'\b(false|true)_computation=%?([\w.\-]+)')
+_GROUPS = re.compile(
+  r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)'
+)
+
+
+def _parse_hlo(text: str) -> tuple[dict[str, list[str]], str]:
+  """``({computation: [instruction text]}, entry)`` of compiled HLO text."""
+  computations, entry, current = {}, None, None
+  for line in text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      current = header.group(1)
+      computations[current] = []
+      entry = current if line.startswith('ENTRY') else entry
+    elif line.startswith('}'):
+      current = None
+    elif current is not None and _INSTRUCTION.match(line):
+      computations[current].append(_INSTRUCTION.match(line).group(1))
+  return computations, entry
+
+
+def _branches(instruction: str) -> list[str]:
+  """A conditional's branch computations, in branch-index order."""
+  found = _BRANCHES.search(instruction)
+  if found:
+    return [b.strip().lstrip('%') for b in found.group(1).split(',')]
+  named = dict(_TRUE_FALSE.findall(instruction))
+  return [named['false'], named['true']] if named else []
+
+
+def _group_axes(instruction: str, mesh: jax.sharding.Mesh) -> str:
+  """The mesh axes a collective spans: those along which the devices of its
+  first replica group differ (device ``i`` is the mesh's ``i``-th)."""
+  found = _GROUPS.search(instruction)
+  text = found.group(1) if found else '{}'
+  ids = np.arange(mesh.size)
+  if text.startswith('{{'):
+    group = [
+      int(i) for i in re.match(r'\{\{([\d,]*)\}', text).group(1).split(',')
+    ]
+  elif text.startswith('['):  # iota form: [groups,size]<=[dims]T(perm)
+    shape, dims, perm = re.fullmatch(
+      r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text
+    ).groups()
+    ids = ids.reshape([int(d) for d in dims.split(',')])
+    if perm:
+      ids = ids.transpose([int(p) for p in perm.split(',')])
+    group = ids.reshape(int(shape.split(',')[0]), -1)[0]
+  else:  # {}: all devices
+    group = ids
+  coordinates = np.unravel_index(np.asarray(group), mesh.devices.shape)
+  varying = [
+    name
+    for name, row in zip(mesh.axis_names, coordinates)
+    if len(set(row.tolist())) > 1
+  ]
+  return '+'.join(varying) or 'one device'
+
+
+def collectives(hlo_text: str, mesh: jax.sharding.Mesh):
+  """The collectives of a compiled micro-step, counted by (kind, axes).
+
+  Returns ``(every_call, emitting)``: the collectives outside any
+  conditional, which run on every micro-step, and those only in the taken
+  branch (branch 1) of conditionals, which run when the window closes
+  (``token_weighted_multistep`` closes it in one ``lax.cond``). A
+  collective in another branch is counted as run on every micro-step.
+  """
+  computations, entry = _parse_hlo(hlo_text)
+  every_call, emitting = collections.Counter(), collections.Counter()
+
+  def visit(name, emit, seen):
+    if name in seen or name not in computations:
+      return
+    for instruction in computations[name]:
+      opcode = _OPCODE.search(instruction)
+      kind = opcode.group(1).removesuffix('-start') if opcode else ''
+      if kind in _COLLECTIVES:
+        counter = emitting if emit else every_call
+        counter[kind, _group_axes(instruction, mesh)] += 1
+      for callee in _CALLEE.findall(instruction):
+        visit(callee, emit, seen | {name})
+      for index, branch in enumerate(_branches(instruction)):
+        visit(branch, (emit is not False) and index == 1, seen | {name})
+
+  visit(entry, None, frozenset())
+  return every_call, emitting
+
+
+def describe_collectives(every_call, emitting, k: int) -> str:
+  """One line: the collectives per micro-step and per window of ``k``."""
+  window = collections.Counter({key: k * n for key, n in every_call.items()})
+  window.update(emitting)
+
+  def listed(counter):
+    total = sum(counter.values())
+    parts = ', '.join(
+      f'{n} {kind} over {axes}' for (kind, axes), n in sorted(counter.items())
+    )
+    return f'{total} ({parts})' if total else '0'
+
+  return (
+    f'collectives: {listed(every_call)} per micro-step, {listed(window)} per '
+    f'window of {k} micro-steps'
+  )
 
 
 def add_data_args(parser: argparse.ArgumentParser, **defaults) -> None:

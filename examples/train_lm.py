@@ -14,16 +14,42 @@
 # ==============================================================================
 r"""Trains a byte-level transformer LM with exact gradient accumulation.
 
-Each optimizer step sees ``k`` micro-batches on each of ``--devices`` data-
-parallel devices (fake CPU devices unless an accelerator is present). Every
-micro-batch holds variable-length, padded sequences, so micro-batches count
-different numbers of tokens; ``optax_tokacc.token_weighted_multistep`` sums
-the token-summed gradients and the token counts over the window and the
-devices (one ``psum`` per window) and hands AdamW the exact full-batch
-gradient. Writes an orbax checkpoint and a loss plot to ``--out``::
+Each optimizer step sees ``k`` micro-batches of ``--micro-batch-size``
+sequences on each device of ``--mesh`` (fake CPU devices unless an
+accelerator is present). Every micro-batch holds variable-length, padded
+sequences, so micro-batches count different numbers of tokens;
+``optax_tokacc.token_weighted_multistep`` sums the token-summed gradients
+and the token counts over the window and the devices and hands AdamW the
+exact full-batch gradient. ``--mesh`` picks the layout (the mesh's size is
+the number of devices):
 
-  python examples/train_lm.py                 # about 30 s on 2 CPU cores
+- ``data=N`` (the default, N = ``--devices``), DDP: ``jax.shard_map`` over
+  ``data``, replicated parameters, ``axis_name='data'``; each device
+  accumulates its own gradients, and one all-reduce per window sums them.
+- ``fsdp=N``, FSDP with GSPMD: plain ``jax.jit`` over global arrays, each
+  parameter split over ``fsdp`` along its largest dimension divisible by N
+  (replicated if none is), ``axis_name=None``; the accumulator is split
+  like the parameters, and XLA reduces the gradients on every micro-step.
+- ``replica=R,fsdp=F``, HSDP: FSDP within each of R replicas;
+  ``jax.shard_map`` manual over ``replica`` only (``fsdp`` left to GSPMD),
+  ``axis_name='replica'``: each micro-step communicates within a replica
+  only, and one all-reduce across the replicas closes the window.
+
+Before training it prints the collectives of the compiled micro-step (read
+from its HLO) with the mesh axes they span: those run on every micro-step,
+and per window ``k`` times those plus the ones of the step that closes the
+window. For the default mesh and ``k``::
+
+  collectives: 0 per micro-step, 1 (1 all-reduce over data) per window of 4
+  micro-steps
+
+It then trains with a progress bar (window loss, tokens/s) and writes an
+orbax checkpoint, a loss plot and ``summary.json`` to ``--out``::
+
+  python examples/train_lm.py                 # DDP on 2 devices
   python examples/train_lm.py --steps 50 --k 8 --devices 4
+  python examples/train_lm.py --mesh fsdp=4
+  python examples/train_lm.py --mesh replica=2,fsdp=2
 """
 
 import argparse
@@ -32,6 +58,7 @@ import math
 import pathlib
 import sys
 import time
+from typing import Optional
 
 import _lm
 import jax
@@ -44,11 +71,16 @@ from rich import progress
 import optax_tokacc as tokacc
 from optax_tokacc.flax import TrainState
 
+AXES = ('data', 'replica', 'fsdp')
+LAYOUTS = {('data',): 'DDP', ('fsdp',): 'FSDP', ('replica', 'fsdp'): 'HSDP'}
+DEFAULT_MESH = 'data=<--devices>'
+MESH_FORMS = 'data=N (DDP), fsdp=N (FSDP) or replica=R,fsdp=F (HSDP)'
+
 
 def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
   parser = argparse.ArgumentParser(
     description=__doc__.split('\n\n')[0].split('\n')[0],
-    epilog='Example: python examples/train_lm.py --steps 50 --k 8 --devices 4',
+    epilog='Example: python examples/train_lm.py --mesh replica=2,fsdp=2',
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   parser.add_argument(
@@ -70,10 +102,17 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     help='sequences per micro-batch on each device',
   )
   parser.add_argument(
+    '--mesh',
+    default=DEFAULT_MESH,
+    help=f'device mesh as axis=size pairs: {MESH_FORMS}; its size is the '
+    'number of devices',
+  )
+  parser.add_argument(
     '--devices',
     type=int,
     default=2,
-    help='data-parallel devices; on CPU this many fake devices are created',
+    help='devices of the default --mesh data=<devices>; on CPU this many '
+    'fake devices are created',
   )
   parser.add_argument(
     '--lr', type=float, default=3e-3, help='peak learning rate of AdamW'
@@ -94,50 +133,174 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     micro_batch_size=args.micro_batch_size,
     devices=args.devices,
   )
+  args.mesh_axes = parse_mesh(parser, args.mesh, args.devices)
+  size = math.prod(size for _, size in args.mesh_axes)
+  if args.devices not in (parser.get_default('devices'), size):
+    _lm.fail(
+      parser,
+      f'--devices {args.devices} disagrees with --mesh {args.mesh} ({size} '
+      'devices): --devices only sets the default --mesh data=<devices>.',
+    )
   return parser, args
 
 
-def data_parallel(model, params, tx, mesh):
-  """The train state on ``mesh`` and a jitted micro-step over it.
+def parse_mesh(parser, text: str, devices: int) -> tuple[tuple[str, int], ...]:
+  """``(('replica', 2), ('fsdp', 2))`` from ``'replica=2,fsdp=2'``.
 
-  DDP with ``shard_map``: parameters and counters are replicated; each device
-  accumulates its own token-summed gradients, tokens and loss (the per-device
-  fields that :func:`optax_tokacc.state_partition_specs` lays out), and the
-  window is summed over the devices once, when it closes.
+  Axes come in the order of ``AXES`` (replicas outermost); anything but the
+  layouts of ``LAYOUTS`` with sizes >= 1 is a one-line error.
   """
-  replicated = jax.NamedSharding(mesh, jax.P())
-  params = jax.device_put(params, replicated)
-  state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-  state = jax.device_put(state.replace(opt_state=None), replicated).replace(
-    opt_state=tokacc.init_sharded(tx, params, mesh, axis_name='data')
+  if text == DEFAULT_MESH:
+    return (('data', devices),)
+  sizes = {}
+  for item in text.split(','):
+    name, _, size = (part.strip() for part in item.partition('='))
+    if name not in AXES or name in sizes:
+      problem = 'repeated' if name in sizes else 'unknown'
+      _lm.fail(
+        parser, f'--mesh {text}: {problem} axis {name!r}; use {MESH_FORMS}.'
+      )
+    if not size.isdigit() or int(size) < 1:
+      _lm.fail(
+        parser,
+        f'--mesh {text}: the size of {name!r} must be an integer >= 1; got '
+        f'{size!r}.',
+      )
+    sizes[name] = int(size)
+  names = tuple(sorted(sizes, key=AXES.index))
+  if names not in LAYOUTS:
+    _lm.fail(
+      parser,
+      f'--mesh {text}: the axes {", ".join(names)} make no layout of this '
+      f'example; use {MESH_FORMS}.',
+    )
+  return tuple((name, sizes[name]) for name in names)
+
+
+def make_mesh(parser, args) -> jax.sharding.Mesh:
+  """The mesh of ``args.mesh_axes`` on the first devices.
+
+  The default mesh shrinks to the devices available (with a message); an
+  explicit ``--mesh`` that needs more is a one-line error.
+  """
+  names = tuple(name for name, _ in args.mesh_axes)
+  shape = tuple(size for _, size in args.mesh_axes)
+  devices = jax.devices()
+  if len(devices) < math.prod(shape):
+    available = f'{len(devices)} {devices[0].platform} device(s) available'
+    if args.mesh != DEFAULT_MESH:
+      _lm.fail(
+        parser,
+        f'--mesh {args.mesh} needs {math.prod(shape)} devices; only '
+        f'{available}.',
+      )
+    print(
+      f'Only {available}; using {len(devices)} instead of --devices {args.devices}.'
+    )
+    shape = (len(devices),)
+  return jax.make_mesh(
+    shape,
+    names,
+    axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+    devices=devices[: math.prod(shape)],
   )
-  specs = jax.tree.map(lambda _: jax.P(), state.replace(opt_state=None))
-  specs = specs.replace(
-    opt_state=tokacc.state_partition_specs(tx, params, axis_name='data')
-  )
+
+
+def layout_name(mesh: jax.sharding.Mesh) -> str:
+  return LAYOUTS[tuple(mesh.axis_names)]
+
+
+def data_axis(mesh: jax.sharding.Mesh) -> Optional[str]:
+  """The transform's ``axis_name``: the axis ``shard_map`` is manual over
+  (DDP's ``data``, HSDP's ``replica``); None for GSPMD FSDP."""
+  return next((a for a in ('data', 'replica') if a in mesh.axis_names), None)
+
+
+def param_specs(params, mesh: jax.sharding.Mesh):
+  """Each parameter split over ``fsdp`` along its largest dimension divisible
+  by the axis size; replicated if none is, or if the mesh has no ``fsdp``."""
+  size = dict(mesh.shape).get('fsdp')
+
+  def spec(param):
+    dims = [d for d, n in enumerate(param.shape) if size and n % size == 0]
+    if not dims:
+      return jax.P()
+    dim = max(dims, key=lambda d: param.shape[d])
+    return jax.P(*(None,) * dim, 'fsdp')
+
+  return jax.tree.map(spec, params)
+
+
+def micro_step_fn(model, axis_name: Optional[str]):
+  """``micro_step(state, tokens, lengths) -> state``: one micro-batch."""
   loss_fn = _lm.loss_sum_fn(model)
 
-  def micro_step(state, tokens, lengths):  # one device's share of a batch
-    # Gradients of parameters marked varying stay per device: autodiff does
-    # not all-reduce them on every micro-step.
-    local = jax.tree.map(
-      lambda p: jax.lax.pcast(p, 'data', to='varying'), state.params
-    )
+  def micro_step(state, tokens, lengths):
+    params = state.params
+    if axis_name is not None:  # this device's (replica's) share of a batch
+      # Gradients of parameters marked varying stay per device (replica):
+      # autodiff does not all-reduce them on every micro-step.
+      params = jax.tree.map(
+        lambda p: jax.lax.pcast(p, axis_name, to='varying'), params
+      )
     (loss, num_tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      local, tokens, lengths
+      params, tokens, lengths
     )
     return state.apply_gradients(grads=grads, num_tokens=num_tokens, loss=loss)
 
-  train_step = jax.jit(
-    jax.shard_map(
-      micro_step,
-      mesh=mesh,
-      in_specs=(specs, jax.P('data'), jax.P('data')),
-      out_specs=specs,
-    ),
-    donate_argnums=0,
+  return micro_step
+
+
+def sharded_training(model, params, tx, mesh):
+  """The train state laid out on ``mesh``, and a jitted micro-step over it.
+
+  The layout of the optimizer state comes from
+  :func:`optax_tokacc.state_shardings` (arrays) and
+  :func:`optax_tokacc.state_partition_specs` (``shard_map``'s specs, which
+  name only its manual axis); the rest of the state is replicated but the
+  parameters, laid out by :func:`param_specs`.
+
+  Returns:
+    ``(state, train_step, batch_sharding)``; a batch is split over every
+    mesh axis.
+  """
+  axis_name = data_axis(mesh)
+  layout = dict(param_specs=param_specs(params, mesh), axis_name=axis_name)
+  named = lambda spec: jax.NamedSharding(mesh, spec)  # noqa: E731
+  params = jax.device_put(params, jax.tree.map(named, layout['param_specs']))
+
+  def create(params):  # all but the optimizer state, from init_sharded
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    return state.replace(opt_state=None)
+
+  shardings = jax.tree.map(
+    lambda _: named(jax.P()), jax.eval_shape(create, params)
+  ).replace(params=jax.tree.map(lambda p: p.sharding, params))
+  state = jax.jit(create, out_shardings=shardings)(params).replace(
+    opt_state=tokacc.init_sharded(tx, params, mesh, **layout)
   )
-  return state, train_step
+  shardings = shardings.replace(
+    opt_state=tokacc.state_shardings(tx, params, mesh, **layout)
+  )
+  if 'fsdp' in mesh.axis_names:
+    model = model.clone(constrain=_lm.batch_sharded(mesh, 'fsdp'))
+  step = micro_step_fn(model, axis_name)
+  if axis_name is not None:  # DDP, HSDP: manual over the data axis
+    specs = jax.tree.map(lambda _: jax.P(), state.replace(opt_state=None))
+    specs = specs.replace(
+      opt_state=tokacc.state_partition_specs(
+        tx, params, manual_axes={axis_name}, **layout
+      )
+    )
+    step = jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(specs, jax.P(axis_name), jax.P(axis_name)),
+      out_specs=specs,
+      axis_names={axis_name},
+    )
+  train_step = jax.jit(step, out_shardings=shardings, donate_argnums=0)
+  return state, train_step, named(jax.P(mesh.axis_names))
 
 
 def status_text(loss: float, tokens_per_s: float) -> str:
@@ -147,16 +310,15 @@ def status_text(loss: float, tokens_per_s: float) -> str:
   return f'loss {loss:.3f}  {tokens_per_s:,.0f} tok/s'
 
 
-def train(args, state, train_step, sequences, mesh):
+def train(args, state, train_step, sequences, batch_sharding):
   """Runs ``args.steps`` windows with a progress bar.
 
   Returns:
     ``(state, window_losses, window_tokens, tokens_per_s)``; tokens/s is
-    measured after the first window (compilation), NaN with one window.
+    measured after the first window (warm-up), NaN with one window.
   """
   rng = np.random.default_rng(args.seed)
-  sharded = jax.NamedSharding(mesh, jax.P('data'))
-  rows = mesh.size * args.micro_batch_size
+  rows = batch_sharding.mesh.size * args.micro_batch_size
   window_losses, window_tokens = [], []
   columns = (
     *progress.Progress.get_default_columns()[:-1],
@@ -164,10 +326,10 @@ def train(args, state, train_step, sequences, mesh):
     progress.TextColumn('{task.fields[status]}'),
     progress.TimeRemainingColumn(),
   )
-  steady_start = steady_tokens = None  # throughput after compilation
+  steady_start = steady_tokens = None  # throughput after the first window
   tokens_per_s = math.nan
   with progress.Progress(*columns) as bar:
-    task = bar.add_task('training', total=args.steps, status='compiling…')
+    task = bar.add_task('training', total=args.steps, status='first window…')
     for _ in range(args.steps):
       window = _lm.sample_window(
         rng, sequences, args.k, rows, args.group_by_length
@@ -175,8 +337,8 @@ def train(args, state, train_step, sequences, mesh):
       for tokens, lengths in zip(window.tokens, window.lengths):
         state = train_step(
           state,
-          jax.device_put(tokens, sharded),
-          jax.device_put(lengths, sharded),
+          jax.device_put(tokens, batch_sharding),
+          jax.device_put(lengths, batch_sharding),
         )
       window_losses.append(float(state.window_loss))
       window_tokens.append(int(window.lengths.sum() - window.lengths.size))
@@ -191,68 +353,40 @@ def train(args, state, train_step, sequences, mesh):
   return state, window_losses, window_tokens, tokens_per_s
 
 
-def save_plot(path, args, num_devices, window_losses, heldout_loss) -> None:
+def compile_step(args, state, train_step, batch_sharding, seq_len):
+  """``train_step`` compiled for this run's micro-batches; prints its
+  collectives per micro-step and per window."""
+  rows = batch_sharding.mesh.size * args.micro_batch_size
+  tokens = jax.ShapeDtypeStruct(
+    (rows, seq_len + 1), np.int32, sharding=batch_sharding
+  )
+  lengths = jax.ShapeDtypeStruct((rows,), np.int32, sharding=batch_sharding)
+  compiled = train_step.lower(state, tokens, lengths).compile()
+  every_call, emitting = _lm.collectives(
+    compiled.as_text(), batch_sharding.mesh
+  )
+  print(_lm.describe_collectives(every_call, emitting, args.k))
+  return compiled
+
+
+def save_plot(path, args, mesh, window_losses, heldout_loss) -> None:
   figure = mpl_figure.Figure(figsize=(6, 3.5), layout='tight')
   axis = figure.subplots()
   axis.plot(np.arange(1, args.steps + 1), window_losses, label='window loss')
   axis.axhline(heldout_loss, color='gray', ls='--', label='held-out (end)')
   axis.set_xlabel('optimizer update')
   axis.set_ylabel('loss (nats / byte)')
-  axis.set_title(f'{args.corpus.name}: k={args.k}, {num_devices} devices')
+  axis.set_title(
+    f'{args.corpus.name}: k={args.k}, {layout_name(mesh)} on {mesh.size} '
+    'devices'
+  )
   axis.legend()
   figure.savefig(path, dpi=120)
 
 
-def main(argv=None) -> None:
-  parser, args = parse_args(argv)
-  # Before anything starts a JAX backend.
-  jax.config.update('jax_num_cpu_devices', args.devices)
-  devices = jax.devices()[: args.devices]
-  num_devices = len(devices)
-  if num_devices < args.devices:
-    print(
-      f'Only {num_devices} {devices[0].platform} device(s) available; '
-      f'using {num_devices} instead of --devices {args.devices}.'
-    )
-  config, train_data, heldout = _lm.load_data(
-    parser, args, args.k * num_devices * args.micro_batch_size
-  )
-  out = args.out.resolve()
-  out.mkdir(parents=True, exist_ok=True)
-
-  model = _lm.CausalLM(config)
-  params = _lm.init_params(model, args.seed)
-  schedule = optax.warmup_cosine_decay_schedule(
-    0.0, args.lr, max(1, args.steps // 10), args.steps, end_value=args.lr / 10
-  )
-  tx = tokacc.token_weighted_multistep(
-    optax.chain(
-      optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
-    ),
-    every_k_schedule=args.k,
-    axis_name='data',  # sum the window over the data-parallel devices
-  )
-  mesh = jax.make_mesh((num_devices,), ('data',), devices=devices)
-  state, train_step = data_parallel(model, params, tx, mesh)
-  print(
-    f'Byte-level transformer, {_lm.count_params(params):,} parameters, on '
-    f'{len(train_data):,} sequences of <= {config.seq_len + 1} bytes from '
-    f'{args.corpus.name}.\n{args.steps} updates x {args.k} micro-batches x '
-    f'{num_devices} {devices[0].platform} devices x {args.micro_batch_size} '
-    'sequences.'
-  )
-  start = time.perf_counter()
-  state, window_losses, window_tokens, tokens_per_s = train(
-    args, state, train_step, train_data, mesh
-  )
-  state = jax.device_get(state)
-  if int(state.step) != args.steps:
-    sys.exit(
-      f'error: expected {args.steps} updates, state.step is {state.step}'
-    )
-  heldout_loss = float(_lm.heldout_loss_fn(model, heldout)(state.params))
-  elapsed = time.perf_counter() - start
-
+def save(out, args, mesh, state, window_losses, window_tokens, extra):
+  """Writes the checkpoint, the loss plot and ``summary.json`` to ``out``;
+  returns their paths."""
   checkpoint_dir = out / 'checkpoint'
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(
@@ -265,25 +399,88 @@ def main(argv=None) -> None:
       force=True,
     )
   plot_path = out / 'loss.png'
-  save_plot(plot_path, args, num_devices, window_losses, heldout_loss)
+  save_plot(plot_path, args, mesh, window_losses, extra['heldout_loss'])
   summary = {
     'updates': args.steps,
     'counted_tokens': int(sum(window_tokens)),
     'first_window_loss': window_losses[0],
     'last_window_loss': window_losses[-1],
-    'heldout_loss': heldout_loss,
-    'tokens_per_s': None if math.isnan(tokens_per_s) else tokens_per_s,
-    'seconds': elapsed,
+    **extra,
   }
   summary_path = out / 'summary.json'
   summary_path.write_text(json.dumps(summary, indent=2) + '\n')
+  return checkpoint_dir, plot_path, summary_path
+
+
+def main(argv=None) -> None:
+  parser, args = parse_args(argv)
+  # Before anything starts a JAX backend.
+  jax.config.update(
+    'jax_num_cpu_devices', math.prod(dict(args.mesh_axes).values())
+  )
+  mesh = make_mesh(parser, args)
+  config, train_data, heldout = _lm.load_data(
+    parser, args, args.k * mesh.size * args.micro_batch_size
+  )
+  out = args.out.resolve()
+  out.mkdir(parents=True, exist_ok=True)
+
+  model = _lm.CausalLM(config)
+  params = _lm.init_params(model, args.seed)
+  warmup = min(max(1, args.steps // 10), args.steps - 1)  # none for 1 step
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, args.lr, warmup, args.steps, end_value=args.lr / 10
+  )
+  tx = tokacc.token_weighted_multistep(
+    optax.chain(
+      optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
+    ),
+    every_k_schedule=args.k,
+    axis_name=data_axis(mesh),  # sum the window over this axis's devices
+  )
+  state, train_step, batch_sharding = sharded_training(model, params, tx, mesh)
+  mesh_text = ','.join(f'{n}={s}' for n, s in mesh.shape.items())
+  print(
+    f'Byte-level transformer, {_lm.count_params(params):,} parameters, on '
+    f'{len(train_data):,} sequences of <= {config.seq_len + 1} bytes from '
+    f'{args.corpus.name}.\n{args.steps} updates x {args.k} micro-batches x '
+    f'{mesh.size} {mesh.devices.flat[0].platform} devices x '
+    f'{args.micro_batch_size} sequences; {layout_name(mesh)} on the mesh '
+    f'{mesh_text}.'
+  )
+  start = time.perf_counter()
+  train_step = compile_step(
+    args, state, train_step, batch_sharding, config.seq_len
+  )
+  state, window_losses, window_tokens, tokens_per_s = train(
+    args, state, train_step, train_data, batch_sharding
+  )
+  state = jax.device_get(state)
+  if int(state.step) != args.steps:
+    sys.exit(
+      f'error: expected {args.steps} updates, state.step is {state.step}'
+    )
+  heldout_loss = float(_lm.heldout_loss_fn(model, heldout)(state.params))
+  elapsed = time.perf_counter() - start
+  paths = save(
+    out,
+    args,
+    mesh,
+    state,
+    window_losses,
+    window_tokens,
+    {
+      'heldout_loss': heldout_loss,
+      'tokens_per_s': None if math.isnan(tokens_per_s) else tokens_per_s,
+      'seconds': elapsed,
+    },
+  )
   print(
     f'Summary: {args.steps} updates on {sum(window_tokens):,} counted tokens '
-    f'in {elapsed:.0f} s ({tokens_per_s:,.0f} tokens/s after compilation); '
-    f'window loss {window_losses[0]:.3f} -> {window_losses[-1]:.3f}, '
+    f'in {elapsed:.0f} s ({tokens_per_s:,.0f} tokens/s after the first '
+    f'window); window loss {window_losses[0]:.3f} -> {window_losses[-1]:.3f}, '
     f'held-out loss {heldout_loss:.3f} nats/byte.\n'
-    f'Checkpoint: {checkpoint_dir}\nLoss plot: {plot_path}\n'
-    f'Summary JSON: {summary_path}'
+    'Checkpoint: {}\nLoss plot: {}\nSummary JSON: {}'.format(*paths)
   )
 
 

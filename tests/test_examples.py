@@ -37,18 +37,35 @@ pytestmark = pytest.mark.slow  # each test starts Python processes
 
 
 def run_example(script: str, *args: str, timeout: float = 120, env=None):
+  return finish(start_example(script, *args, env=env), timeout)
+
+
+def start_example(script: str, *args: str, env=None) -> subprocess.Popen:
+  """Starts an example as :func:`run_example` does, without waiting."""
   env = dict(os.environ, **(env or {}))
   env['PYTHONPATH'] = os.pathsep.join(
     [str(REPO)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else [])
   )
   env['JAX_PLATFORMS'] = 'cpu'
-  return subprocess.run(
+  return subprocess.Popen(
     [sys.executable, str(EXAMPLES / script), *map(str, args)],
-    capture_output=True,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
     text=True,
     env=env,
     cwd=REPO,
-    timeout=timeout,
+  )
+
+
+def finish(process: subprocess.Popen, timeout: float):
+  """The ``CompletedProcess`` of a started example."""
+  try:
+    stdout, stderr = process.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    stdout, stderr = process.communicate()
+  return subprocess.CompletedProcess(
+    process.args, process.returncode, stdout, stderr
   )
 
 
@@ -72,26 +89,45 @@ def restore(checkpoint: pathlib.Path):
 TERMINAL = {'FORCE_COLOR': '1', 'TERM': 'xterm', 'COLUMNS': '160'}
 
 
+# The same global batches (4 sequences per micro-batch) on each mesh.
+MESH_RUNS = {
+  'data=2': ('--devices', 2, '--micro-batch-size', 2),
+  'one device': ('--devices', 1, '--micro-batch-size', 4),
+  'fsdp=2': ('--mesh', 'fsdp=2', '--micro-batch-size', 2),
+  'replica=2,fsdp=2': ('--mesh', 'replica=2,fsdp=2', '--micro-batch-size', 1),
+}
+# Faster XLA compilation on CPU: most of a tiny run is compiling.
+FAST_COMPILE = {
+  'XLA_FLAGS': '--xla_backend_optimization_level=0 '
+  '--xla_llvm_disable_expensive_passes=true'
+}
+
+
 @pytest.fixture(scope='module')
 def train_lm_runs(tmp_path_factory):
-  """The same global batches on 2 devices and on 1 device."""
+  """``{mesh: (result, out)}``: 3 updates of k=2 on each of ``MESH_RUNS``.
+
+  The runs start together (two CPU cores run two compilations at once).
+  """
   runs = {}
-  for devices, micro_batch_size in ((2, 2), (1, 4)):
-    out = tmp_path_factory.mktemp(f'train_lm_{devices}')
-    result = run_example(
-      'train_lm.py',
-      *TINY,
-      '--steps', 3, '--k', 2,
-      '--devices', devices, '--micro-batch-size', micro_batch_size,
-      '--out', out,
-      env=TERMINAL if devices == 2 else None,
+  for name, args in MESH_RUNS.items():
+    out = tmp_path_factory.mktemp('train_lm')
+    env = dict(FAST_COMPILE, **(TERMINAL if name == 'data=2' else {}))
+    runs[name] = (
+      start_example(
+        'train_lm.py', *TINY, '--steps', 3, '--k', 2, *args, '--out', out,
+        env=env,
+      ),
+      out,
     )  # fmt: skip
-    runs[devices] = (result, out)
-  return runs
+  return {
+    name: (finish(process, timeout=300), out)
+    for name, (process, out) in runs.items()
+  }
 
 
 def test_train_lm_writes_checkpoint_plot_and_summary(train_lm_runs):
-  result, out = train_lm_runs[2]
+  result, out = train_lm_runs['data=2']
   assert_ok(result)
   stdout = without_escapes(result.stdout)
   assert '2 cpu devices' in stdout
@@ -113,30 +149,152 @@ def test_train_lm_writes_checkpoint_plot_and_summary(train_lm_runs):
   assert set(restored) == {'step', 'params', 'opt_state'}
 
 
-def test_train_lm_progress_bar_says_compiling_before_the_first_window(
+def test_train_lm_progress_bar_shows_no_loss_before_the_first_window(
   train_lm_runs,
 ):
-  result, _ = train_lm_runs[2]
+  result, _ = train_lm_runs['data=2']
   assert_ok(result)
   frames = without_escapes(result.stdout).replace('\r', '\n')
   first_frame = re.search(r'^training .*$', frames, re.M)
-  assert first_frame and 'compiling…' in first_frame.group(), frames
+  assert first_frame and 'first window…' in first_frame.group(), frames
   assert 'loss nan' not in frames, frames
   assert not re.search(r'\s0 tok/s', frames), frames
   assert re.search(r'3/3 loss \d+\.\d{3}  [\d,]+ tok/s', frames), frames
 
 
-def test_train_lm_data_parallel_matches_one_device(train_lm_runs):
-  """2 devices x 2 sequences == 1 device x 4 sequences, per micro-step.
+@pytest.mark.parametrize(
+  'mesh, layout',
+  [('fsdp=2', 'FSDP'), ('replica=2,fsdp=2', 'HSDP')],
+)
+def test_train_lm_sharded_meshes_finish_every_update(
+  train_lm_runs, mesh, layout
+):
+  result, out = train_lm_runs[mesh]
+  assert_ok(result)
+  assert f'{layout} on the mesh {mesh}.' in result.stdout
+  assert re.search(r'^Summary: 3 updates on', result.stdout, re.M)
+  assert json.loads((out / 'summary.json').read_text())['updates'] == 3
+  assert int(restore(out / 'checkpoint')['step']) == 3
 
-  Each device holds different numbers of tokens; only a token-weighted sum
-  over the devices gives the one-device gradient.
+
+def collectives(stdout: str) -> tuple[str, str]:
+  """The collectives per micro-step and per window that a run printed."""
+  match = re.search(
+    r'^collectives: (.*) per micro-step, (.*) per window of 2 micro-steps$',
+    stdout,
+    re.M,
+  )
+  assert match, stdout
+  return match.groups()
+
+
+def test_train_lm_ddp_prints_one_all_reduce_per_window(train_lm_runs):
+  result, _ = train_lm_runs['data=2']
+  assert_ok(result)
+  assert collectives(result.stdout) == ('0', '1 (1 all-reduce over data)')
+
+
+def test_train_lm_fsdp_prints_reductions_on_every_micro_step(train_lm_runs):
+  result, _ = train_lm_runs['fsdp=2']
+  assert_ok(result)
+  per_step, per_window = collectives(result.stdout)
+  assert re.search(r'\b\d+ all-reduce over fsdp\b', per_step), per_step
+  assert set(re.findall(r' over (\S+?)[,)]', per_step)) == {'fsdp'}
+  assert set(re.findall(r' over (\S+?)[,)]', per_window)) == {'fsdp'}
+
+
+def test_train_lm_hsdp_crosses_replicas_once_per_window(train_lm_runs):
+  result, _ = train_lm_runs['replica=2,fsdp=2']
+  assert_ok(result)
+  per_step, per_window = collectives(result.stdout)
+  assert re.search(r'\b\d+ all-reduce over fsdp\b', per_step), per_step
+  assert set(re.findall(r' over (\S+?)[,)]', per_step)) == {'fsdp'}
+  assert '1 all-reduce over replica' in per_window, per_window
+  assert set(re.findall(r' over (\S+?)[,)]', per_window)) == {
+    'fsdp',
+    'replica',
+  }
+
+
+@pytest.mark.parametrize('mesh', ['data=2', 'fsdp=2', 'replica=2,fsdp=2'])
+def test_train_lm_meshes_match_one_device(train_lm_runs, mesh):
+  """Each mesh trains like one device on the same global batches.
+
+  Devices hold different numbers of tokens; only a token-weighted sum over
+  the devices gives the one-device gradient. Reductions in another order
+  leave float32 round-off.
   """
-  for result, _ in train_lm_runs.values():
+  for result, _ in (train_lm_runs[mesh], train_lm_runs['one device']):
     assert_ok(result)
-  two = restore(train_lm_runs[2][1] / 'checkpoint')['params']
-  one = restore(train_lm_runs[1][1] / 'checkpoint')['params']
-  chex.assert_trees_all_close(two, one, rtol=1e-5, atol=1e-6)
+  sharded = restore(train_lm_runs[mesh][1] / 'checkpoint')['params']
+  one = restore(train_lm_runs['one device'][1] / 'checkpoint')['params']
+  chex.assert_trees_all_close(sharded, one, rtol=1e-5, atol=1e-6)
+
+
+def test_train_lm_bad_mesh_is_one_line_error():
+  result = run_example('train_lm.py', '--mesh', 'data=2,fsdp=2')
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+    'train_lm.py: error: --mesh data=2,fsdp=2: the axes data, fsdp make no '
+    'layout of this example; use data=N (DDP), fsdp=N (FSDP) or '
+    'replica=R,fsdp=F (HSDP).'
+  ]
+
+
+@pytest.fixture
+def train_lm(monkeypatch):
+  """The module ``examples/train_lm.py``, imported as its own program."""
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  monkeypatch.setattr(sys, 'argv', ['train_lm.py'])
+  import train_lm
+
+  return train_lm
+
+
+@pytest.mark.parametrize(
+  'args, message',
+  [
+    (('--mesh', 'model=2'), "--mesh model=2: unknown axis 'model'"),
+    (('--mesh', 'fsdp=2,fsdp=2'), "repeated axis 'fsdp'"),
+    (('--mesh', 'replica=2'), 'the axes replica make no layout'),
+    (('--mesh', 'fsdp=0'), "the size of 'fsdp' must be an integer >= 1"),
+    (('--mesh', 'data=two'), "got 'two'"),
+    (('--mesh', 'fsdp=4', '--devices', '3'), '--devices 3 disagrees'),
+  ],
+)
+def test_train_lm_bad_mesh_arguments(train_lm, capsys, args, message):
+  with pytest.raises(SystemExit) as exit_info:
+    train_lm.parse_args(args)
+  assert exit_info.value.code == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('train_lm.py: error: ')
+  assert message in lines[0]
+
+
+def test_train_lm_mesh_larger_than_the_devices(train_lm, capsys):
+  parser, args = train_lm.parse_args(['--mesh', 'replica=4,fsdp=4'])
+  with pytest.raises(SystemExit):
+    train_lm.make_mesh(parser, args)  # the tests have 8 CPU devices
+  assert (
+    capsys.readouterr()
+    .err.strip()
+    .endswith(
+      '--mesh replica=4,fsdp=4 needs 16 devices; only 8 cpu device(s) '
+      'available.'
+    )
+  )
+
+
+@pytest.mark.parametrize(
+  'mesh, axes',
+  [
+    ('fsdp=2,replica=3', (('replica', 3), ('fsdp', 2))),
+    (' data = 4 ', (('data', 4),)),
+  ],
+)
+def test_train_lm_mesh_order(train_lm, mesh, axes):
+  _, args = train_lm.parse_args(['--mesh', mesh])
+  assert args.mesh_axes == axes
 
 
 def test_accumulation_bug_table(tmp_path):
