@@ -27,8 +27,8 @@ Prints, at checkpoint steps, the largest relative parameter difference from
 the reference (over parameter arrays, ||p - p_ref|| / ||p_ref||) and the
 difference of the held-out loss, and writes a plot and a markdown table::
 
-  python examples/accumulation_bug.py               # about 1 minute on 2 CPU cores
-  python examples/accumulation_bug.py --out docs    # regenerates docs/
+  python examples/accumulation_bug.py             # about 2 min on 2 CPU cores
+  python examples/accumulation_bug.py --out docs  # regenerates docs/
 """
 
 import argparse
