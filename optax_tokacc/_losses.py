@@ -112,8 +112,9 @@ def token_cross_entropy(
   the count's: a bool mask or integer weights give an exact int32 count; a
   floating ``where`` is used as weights, never rounded to a mask, and gives
   a floating count (the sum of the weights). Fractional weights need
-  ``token_weighted_multistep(..., token_dtype=jnp.float32)``; for an exact
-  int32 count of a 0/1 float mask, pass it as ``where=mask > 0``.
+  ``token_weighted_multistep(..., token_dtype=jnp.float32)``: its default
+  int32 counter counts a floating count exactly when it holds a whole
+  number (a 0/1 float mask), and drops a window with a fractional one.
 
   Args:
     logits: unnormalized log-probabilities of shape ``[..., vocab]``.

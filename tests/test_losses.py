@@ -124,6 +124,38 @@ def test_count_dtype_follows_where(where, dtype):
   assert num_tokens == np.asarray(where, np.float32).sum()
 
 
+def test_float_mask_counts_exactly_with_the_default_int32_counter():
+  """A 0/1 float mask trains exactly like the same bool mask."""
+  logits, labels, rng = make_inputs(jnp.float32, seed=3)
+  mask = rng.random(labels.shape) < 0.6
+  params = {'logits': logits}
+  tx = tokacc.token_weighted_multistep(optax.sgd(1.0), every_k_schedule=2)
+
+  def window(where):
+    @jax.jit
+    def micro_step(opt_state, where):
+      (loss, num_tokens), grads = jax.value_and_grad(
+        lambda p: tokacc.token_cross_entropy(p['logits'], labels, where=where),
+        has_aux=True,
+      )(params)
+      return tx.update(
+        grads, opt_state, params, num_tokens=num_tokens, loss=loss
+      )
+
+    opt_state = tx.init(params)
+    first_row = jnp.arange(BATCH)[:, None] == 0
+    first = jnp.where(first_row, where, jnp.zeros_like(where))  # fewer tokens
+    for micro_batch_where in (first, where):
+      updates, opt_state = micro_step(opt_state, micro_batch_where)
+    return updates, opt_state
+
+  updates_bool, state_bool = window(jnp.asarray(mask))
+  updates_float, state_float = window(jnp.asarray(mask, jnp.float32))
+  assert bool(tokacc.has_updated(state_float))
+  assert int(state_float.last_tokens) == int(state_bool.last_tokens)
+  chex.assert_trees_all_close(updates_float, updates_bool, rtol=1e-6)
+
+
 def test_fractional_weights_accumulate_exactly_with_float_tokens():
   """k micro-batches of weighted tokens give the weighted full-batch step."""
   k, dim = 3, 4
