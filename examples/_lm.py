@@ -24,6 +24,7 @@ small reader of the collectives in a compiled step's HLO.
 import argparse
 import collections
 import dataclasses
+import math
 import os
 import pathlib
 import re
@@ -300,8 +301,10 @@ _OPCODE = re.compile(r'(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(')
 _CALLEE = re.compile(r'\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)')
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRUE_FALSE = re.compile(r'\b(false|true)_computation=%?([\w.\-]+)')
+_IOTA = r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?'
+_NAMED = r'mesh\[([^\]]*)\] \{([^}]*)\}'
 _GROUPS = re.compile(
-  r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)'
+  r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|' + _IOTA + '|' + _NAMED + ')'
 )
 
 
@@ -330,27 +333,51 @@ def _branches(instruction: str) -> list[str]:
   return [named['false'], named['true']] if named else []
 
 
-def _group_axes(instruction: str, mesh: jax.sharding.Mesh) -> str:
-  """The mesh axes a collective spans: those along which the devices of its
-  first replica group differ (device ``i`` is the mesh's ``i``-th)."""
-  found = _GROUPS.search(instruction)
-  text = found.group(1) if found else '{}'
-  ids = np.arange(mesh.size)
+def _first_group(text: str, num_devices: int) -> Optional[np.ndarray]:
+  """The device ids of the first group of a ``replica_groups`` text.
+
+  Knows the explicit (``{{0,2},{1,3}}``), iota (``[2,2]<=[4]``, with an
+  optional transpose ``T(1,0)``) and named (``mesh['axis_0'=2,'axis_1'=2]
+  {'axis_1'}``) forms; ``{}`` is all devices. None for another form.
+  """
+  ids = np.arange(num_devices)
+  if text == '{}':
+    return ids
   if text.startswith('{{'):
-    group = [
-      int(i) for i in re.match(r'\{\{([\d,]*)\}', text).group(1).split(',')
-    ]
-  elif text.startswith('['):  # iota form: [groups,size]<=[dims]T(perm)
-    shape, dims, perm = re.fullmatch(
-      r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text
-    ).groups()
+    return np.array(re.match(r'\{\{([\d,]*)\}', text).group(1).split(','), int)
+  if re.fullmatch(_IOTA, text):
+    shape, dims, perm = re.fullmatch(_IOTA, text).groups()
     ids = ids.reshape([int(d) for d in dims.split(',')])
     if perm:
       ids = ids.transpose([int(p) for p in perm.split(',')])
-    group = ids.reshape(int(shape.split(',')[0]), -1)[0]
-  else:  # {}: all devices
-    group = ids
-  coordinates = np.unravel_index(np.asarray(group), mesh.devices.shape)
+    return ids.reshape(int(shape.split(',')[0]), -1)[0]
+  named = re.fullmatch(_NAMED, text)
+  if not named:
+    return None
+  axes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", named[1])]
+  grouped = set(re.findall(r"'(\w+)'", named[2]))
+  ids = ids.reshape([n for _, n in axes])
+  order = sorted(range(len(axes)), key=lambda i: axes[i][0] in grouped)
+  size = math.prod(n for a, n in axes if a in grouped)
+  return ids.transpose(order).reshape(-1, size)[0]
+
+
+def _group_axes(instruction: str, mesh: jax.sharding.Mesh) -> str:
+  """The mesh axes a collective spans: those along which the devices of its
+  first replica group differ (device ``i`` is the mesh's ``i``-th); ``?``
+  for groups written in a form this reader does not know."""
+  found = _GROUPS.search(instruction)
+  if found:
+    group = _first_group(found.group(1), mesh.size)
+  elif (
+    'replica_groups=' in instruction or 'source_target_pairs=' in instruction
+  ):
+    group = None
+  else:  # all devices
+    group = np.arange(mesh.size)
+  if group is None:
+    return '?'
+  coordinates = np.unravel_index(group, mesh.devices.shape)
   varying = [
     name
     for name, row in zip(mesh.axis_names, coordinates)
@@ -405,6 +432,9 @@ def describe_collectives(every_call, emitting, k: int) -> str:
     f'collectives: {listed(every_call)} per micro-step, {listed(window)} per '
     f'window of {k} micro-steps'
   )
+
+
+# ------------------------------------------------------------- arguments
 
 
 def add_data_args(parser: argparse.ArgumentParser, **defaults) -> None:

@@ -93,7 +93,7 @@ TERMINAL = {'FORCE_COLOR': '1', 'TERM': 'xterm', 'COLUMNS': '160'}
 MESH_RUNS = {
   'data=2': ('--devices', 2, '--micro-batch-size', 2),
   'one device': ('--devices', 1, '--micro-batch-size', 4),
-  'fsdp=2': ('--mesh', 'fsdp=2', '--micro-batch-size', 2),
+  'fsdp=4': ('--mesh', 'fsdp=4', '--micro-batch-size', 1),
   'replica=2,fsdp=2': ('--mesh', 'replica=2,fsdp=2', '--micro-batch-size', 1),
 }
 # Faster XLA compilation on CPU: most of a tiny run is compiling.
@@ -164,7 +164,7 @@ def test_train_lm_progress_bar_shows_no_loss_before_the_first_window(
 
 @pytest.mark.parametrize(
   'mesh, layout',
-  [('fsdp=2', 'FSDP'), ('replica=2,fsdp=2', 'HSDP')],
+  [('fsdp=4', 'FSDP'), ('replica=2,fsdp=2', 'HSDP')],
 )
 def test_train_lm_sharded_meshes_finish_every_update(
   train_lm_runs, mesh, layout
@@ -195,7 +195,7 @@ def test_train_lm_ddp_prints_one_all_reduce_per_window(train_lm_runs):
 
 
 def test_train_lm_fsdp_prints_reductions_on_every_micro_step(train_lm_runs):
-  result, _ = train_lm_runs['fsdp=2']
+  result, _ = train_lm_runs['fsdp=4']
   assert_ok(result)
   per_step, per_window = collectives(result.stdout)
   assert re.search(r'\b\d+ all-reduce over fsdp\b', per_step), per_step
@@ -216,7 +216,7 @@ def test_train_lm_hsdp_crosses_replicas_once_per_window(train_lm_runs):
   }
 
 
-@pytest.mark.parametrize('mesh', ['data=2', 'fsdp=2', 'replica=2,fsdp=2'])
+@pytest.mark.parametrize('mesh', ['data=2', 'fsdp=4', 'replica=2,fsdp=2'])
 def test_train_lm_meshes_match_one_device(train_lm_runs, mesh):
   """Each mesh trains like one device on the same global batches.
 
@@ -258,6 +258,7 @@ def train_lm(monkeypatch):
     (('--mesh', 'fsdp=2,fsdp=2'), "repeated axis 'fsdp'"),
     (('--mesh', 'replica=2'), 'the axes replica make no layout'),
     (('--mesh', 'fsdp=0'), "the size of 'fsdp' must be an integer >= 1"),
+    (('--mesh', 'replica=1,fsdp=4'), 'one replica is FSDP; use --mesh fsdp=4'),
     (('--mesh', 'data=two'), "got 'two'"),
     (('--mesh', 'fsdp=4', '--devices', '3'), '--devices 3 disagrees'),
   ],
