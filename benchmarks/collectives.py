@@ -484,8 +484,12 @@ def main(argv=None):
   print_table(rows)
   print_details(rows)
   if args.out:
+    import run as benchmarks_run  # noqa: PLC0415
+
     with open(args.out, 'w') as f:
-      json.dump(rows, f, indent=2)
+      json.dump(
+        {'machine': benchmarks_run.machine(), 'rows': rows}, f, indent=2
+      )
 
 
 if __name__ == '__main__':
