@@ -69,3 +69,11 @@ def pcast_to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
   if hasattr(lax, 'pcast'):
     return lax.pcast(x, axes, to='varying')
   return lax.pvary(x, axes)  # pragma: no cover (jax < 0.8.2)
+
+
+def manual_axes(x: Any) -> frozenset:
+  """The mesh axes that are manual where ``x`` lives (``shard_map``'s, or
+  ``pmap``'s axis); empty where JAX does not say (older versions)."""
+  sharding = getattr(jax.typeof(x), 'sharding', None)
+  mesh = getattr(sharding, 'mesh', None)
+  return frozenset(getattr(mesh, 'manual_axes', None) or ())

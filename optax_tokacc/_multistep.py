@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _collectives
+from optax_tokacc import _compat
 from optax_tokacc import _state
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
@@ -265,6 +266,8 @@ def _data_parallel(config: _validation.Config) -> tuple[tuple[str, ...], bool]:
   _collectives.check_bound(config.axis_name)
   axes = _collectives.as_tuple(config.axis_name)
   tracked = _collectives.tracks_variance(axes)
+  if not tracked:
+    _untracked_axes_are_complete(axes)
   if len(axes) > 1 and not tracked:
     raise ValueError(
       f'axis_name={axes!r} names several data axes, but JAX does not track '
@@ -273,6 +276,20 @@ def _data_parallel(config: _validation.Config) -> tuple[tuple[str, ...], bool]:
       'told apart. Use jax.shard_map with check_vma=True (the default).'
     )
   return axes, tracked
+
+
+def _untracked_axes_are_complete(axes: tuple[str, ...]) -> None:
+  """Without variance tracking, refuses manual axes ``axis_name`` leaves
+  out: the batch may be split over them, and nothing would say so."""
+  others = _compat.manual_axes(jax.lax.axis_index(axes[0])) - set(axes)
+  if others:
+    raise ValueError(
+      f'shard_map is manual over {sorted(others)} too, which '
+      f'axis_name={axes!r} leaves out, and JAX does not track here which '
+      'values vary over them (check_vma=False): whether the batch is split '
+      'there cannot be told. Use jax.shard_map with check_vma=True (the '
+      'default), or name every axis the batch is split over.'
+    )
 
 
 def _should_emit(config, state, mini_step, emit_now, dp) -> jax.Array:

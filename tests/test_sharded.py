@@ -318,26 +318,7 @@ def test_manual_hsdp_with_the_replica_axis_only_names_the_fix(specs):
   assert 'out_specs' not in message
 
 
-_UNTRACKED_SINGLE_AXIS = pytest.mark.xfail(
-  strict=True,
-  reason=(
-    'Under shard_map(check_vma=False) JAX does not track variance: with one '
-    'data axis the transform cannot see that the batch is also split over '
-    'fsdp, and leaves the token count per fsdp device (max parameter '
-    'difference 0.054). Documented in the README as unsupported: without '
-    'check_vma, axis_name must name every axis the batch is split over and '
-    'parameters must be replicated.'
-  ),
-)
-
-
-@pytest.mark.parametrize(
-  'axis_name',
-  [
-    harness.HSDP_AXES,  # refused: several axes need variance tracking
-    pytest.param('replica', marks=_UNTRACKED_SINGLE_AXIS),
-  ],
-)
+@pytest.mark.parametrize('axis_name', [harness.HSDP_AXES, 'replica'])
 def test_manual_hsdp_without_check_vma_is_exact_or_refused(axis_name):
   windows, params = windows_and_params()
   expected, _ = full_batch('adamw')
@@ -352,8 +333,9 @@ def test_manual_hsdp_without_check_vma_is_exact_or_refused(axis_name):
       axis_name,
       check_vma=False,
     )
-  except ValueError:
-    return  # refused at trace time
+  except ValueError as e:  # refused at trace time, naming the fix
+    assert 'check_vma=True' in str(e)
+    return
   assert max_difference(actual, expected) < TOLERANCE
 
 
