@@ -60,6 +60,30 @@ def check_bound(axis_name: AxisName) -> None:
     ) from e
 
 
+def check_untracked(axes: Sequence[str]) -> None:
+  """Without variance tracking (``pmap``, ``shard_map(check_vma=False)``),
+  refuses what could not be told apart: several data axes (sharded from
+  replicated parameters), or manual axes that ``axis_name`` leaves out
+  (the batch may be split over them)."""
+  axes = tuple(axes)
+  if len(axes) > 1:
+    raise ValueError(
+      f'axis_name={axes!r} names several data axes, but JAX does not track '
+      'here which values vary over them (pmap, or shard_map with '
+      'check_vma=False), so sharded and replicated parameters cannot be '
+      'told apart. Use jax.shard_map with check_vma=True (the default).'
+    )
+  others = _compat.manual_axes(lax.axis_index(axes[0])) - set(axes)
+  if others:
+    raise ValueError(
+      f'shard_map is manual over {sorted(others)} too, which '
+      f'axis_name={axes!r} leaves out, and JAX does not track here which '
+      'values vary over them (check_vma=False): whether the batch is split '
+      'there cannot be told. Use jax.shard_map with check_vma=True (the '
+      'default), or name every axis the batch is split over.'
+    )
+
+
 def tracks_variance(axes: Sequence[str]) -> bool:
   """Whether JAX tracks which values vary over ``axes`` (``check_vma``)."""
   return all(a in varying_axes(lax.axis_index(a)) for a in axes)

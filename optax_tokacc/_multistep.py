@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _collectives
-from optax_tokacc import _compat
 from optax_tokacc import _state
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
@@ -250,9 +249,8 @@ def _update(
     config, emit, grads, window, state.inner_state, params, extra_args, dp
   )
   new_state = _next_state(
-    state, emit, mini_step, window, acc_grads, inner_state, closed
+    state, emit, mini_step, window, acc_grads, inner_state, closed, skip_state
   )
-  new_state = new_state._replace(skip_state=skip_state)
   if config.axis_name is not None:
     new_state = _state.with_device_slot(new_state)
   return updates, new_state
@@ -267,29 +265,8 @@ def _data_parallel(config: _validation.Config) -> tuple[tuple[str, ...], bool]:
   axes = _collectives.as_tuple(config.axis_name)
   tracked = _collectives.tracks_variance(axes)
   if not tracked:
-    _untracked_axes_are_complete(axes)
-  if len(axes) > 1 and not tracked:
-    raise ValueError(
-      f'axis_name={axes!r} names several data axes, but JAX does not track '
-      'here which values vary over them (pmap, or shard_map with '
-      'check_vma=False), so sharded and replicated parameters cannot be '
-      'told apart. Use jax.shard_map with check_vma=True (the default).'
-    )
+    _collectives.check_untracked(axes)
   return axes, tracked
-
-
-def _untracked_axes_are_complete(axes: tuple[str, ...]) -> None:
-  """Without variance tracking, refuses manual axes ``axis_name`` leaves
-  out: the batch may be split over them, and nothing would say so."""
-  others = _compat.manual_axes(jax.lax.axis_index(axes[0])) - set(axes)
-  if others:
-    raise ValueError(
-      f'shard_map is manual over {sorted(others)} too, which '
-      f'axis_name={axes!r} leaves out, and JAX does not track here which '
-      'values vary over them (check_vma=False): whether the batch is split '
-      'there cannot be told. Use jax.shard_map with check_vma=True (the '
-      'default), or name every axis the batch is split over.'
-    )
 
 
 def _should_emit(config, state, mini_step, emit_now, dp) -> jax.Array:
@@ -302,7 +279,9 @@ def _should_emit(config, state, mini_step, emit_now, dp) -> jax.Array:
   return jnp.logical_or(emit, _collectives.any_device(emit_now, *dp))
 
 
-def _next_state(state, emit, mini_step, window, acc_grads, inner_state, closed):
+def _next_state(
+  state, emit, mini_step, window, acc_grads, inner_state, closed, skip_state
+):
   """The state after this call; a closed window starts afresh (its
   parameter-sized buffers are restarted by the next micro-step's select,
   not rewritten here)."""
@@ -321,7 +300,7 @@ def _next_state(state, emit, mini_step, window, acc_grads, inner_state, closed):
     inner_state=inner_state,
     last_loss=jnp.where(emitted, mean_loss, state.last_loss),
     last_tokens=jnp.where(emitted, total, state.last_tokens),
-    skip_state=state.skip_state,
+    skip_state=skip_state,
     emitted=emitted,
     acc_compensation=acc_compensation,
     dropped_windows=_increment_if(

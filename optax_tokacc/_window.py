@@ -73,9 +73,9 @@ def add_micro_batch(config, state, grads, count, loss, keep) -> tuple:
   return acc_grads, acc_compensation, acc_tokens, acc_loss
 
 
-def _sum_over_devices(grads, params, window, dp):
+def _sum_over_devices(grads, params, window, compensated, dp):
   """The window's sums, token parts and loss, summed over the data axes."""
-  acc_grads, acc_compensation, acc_tokens, acc_loss, compensated = window
+  acc_grads, acc_compensation, acc_tokens, acc_loss = window
   sums = _compensated.window_sums(acc_grads, acc_compensation, compensated)
   scalars = (_tokens.to_parts(acc_tokens), acc_loss)
   axes, tracked = dp
@@ -101,7 +101,7 @@ def _close(config, grads, window, inner_state, params, extra_args, dp, hold):
   keep both alive (temporaries the size of the inner state on every step).
   """
   sums, (parts, loss_sum) = _sum_over_devices(
-    grads, params, window + (config.compensated,), dp
+    grads, params, window, config.compensated, dp
   )
   total, valid = _tokens.from_parts(parts, config.token_dtype)
   emitted = jnp.logical_and(valid, total > 0)
