@@ -8,6 +8,12 @@ tokens) for what the accumulator wraps, and the usual optax semantics for the
 stages around it. Token counts differ between micro-batches and one
 micro-batch has none, so that the average of per-micro-batch means fails
 (`test_average_of_averages_would_fail`).
+
+Optimizers of optax as the wrapped one (muon, schedule-free AdamW and its
+evaluation parameters read through `find_state`, adafactor, lion, prodigy,
+non-opaque SAM) are compared the same way over four windows with the same
+optimizer fed the full-batch gradient; for each, the mean of per-micro-batch
+means is shown to end far from it.
 """
 
 import functools
@@ -95,8 +101,25 @@ def scale(tree, factor):
   return jax.tree.map(lambda x: factor * x, tree)
 
 
+@jax.jit
+def average_of_means(params, window):
+  """The usual mistake: the mean of the micro-batches' token-mean gradients
+  (an empty micro-batch counts as a zero gradient)."""
+  grads = [
+    scale(micro_grads(params, batch), 1 / jnp.maximum(num_tokens(batch), 1))
+    for batch in window
+  ]
+  return scale(jax.tree.map(lambda *g: sum(g), *grads), 1 / len(window))
+
+
 def full_batch_trajectory(
-  inner, params, stream, grad_scale=1.0, update_scale=1.0
+  inner,
+  params,
+  stream,
+  grad_scale=1.0,
+  update_scale=1.0,
+  window_grads=full_batch_grads,
+  with_states=False,
 ):
   """Full-batch training: one step of ``inner`` per K finite micro-batches.
 
@@ -104,7 +127,8 @@ def full_batch_trajectory(
   accumulator acts on every micro-batch gradient, linearly);
   ``update_scale`` multiplies the emitted update (a stage after it). A
   non-finite micro-batch is skipped. Returns the parameters after every
-  micro-step.
+  micro-step (with ``with_states``, pairs of parameters and ``inner``'s
+  state). ``window_grads`` computes the window's gradient.
   """
   state = inner.init(params)
   window, trajectory = [], []
@@ -112,11 +136,11 @@ def full_batch_trajectory(
     if is_finite(batch):
       window.append(batch)
     if len(window) == K:
-      grads = scale(full_batch_grads(params, window), grad_scale)
+      grads = scale(window_grads(params, window), grad_scale)
       updates, state = inner.update(grads, state, params)
       params = optax.apply_updates(params, scale(updates, update_scale))
       window = []
-    trajectory.append(params)
+    trajectory.append((params, state) if with_states else params)
   return trajectory
 
 
@@ -282,3 +306,105 @@ def test_average_of_averages_would_fail():
     for a, e in zip(jax.tree.leaves(params), jax.tree.leaves(expected))
   )
   assert difference > 1e-2
+
+
+# Optimizers of optax and optax.contrib as ``inner``, each against itself fed
+# the full-batch gradient directly, over four windows (one compilation each).
+
+INNER_TOKEN_COUNTS = (6, 0, 8, 1, 7, 3, 2, 8, 5, 4, 0, 7)  # four windows
+INNER_LEARNING_RATE = 0.05
+MOVED = 1e-2  # each optimizer moves some parameter further than this
+
+
+def sam():
+  """Non-opaque SAM: one adversarial window, then one descent window."""
+  adversarial = optax.chain(optax.contrib.normalize(), optax.sgd(0.05))
+  return optax.contrib.sam(
+    optax.sgd(INNER_LEARNING_RATE), adversarial, sync_period=2
+  )
+
+
+INNER_OPTIMIZERS = {
+  'muon': lambda: optax.contrib.muon(INNER_LEARNING_RATE),  # 'w' is 2-D
+  'schedule_free_adamw': lambda: optax.contrib.schedule_free_adamw(
+    INNER_LEARNING_RATE, warmup_steps=2, weight_decay=0.1
+  ),
+  'adafactor': lambda: optax.adafactor(
+    INNER_LEARNING_RATE,
+    min_dim_size_to_factor=2,  # factors 'w'
+  ),
+  'lion': lambda: optax.lion(INNER_LEARNING_RATE),
+  'prodigy': lambda: optax.contrib.prodigy(estim_lr0=1e-2),
+  'sam': sam,
+}
+
+
+def inner_stream():
+  return [make_batch(i, n) for i, n in enumerate(INNER_TOKEN_COUNTS)]
+
+
+@functools.cache
+def inner_reference(name, window_grads=full_batch_grads):
+  return full_batch_trajectory(
+    INNER_OPTIMIZERS[name](),
+    init_params(),
+    inner_stream(),
+    window_grads=window_grads,
+    with_states=True,
+  )
+
+
+def eval_params(name, inner_state, params):
+  """What is evaluated: schedule-free's averaged iterate, or the params."""
+  if name == 'schedule_free_adamw':
+    return optax.contrib.schedule_free_eval_params(inner_state, params)
+  return params
+
+
+def max_difference(tree, other):
+  return max(
+    float(jnp.max(jnp.abs(a - b)))
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(other))
+  )
+
+
+@pytest.mark.parametrize('name', sorted(INNER_OPTIMIZERS))
+def test_inner_optimizer_equals_full_batch(name):
+  tx = acc(INNER_OPTIMIZERS[name]())
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+    updates, state = tx.update(
+      grads, state, params, num_tokens=num_tokens(batch), loss=loss
+    )
+    return optax.apply_updates(params, updates), state
+
+  params = init_params()
+  state = tx.init(params)
+  expected = inner_reference(name)
+  for i, batch in enumerate(inner_stream()):
+    params, state = step(params, state, batch)
+    expected_params, expected_state = expected[i]
+    inner_state = tokacc.find_state(state).inner_state
+    try:
+      chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-6)
+      chex.assert_trees_all_close(
+        eval_params(name, inner_state, params),
+        eval_params(name, expected_state, expected_params),
+        rtol=1e-5,
+        atol=1e-6,
+      )
+    except AssertionError as e:
+      raise AssertionError(f'after micro-step {i}: {e}') from e
+  assert int(tokacc.find_state(state).gradient_step) == len(expected) // K
+  # The comparison can fail: the parameters moved, and the usual mistake
+  # (the mean of per-micro-batch means) ends far beyond the tolerance.
+  final, final_state = expected[-1]
+  assert max_difference(final, init_params()) > MOVED
+  wrong, wrong_state = inner_reference(name, average_of_means)[-1]
+  mistake = max_difference(
+    eval_params(name, wrong_state, wrong),
+    eval_params(name, final_state, final),
+  )
+  assert mistake > 1e-3
