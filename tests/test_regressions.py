@@ -897,3 +897,70 @@ def test_zero_token_window_emits_zeros_and_keeps_inner_state():
   for batch in windows[1]:
     params, state, _ = step(params, state, batch)
   assert_close_f32(params, train_full_batch(inner, init_params(), windows[1:]))
+
+
+# Issue 19: a window with NaN gradients must not poison the next ones ("the
+# next window starts clean"). Without should_skip_update_fn, such a window
+# either emits NaN updates or, without counted tokens, is dropped; either
+# way the accumulator's buffer is left holding NaN. A window restarted by
+# multiplying with zero keeps 0 * NaN = NaN and turns every later update
+# into NaN; a select starts it afresh.
+
+
+def empty_nan_batch(seed):
+  """A micro-batch without counted tokens whose padding holds a NaN: its
+  token-summed loss and gradients are NaN (NaN * 0 = NaN)."""
+  batch = make_batch(seed, 0)
+  batch['y'][0, 0] = np.nan
+  return batch
+
+
+# case: (inner, the NaN window). 'dropped': no tokens, so no optimizer step;
+# 'emitted': tokens and one NaN micro-batch, so NaN updates, which the
+# training loop below discards (sgd keeps no state for them to poison).
+NAN_WINDOWS = {
+  'dropped': (
+    lambda: optax.adam(LEARNING_RATE),
+    lambda: [empty_nan_batch(98), make_batch(97, 0), empty_nan_batch(96)],
+  ),
+  'emitted': (
+    lambda: optax.sgd(LEARNING_RATE),
+    lambda: [make_batch(98, 4), nan_batch(), make_batch(97, 6)],
+  ),
+}
+
+
+def is_finite_tree(tree):
+  return all(bool(np.isfinite(leaf).all()) for leaf in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize('compensated', [False, True])
+@pytest.mark.parametrize('case', sorted(NAN_WINDOWS))
+def test_window_after_a_nan_window_starts_clean(case, compensated):
+  make_inner, make_nan_window = NAN_WINDOWS[case]
+  tx = tokacc.token_weighted_multistep(make_inner(), K, compensated=compensated)
+  step = jitted_step(tx)
+  params, state = init_params(), tx.init(init_params())
+  for batch in make_nan_window():
+    new_params, state, updates = step(params, state, batch)
+    if is_finite_tree(updates):
+      params = new_params  # else the loop keeps its parameters
+  chex.assert_trees_all_equal(params, init_params())
+  if case == 'dropped':
+    chex.assert_trees_all_equal(updates, optax.tree.zeros_like(updates))
+    assert int(state.gradient_step) == 0
+  else:
+    assert all(np.isnan(u).all() for u in jax.tree.leaves(updates))
+    assert int(state.gradient_step) == 1
+
+  windows = make_windows()
+  for w, window in enumerate(windows):
+    expected_loss = full_batch_loss(params, window)
+    for batch in window:
+      params, state, updates = step(params, state, batch)
+    assert is_finite_tree(updates), f'window {w} after the NaN window'
+    expected = train_full_batch(make_inner(), init_params(), windows[: w + 1])
+    assert_close_f32(params, expected)
+    np.testing.assert_allclose(
+      tokacc.window_loss(state), expected_loss, rtol=1e-5
+    )
