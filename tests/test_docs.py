@@ -163,7 +163,7 @@ def _unit(number: str) -> float:
   """One unit of the last printed digit of ``number``; 0 for an integer
   (counts and steps are exact)."""
   mantissa, _, exponent = number.lower().partition('e')
-  if '.' not in mantissa:
+  if '.' not in mantissa and not exponent:
     return 0.0
   decimals = len(mantissa.partition('.')[2])
   return 10.0 ** (int(exponent or 0) - decimals)
@@ -309,6 +309,7 @@ def test_api_reference_documents_every_public_name():
     ('[ 0.1047 -0.6149]', '[ 0.1047 -0.6148]', True),
     ('1.29e-06', '1.30e-06', True),
     ('7', '8', False),
+    ('6e-05', '7e-05', True),
     ('one\ntwo', 'one', False),
   ],
 )
