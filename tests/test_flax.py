@@ -17,6 +17,14 @@ from optax_tokacc import flax as tokacc_flax
 
 VOCAB, DIM, HEADS, LENGTH = 13, 16, 2, 8
 WINDOW_SIZE, NUM_WINDOWS = 8, 3
+# Thresholds of clip_by_global_norm: below every window's gradient norm
+# (clipping acts, the update is non-linear in the window), or far above it
+# (clipping does not act: the update is linear in the gradient, so that a
+# gradient of the wrong scale shows).
+MAX_NORMS = {'clipping': 1.0, 'not_clipping': 1e3}
+# (every_k, in_chain, clipping) of the full-batch tests.
+FULL_BATCH_CASES = [(2, False, 'clipping'), (4, True, 'clipping')]
+FULL_BATCH_CASES += [(2, True, 'not_clipping')]
 
 
 def make_batch(seed):
@@ -59,19 +67,29 @@ def attention_mask(valid):
 
 
 @functools.cache
-def optimizer():
+def optimizer(clipping='clipping'):
   # Adam would amplify rounding noise in exactly-zero gradients (e.g. the
-  # attention key bias); clipping makes the update non-linear in the window.
+  # attention key bias).
   return optax.chain(
-    optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9)
+    optax.clip_by_global_norm(MAX_NORMS[clipping]),
+    optax.sgd(0.1, momentum=0.9),
   )
 
 
 @functools.cache
-def multistep(every_k, in_chain=False):
+def multistep(every_k, in_chain=False, clipping='clipping'):
   """One transform object per setting, so jitted steps compile once."""
-  tx = tokacc.token_weighted_multistep(optimizer(), every_k)
+  tx = tokacc.token_weighted_multistep(optimizer(clipping), every_k)
   return optax.chain(tx) if in_chain else tx
+
+
+def assert_clipping_as_intended(grad_norms, clipping):
+  """Whether clip_by_global_norm acted on the reference's gradients."""
+  grad_norms = np.asarray(grad_norms)
+  if clipping == 'clipping':
+    assert np.all(grad_norms > MAX_NORMS['clipping']), grad_norms
+  else:
+    assert np.all(grad_norms < MAX_NORMS['not_clipping'] / 10), grad_norms
 
 
 class LinenBlock(nn.Module):
@@ -133,24 +151,32 @@ def linen_reference_step(state, batch):
     return reference_mean_loss(logits, batch['labels'])
 
   loss, grads = jax.value_and_grad(loss_fn)(state.params)
-  return state.apply_gradients(grads=grads), loss
+  return state.apply_gradients(grads=grads), loss, optax.tree.norm(grads)
 
 
 @functools.cache
-def linen_reference_run():
-  """Full-batch training with the plain Flax TrainState, one per window."""
-  reference = linen_state(train_state.TrainState, optimizer())
-  run = []
+def linen_reference_run(clipping):
+  """Full-batch training with the plain Flax TrainState, one per window:
+  (state, loss) per window, and the full-batch gradient norms."""
+  reference = linen_state(train_state.TrainState, optimizer(clipping))
+  run, grad_norms = [], []
   for window in range(NUM_WINDOWS):
-    reference, loss = linen_reference_step(reference, make_batch(window))
+    reference, loss, grad_norm = linen_reference_step(
+      reference, make_batch(window)
+    )
     run.append((reference, loss))
-  return run
+    grad_norms.append(grad_norm)
+  return run, grad_norms
 
 
-@pytest.mark.parametrize(('every_k', 'in_chain'), [(2, False), (4, True)])
-def test_linen_train_state_equals_full_batch(every_k, in_chain):
-  state = linen_state(tokacc_flax.TrainState, multistep(every_k, in_chain))
-  for window, (reference, reference_loss) in enumerate(linen_reference_run()):
+@pytest.mark.parametrize(('every_k', 'in_chain', 'clipping'), FULL_BATCH_CASES)
+def test_linen_train_state_equals_full_batch(every_k, in_chain, clipping):
+  state = linen_state(
+    tokacc_flax.TrainState, multistep(every_k, in_chain, clipping)
+  )
+  reference_run, grad_norms = linen_reference_run(clipping)
+  assert_clipping_as_intended(grad_norms, clipping)
+  for window, (reference, reference_loss) in enumerate(reference_run):
     batch = make_batch(window)
     for i, micro_batch in enumerate(split(batch, every_k)):
       previous = state
@@ -232,7 +258,7 @@ def nnx_reference_step(model, optimizer, batch):
 
   loss, grads = nnx.value_and_grad(loss_fn)(model)
   optimizer.update(model, grads)
-  return loss
+  return loss, optax.tree.norm(grads)
 
 
 def nnx_params(model):
@@ -251,24 +277,27 @@ def assert_same_bits(actual, expected):
 
 
 @functools.cache
-def nnx_reference_run():
-  """Full-batch training with nnx.Optimizer: (params, loss, step) per window."""
+def nnx_reference_run(clipping):
+  """Full-batch training with nnx.Optimizer: (params, loss, step) per
+  window, and the full-batch gradient norms."""
   model = NnxLM(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
-  run = []
+  opt = nnx.Optimizer(model, optimizer(clipping), wrt=nnx.Param)
+  run, grad_norms = [], []
   for window in range(NUM_WINDOWS):
-    loss = nnx_reference_step(model, opt, make_batch(window))
+    loss, grad_norm = nnx_reference_step(model, opt, make_batch(window))
     run.append((nnx_params(model), loss, int(opt.step[...])))
-  return run
+    grad_norms.append(grad_norm)
+  return run, grad_norms
 
 
-@pytest.mark.parametrize(('every_k', 'in_chain'), [(2, False), (4, True)])
-def test_nnx_optimizer_equals_full_batch(every_k, in_chain):
+@pytest.mark.parametrize(('every_k', 'in_chain', 'clipping'), FULL_BATCH_CASES)
+def test_nnx_optimizer_equals_full_batch(every_k, in_chain, clipping):
   model = NnxLM(nnx.Rngs(0))
   opt = tokacc_flax.Optimizer(
-    model, multistep(every_k, in_chain), wrt=nnx.Param
+    model, multistep(every_k, in_chain, clipping), wrt=nnx.Param
   )
-  reference_run = nnx_reference_run()
+  reference_run, grad_norms = nnx_reference_run(clipping)
+  assert_clipping_as_intended(grad_norms, clipping)
   for window, (reference_params, reference_loss, reference_step) in enumerate(
     reference_run
   ):
