@@ -1,7 +1,5 @@
 """Tests of `token_weighted_multistep` against full-batch training."""
 
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -229,25 +227,50 @@ def test_inner_optimizer_runs_once_per_window():
 
 
 def test_micro_steps_return_zero_updates_and_keep_inner_state():
+  """Micro-steps return zeros and leave SGD's momentum alone; the closing
+  step hands it the window's full-batch gradient (unequal token counts)."""
+  learning_rate = 0.1
   params = init_params()
-  tx = tokacc.token_weighted_multistep(optax.adam(0.05), every_k_schedule=3)
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(learning_rate, momentum=0.9), every_k_schedule=3
+  )
   state = tx.init(params)
-  batch = make_micro_batch(0, 7)
-  grads = jax.grad(loss_sum)(params, batch)
-  update = jax.jit(functools.partial(tx.update, num_tokens=7))
-  for _ in range(2):
-    updates, new_state = update(grads, state, params)
+  window = [make_micro_batch(i, n) for i, n in enumerate((7, 2, 9))]
+
+  @jax.jit
+  def step(state, batch):
+    grads = jax.grad(loss_sum)(params, batch)
+    return tx.update(grads, state, params, num_tokens=num_tokens_of(batch))
+
+  for batch in window[:-1]:
+    updates, new_state = step(state, batch)
     chex.assert_trees_all_equal(updates, optax.tree.zeros_like(params))
     chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
     assert not bool(tokacc.has_updated(new_state))
     state = new_state
-  updates, state = update(grads, state, params)
-  assert bool(tokacc.has_updated(state))
-  # Three identical micro-batches: the mean gradient is the micro-batch's.
-  expected, _ = optax.adam(0.05).update(
-    jax.tree.map(lambda g: g / 7, grads), optax.adam(0.05).init(params)
+  updates, new_state = step(state, window[-1])
+  assert bool(tokacc.has_updated(new_state))
+  # SGD's first step, written out: the momentum is the full-batch gradient,
+  # the update minus the learning rate times it.
+  full = concat(window)
+  full_grads = jax.grad(lambda p: loss_sum(p, full) / jnp.sum(full['mask']))(
+    params
   )
-  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+  chex.assert_trees_all_close(
+    new_state.inner_state[0].trace, full_grads, rtol=1e-5, atol=1e-7
+  )
+  chex.assert_trees_all_close(
+    updates,
+    jax.tree.map(lambda g: -learning_rate * g, full_grads),
+    rtol=1e-5,
+    atol=1e-7,
+  )
+  chex.assert_trees_all_close(
+    optax.apply_updates(params, updates),
+    train_full_batch(optax.sgd(learning_rate, momentum=0.9), params, [window]),
+    rtol=1e-5,
+    atol=1e-7,
+  )
 
 
 def test_as_element_of_optax_chain():
@@ -470,10 +493,12 @@ def test_bfloat16_grads_accumulate_in_float32(use_scan):
   # 64 micro-batches of tiny gradients: bf16 accumulation would lose them.
   grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
   large = jax.tree.map(lambda p: jnp.full_like(p, 1.0), params)
+  counts = 1 + np.arange(64) % 4  # unequal: 160 tokens in all
 
   def body(state, i):
     g = jax.tree.map(lambda a, b: jnp.where(i == 0, b, a), grads, large)
-    updates, state = tx.update(g, state, params, num_tokens=1)
+    num_tokens = 1 + i % 4
+    updates, state = tx.update(g, state, params, num_tokens=num_tokens)
     return state, updates
 
   if use_scan:
@@ -483,12 +508,12 @@ def test_bfloat16_grads_accumulate_in_float32(use_scan):
     for i in range(64):
       state, updates = jax.jit(body)(state, i)
   assert updates['w'].dtype == jnp.bfloat16
-  expected = -(1.0 + 63 * 1e-3) / 64
-  # Summing in bf16 would give -(1.0) / 64: 1e-3 is lost against 1.0.
+  expected = -(1.0 + 63 * 1e-3) / counts.sum()
+  # Summing in bf16 would give -(1.0) / 160: 1e-3 is lost against 1.0.
   np.testing.assert_allclose(
     np.asarray(updates['w'], np.float32), expected, rtol=1e-2
   )
-  assert abs(float(updates['w'][0, 0]) - (-1.0 / 64)) > 5e-4
+  assert abs(float(updates['w'][0, 0]) - (-1.0 / counts.sum())) > 2e-4
 
 
 def test_explicit_accumulator_dtype():
