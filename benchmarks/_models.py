@@ -44,6 +44,8 @@ class Model:
     windows: ``num_windows`` lists of ``k`` micro-batches each.
     description: sizes, for the table and the JSON.
     mu_dtype: AdamW's ``mu_dtype`` for this model (None: the parameters').
+    explicit: whether ``loss_sum`` takes parameters typed reduced over the
+      data axis of an explicit mesh (explicit DDP).
   """
 
   name: str
@@ -52,6 +54,7 @@ class Model:
   windows: list[list[Any]]
   description: str
   mu_dtype: Any = None
+  explicit: bool = False
 
   @property
   def num_params(self) -> int:
@@ -69,6 +72,18 @@ class Model:
     """The micro-batch's token-mean loss (what ``optax.MultiSteps`` takes)."""
     loss, num_tokens = self.loss_sum(params, batch)
     return loss / jnp.maximum(num_tokens, 1).astype(loss.dtype)
+
+
+def add_bias(hidden, bias):
+  """``hidden + bias``. A bias typed reduced (explicit data parallelism)
+  is broadcast to the rows and resharded like them first: a reduced array
+  cannot meet a sharded one, and ``jax.reshard(bias, P())`` would
+  all-reduce its gradient on every micro-step."""
+  sharding = jax.typeof(bias).sharding
+  if not sharding.spec.reduced:
+    return hidden + bias
+  bias = jnp.broadcast_to(bias, hidden.shape)
+  return hidden + jax.reshard(bias, jax.typeof(hidden).sharding.spec)
 
 
 def _mask(rng, shape, keep):
@@ -102,7 +117,7 @@ def mlp(
     hidden = batch['x'].astype(dtype)
     for i in range(depth):
       layer = params[f'layer_{i}']
-      hidden = hidden @ layer['w'] + layer['b']
+      hidden = add_bias(hidden @ layer['w'], layer['b'])
       if i < depth - 1:
         hidden = jax.nn.relu(hidden)
     return tokacc.token_cross_entropy(
@@ -130,6 +145,7 @@ def mlp(
       f'{jnp.dtype(dtype).name} parameters'
     ),
     mu_dtype=jnp.float32 if mixed else None,
+    explicit=True,
   )
 
 

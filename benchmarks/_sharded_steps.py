@@ -12,16 +12,19 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""The training steps of ``collectives.py``: one per sharding pattern.
+"""The training steps of ``collectives.py`` with ``shard_map`` or GSPMD.
 
-Each builder returns a :class:`Setup`: the jitted step ``(params, state,
+Each builder ``(devices, k, params) -> Setup`` lays the pattern's mesh over
+``devices`` and returns a :class:`Setup`: the jitted step ``(params, state,
 batch) -> (params, state)`` (parameters and state donated), the global
 parameters and optimizer state laid out on its mesh (state layouts from
 ``tokacc.state_partition_specs`` and ``tokacc.init_sharded``, none written
-by hand), and the sharding of a micro-batch.
+by hand), and the sharding of a micro-batch. The explicit-sharding patterns
+are in ``_explicit_steps.py``; the model, data and reference are here.
 """
 
 from collections.abc import Callable
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -47,15 +50,35 @@ FSDP_SPECS = {'w1': P('fsdp', None), 'b1': P('fsdp'), 'w2': P('fsdp', None)}
 
 @dataclasses.dataclass
 class Setup:
+  """A pattern's step and what it trains, laid out on its mesh.
+
+  Attributes:
+    mesh: the mesh.
+    step: ``(params, state, batch) -> (params, state)``, jitted, parameters
+      and state donated.
+    params: the parameters, placed.
+    state: the optimizer state, placed.
+    batch_spec: the partition spec of a micro-batch's rows.
+    explicit: whether the mesh's axes are explicit: the step is then traced
+      and called under ``jax.set_mesh(mesh)``, as a user's would be.
+  """
+
   mesh: jax.sharding.Mesh
   step: Callable[..., Any]
   params: Any
   state: Any
   batch_spec: P
+  explicit: bool = False
 
   @property
   def mesh_axes(self):
     return tuple(self.mesh.shape.items())
+
+  def mesh_context(self):
+    """``jax.set_mesh(mesh)`` for an explicit mesh, else no context."""
+    if self.explicit:
+      return jax.set_mesh(self.mesh)
+    return contextlib.nullcontext()
 
 
 def init_params(seed=0):
@@ -121,7 +144,7 @@ def reference(params, windows):
   return params
 
 
-def _put(tree, mesh, specs=None):
+def put(tree, mesh, specs=None):
   if specs is None:
     specs = jax.tree.map(lambda _: P(), tree)
   return jax.device_put(
@@ -148,15 +171,15 @@ def _constrain_rows(spec, mesh):
   return constrain
 
 
-def _tokacc_update(tx, grads, state, params, loss, num_tokens):
+def tokacc_update(tx, grads, state, params, loss, num_tokens):
   updates, state = tx.update(
     grads, state, params, num_tokens=num_tokens, loss=loss
   )
   return optax.apply_updates(params, updates), state
 
 
-def ddp(num_devices, k, params):
-  mesh = jax.make_mesh((num_devices,), ('data',), axis_types=(AUTO,))
+def ddp(devices, k, params):
+  mesh = data_mesh(devices)
   tx = tokacc.token_weighted_multistep(adamw(), k, axis_name='data')
   specs = tokacc.state_partition_specs(tx, params, axis_name='data')
 
@@ -164,7 +187,7 @@ def ddp(num_devices, k, params):
     (loss, num_tokens), grads = _value_and_grad(loss_sum)(
       _varying(params, 'data'), batch
     )
-    return _tokacc_update(tx, grads, state, params, loss, num_tokens)
+    return tokacc_update(tx, grads, state, params, loss, num_tokens)
 
   step = jax.shard_map(
     step,
@@ -172,12 +195,12 @@ def ddp(num_devices, k, params):
     in_specs=(P(), specs, P('data')),
     out_specs=(P(), specs),
   )
-  params = _put(params, mesh)
+  params = put(params, mesh)
   state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
-  return Setup(mesh, _jit(step), params, state, P('data'))
+  return Setup(mesh, jit_donated(step), params, state, P('data'))
 
 
-def _jit(step):
+def jit_donated(step):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
@@ -186,8 +209,8 @@ def _value_and_grad(fn):
   return jax.value_and_grad(fn, has_aux=True)
 
 
-def fsdp_gspmd(num_devices, k, params):
-  mesh = jax.make_mesh((num_devices,), ('fsdp',), axis_types=(AUTO,))
+def fsdp_gspmd(devices, k, params):
+  mesh = data_mesh(devices, 'fsdp')
   tx = tokacc.token_weighted_multistep(adamw(), k)
   constrain = _constrain_rows('fsdp', mesh)
 
@@ -195,24 +218,35 @@ def fsdp_gspmd(num_devices, k, params):
     (loss, num_tokens), grads = _value_and_grad(
       functools.partial(loss_sum, constrain=constrain)
     )(params, batch)
-    return _tokacc_update(tx, grads, state, params, loss, num_tokens)
+    return tokacc_update(tx, grads, state, params, loss, num_tokens)
 
-  params = _put(params, mesh, FSDP_SPECS)
+  params = put(params, mesh, FSDP_SPECS)
   state = tokacc.init_sharded(tx, params, mesh, param_specs=FSDP_SPECS)
-  return Setup(mesh, _jit(step), params, state, P('fsdp'))
+  return Setup(mesh, jit_donated(step), params, state, P('fsdp'))
 
 
-def _hybrid_mesh(num_devices):
-  if num_devices < 4 or num_devices % 2:
-    raise ValueError('HSDP needs an even number >= 4 of devices.')
+def data_mesh(devices, axis='data', axis_type=AUTO):
+  """A 1-D mesh over ``devices``."""
   return jax.make_mesh(
-    (2, num_devices // 2), ('replica', 'fsdp'), axis_types=(AUTO, AUTO)
+    (len(devices),), (axis,), axis_types=(axis_type,), devices=devices
   )
 
 
-def hsdp_partial_manual(num_devices, k, params):
+def hybrid_mesh(devices, axis_type=AUTO):
+  """A ``replica=2 x fsdp=G/2`` mesh over ``devices``."""
+  if len(devices) < 4 or len(devices) % 2:
+    raise ValueError('HSDP needs an even number >= 4 of devices.')
+  return jax.make_mesh(
+    (2, len(devices) // 2),
+    ('replica', 'fsdp'),
+    axis_types=(axis_type, axis_type),
+    devices=devices,
+  )
+
+
+def hsdp_partial_manual(devices, k, params):
   """``shard_map`` manual over ``replica``; ``fsdp`` left to GSPMD."""
-  mesh = _hybrid_mesh(num_devices)
+  mesh = hybrid_mesh(devices)
   tx = tokacc.token_weighted_multistep(adamw(), k, axis_name='replica')
   # Only the manual axis appears in shard_map's specs (manual_axes drops
   # fsdp); the arrays carry the full layout from init_sharded.
@@ -229,7 +263,7 @@ def hsdp_partial_manual(num_devices, k, params):
     (loss, num_tokens), grads = _value_and_grad(
       functools.partial(loss_sum, constrain=constrain)
     )(_varying(params, 'replica'), batch)
-    return _tokacc_update(tx, grads, state, params, loss, num_tokens)
+    return tokacc_update(tx, grads, state, params, loss, num_tokens)
 
   step = jax.shard_map(
     step,
@@ -238,17 +272,17 @@ def hsdp_partial_manual(num_devices, k, params):
     out_specs=(P(), specs),
     axis_names={'replica'},
   )
-  params = _put(params, mesh, FSDP_SPECS)
+  params = put(params, mesh, FSDP_SPECS)
   state = tokacc.init_sharded(
     tx, params, mesh, param_specs=FSDP_SPECS, axis_name='replica'
   )
-  return Setup(mesh, _jit(step), params, state, P(('replica', 'fsdp')))
+  return Setup(mesh, jit_donated(step), params, state, P(('replica', 'fsdp')))
 
 
-def hsdp_fully_manual(num_devices, k, params):
+def hsdp_fully_manual(devices, k, params):
   """``shard_map`` over both axes; parameter shards gathered over ``fsdp``
   in the forward pass, so autodiff reduce-scatters their gradients."""
-  mesh = _hybrid_mesh(num_devices)
+  mesh = hybrid_mesh(devices)
   axes = ('replica', 'fsdp')
   tx = tokacc.token_weighted_multistep(adamw(), k, axis_name=axes)
   specs = tokacc.state_partition_specs(
@@ -265,7 +299,7 @@ def hsdp_fully_manual(num_devices, k, params):
     (loss, num_tokens), grads = _value_and_grad(gathered_loss)(
       _varying(params, 'replica'), batch
     )
-    return _tokacc_update(tx, grads, state, params, loss, num_tokens)
+    return tokacc_update(tx, grads, state, params, loss, num_tokens)
 
   step = jax.shard_map(
     step,
@@ -273,15 +307,15 @@ def hsdp_fully_manual(num_devices, k, params):
     in_specs=(FSDP_SPECS, specs, P(axes)),
     out_specs=(FSDP_SPECS, specs),
   )
-  params = _put(params, mesh, FSDP_SPECS)
+  params = put(params, mesh, FSDP_SPECS)
   state = tokacc.init_sharded(
     tx, params, mesh, param_specs=FSDP_SPECS, axis_name=axes
   )
-  return Setup(mesh, _jit(step), params, state, P(axes))
+  return Setup(mesh, jit_donated(step), params, state, P(axes))
 
 
-def pmean_multisteps(num_devices, k, params):
-  mesh = jax.make_mesh((num_devices,), ('data',), axis_types=(AUTO,))
+def pmean_multisteps(devices, k, params):
+  mesh = data_mesh(devices)
   tx = optax.MultiSteps(adamw(), k)
 
   def step(params, state, batch):
@@ -290,8 +324,8 @@ def pmean_multisteps(num_devices, k, params):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  params = _put(params, mesh)
-  state = _put(tx.init(params), mesh)
+  params = put(params, mesh)
+  state = put(tx.init(params), mesh)
   specs = jax.tree.map(lambda _: P(), state)
   step = jax.shard_map(
     step,
@@ -299,30 +333,20 @@ def pmean_multisteps(num_devices, k, params):
     in_specs=(P(), specs, P('data')),
     out_specs=(P(), specs),
   )
-  return Setup(mesh, _jit(step), params, state, P('data'))
+  return Setup(mesh, jit_donated(step), params, state, P('data'))
 
 
-def sharded_jit(num_devices, k, params):
-  mesh = jax.make_mesh((num_devices,), ('data',), axis_types=(AUTO,))
+def sharded_jit(devices, k, params):
+  mesh = data_mesh(devices)
   tx = tokacc.token_weighted_multistep(adamw(), k)
 
   def step(params, state, batch):
     (loss, num_tokens), grads = _value_and_grad(loss_sum)(params, batch)
-    return _tokacc_update(tx, grads, state, params, loss, num_tokens)
+    return tokacc_update(tx, grads, state, params, loss, num_tokens)
 
-  params = _put(params, mesh)
+  params = put(params, mesh)
   state = tokacc.init_sharded(tx, params, mesh)
-  return Setup(mesh, _jit(step), params, state, P('data'))
-
-
-BUILDERS = {
-  'DDP': ddp,
-  'FSDP (GSPMD)': fsdp_gspmd,
-  'HSDP partial-manual': hsdp_partial_manual,
-  'HSDP fully manual': hsdp_fully_manual,
-  'pmean + MultiSteps': pmean_multisteps,
-  'sharded jit': sharded_jit,
-}
+  return Setup(mesh, jit_donated(step), params, state, P('data'))
 
 
 def accumulator_bytes_per_device(state):

@@ -17,404 +17,222 @@
 Compiles one training step (gradient, optimizer update, ``apply_updates``)
 of a small MLP for each pattern below, on fake CPU devices, with AdamW and
 windows of k micro-batches, and lists every collective of the compiled HLO
-with the mesh axes it spans and its payload:
+with the mesh axes it spans and its payload (``--patterns`` selects, by the
+names in brackets):
 
-- ``DDP``: ``jax.shard_map`` over ``data``, replicated parameters marked
-  varying, ``token_weighted_multistep(..., axis_name='data')``.
-- ``FSDP (GSPMD)``: ``jax.jit`` over global arrays, parameters sharded over
-  ``fsdp`` (first dimension), activations constrained to the batch
-  sharding, no ``axis_name``.
-- ``HSDP partial-manual``: mesh ``replica x fsdp``; ``jax.shard_map`` manual
-  over ``replica`` only (``axis_names={'replica'}``), ``fsdp`` left to
+- ``DDP`` (``ddp``): ``jax.shard_map`` over ``data``, replicated parameters
+  marked varying, ``token_weighted_multistep(..., axis_name='data')``.
+- ``FSDP (GSPMD)`` (``fsdp_gspmd``): ``jax.jit`` over global arrays,
+  parameters sharded over ``fsdp`` (first dimension), activations
+  constrained to the batch sharding, no ``axis_name``.
+- ``HSDP partial-manual`` (``hsdp_partial_manual``): mesh ``replica x
+  fsdp``; ``jax.shard_map`` manual over ``replica`` only, ``fsdp`` left to
   GSPMD as in FSDP, ``axis_name='replica'``.
-- ``HSDP fully manual``: ``jax.shard_map`` over both axes, parameter shards
-  ``all_gather``-ed over ``fsdp`` in the forward pass (so autodiff
-  reduce-scatters the gradients), ``axis_name=('replica', 'fsdp')``.
-- ``pmean + MultiSteps``: ``lax.pmean`` of the gradients on every micro-step,
-  then ``optax.MultiSteps(adamw, k)`` (mean loss per device).
-- ``sharded jit``: ``jax.jit`` over global arrays, replicated parameters,
-  batch sharded over ``data``, no ``axis_name``.
+- ``HSDP fully manual`` (``hsdp_fully_manual``): ``jax.shard_map`` over both
+  axes, parameter shards ``all_gather``-ed over ``fsdp`` in the forward pass
+  (so autodiff reduce-scatters the gradients), ``axis_name=('replica',
+  'fsdp')``.
+- ``pmean + MultiSteps`` (``pmean_multisteps``): ``lax.pmean`` of the
+  gradients on every micro-step, then ``optax.MultiSteps(adamw, k)``.
+- ``sharded jit`` (``sharded_jit``): ``jax.jit`` over global arrays,
+  replicated parameters, batch sharded over ``data``, no ``axis_name``.
+- Explicit sharding (``EXPLICIT_PATTERNS``; plain ``jax.jit`` under
+  ``jax.set_mesh``, no ``axis_name``; see ``_explicit_steps.py``):
+  ``explicit replicated`` (``explicit_replicated``, parameters ``P()``),
+  ``explicit DDP`` (``explicit_ddp``, parameters ``P(None, None,
+  reduced={'data'})``), ``explicit FSDP`` (``explicit_fsdp``, parameters
+  sharded over ``fsdp``) and ``explicit HSDP`` (``explicit_hsdp``,
+  parameters ``P('fsdp', None, reduced={'replica'})``).
 
 The state layouts come from ``tokacc.state_partition_specs`` and
-``tokacc.init_sharded``. A collective on the unconditional path of the step
-runs on every micro-step; one in the taken branch of the transform's
-``lax.cond`` (branch 1) only on the step that closes the window. Per window:
-``k * (every micro-step) + (closing step only)``. Payload: the bytes of the
-unsharded buffer on one device (all-reduce: its operand; all-gather: its
-result; reduce-scatter: its operand). Each pattern also trains 2 windows and
-reports the largest parameter difference to single-device full-batch AdamW
-on the token-mean loss, and the accumulator's bytes per device.
+``tokacc.init_sharded`` (explicit sharding: ``tx.init``). A collective on
+the unconditional path of the step runs on every micro-step; one in the
+taken branch of the transform's ``lax.cond`` (branch 1) only on the step
+that closes the window. Per window: ``k * (every micro-step) + (closing
+step only)``. Payload: the bytes of the unsharded buffer on one device
+(all-reduce: its operand; all-gather: its result; reduce-scatter: its
+operand). Each pattern also trains 2 windows and reports the largest
+parameter difference to single-device full-batch AdamW on the token-mean
+loss, and the accumulator's bytes per device.
+
+A pattern of ``MAY_FAIL`` that raises in a run that did not name it is
+reported in its row (``error``) instead of stopping the run: explicit
+sharding, while the library's support for it is being written. Name it with
+``--patterns`` to see the traceback::
 
     python benchmarks/collectives.py [--devices 8] [--k 1,4,8] [--out x.json]
+    python benchmarks/collectives.py --patterns explicit_ddp,explicit_hsdp
 
-``parse_hlo``, ``collective_records`` and ``summarize`` can be imported.
+Adding a pattern: a builder ``(devices, k, params) -> Setup`` (in
+``_sharded_steps.py`` or ``_explicit_steps.py``) and one entry of
+``PATTERNS``. ``parse_hlo``, ``collective_sites``, ``device_groups``,
+``collective_records`` and ``summarize`` (from ``_hlo.py``) can be imported
+from here.
 """
 
 import argparse
-import collections
-import dataclasses
-import json
-import math
+from collections.abc import Callable
 import os
-import re
 import sys
+from typing import NamedTuple
 
-COLLECTIVE_OPCODES = (
-  'all-reduce',
-  'all-gather',
-  'reduce-scatter',
-  'all-to-all',
-  'ragged-all-to-all',
-  'collective-permute',
-  'collective-broadcast',
-)
-PATTERNS = (
-  'DDP',
-  'FSDP (GSPMD)',
-  'HSDP partial-manual',
-  'HSDP fully manual',
-  'pmean + MultiSteps',
-  'sharded jit',
-)
-EXACT_PATTERNS = PATTERNS[:4] + PATTERNS[5:]
-_ASYNC_SUFFIX = '-start'
-_BYTES_PER_ELEMENT = {
-  'pred': 1,
-  's8': 1,
-  'u8': 1,
-  'bf16': 2,
-  'f16': 2,
-  's16': 2,
-  'u16': 2,
-  'f32': 4,
-  's32': 4,
-  'u32': 4,
-  'f64': 8,
-  's64': 8,
-  'u64': 8,
+# `python benchmarks/collectives.py`, or this file loaded by its path (the
+# tests do), finds its sibling modules.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+import _explicit_steps as explicit  # noqa: E402
+from _hlo import COLLECTIVE_OPCODES  # noqa: E402, F401
+from _hlo import collective_records  # noqa: E402
+from _hlo import collective_sites  # noqa: E402, F401
+from _hlo import device_groups  # noqa: E402, F401
+from _hlo import parse_hlo  # noqa: E402, F401
+from _hlo import summarize  # noqa: E402
+import _sharded_steps as steps  # noqa: E402
+import jax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+
+class Pattern(NamedTuple):
+  """A sharding pattern: its title in tables and JSON, and its step.
+
+  Attributes:
+    title: the row's name (the JSON's ``pattern``).
+    build: ``(devices, k, params) -> _sharded_steps.Setup``.
+    exact: whether it should equal full-batch training.
+    hybrid: whether it needs a ``replica x fsdp`` mesh (an even number >= 4
+      of devices; left out otherwise).
+  """
+
+  title: str
+  build: Callable[..., steps.Setup]
+  exact: bool = True
+  hybrid: bool = False
+
+
+PATTERNS = {
+  'ddp': Pattern('DDP', steps.ddp),
+  'fsdp_gspmd': Pattern('FSDP (GSPMD)', steps.fsdp_gspmd),
+  'hsdp_partial_manual': Pattern(
+    'HSDP partial-manual', steps.hsdp_partial_manual, hybrid=True
+  ),
+  'hsdp_fully_manual': Pattern(
+    'HSDP fully manual', steps.hsdp_fully_manual, hybrid=True
+  ),
+  'pmean_multisteps': Pattern(
+    'pmean + MultiSteps', steps.pmean_multisteps, exact=False
+  ),
+  'sharded_jit': Pattern('sharded jit', steps.sharded_jit),
+  'explicit_replicated': Pattern('explicit replicated', explicit.replicated),
+  'explicit_ddp': Pattern('explicit DDP', explicit.ddp),
+  'explicit_fsdp': Pattern('explicit FSDP', explicit.fsdp),
+  'explicit_hsdp': Pattern('explicit HSDP', explicit.hsdp, hybrid=True),
 }
-
-_HEADER = re.compile(r'^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$')
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$')
-_OPCODE = re.compile(r'(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(')
-_SHAPE = re.compile(r'\b([a-z]+\d*)\[([\d,]*)\]')
-_CALLEE = re.compile(
-  r'\b(?:calls|to_apply|body|condition|true_computation|false_computation)'
-  r'=%?([\w.\-]+)'
+EXPLICIT_PATTERNS = (
+  'explicit_replicated',
+  'explicit_ddp',
+  'explicit_fsdp',
+  'explicit_hsdp',
 )
-_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
-_TRUE_FALSE = re.compile(r'\b(true|false)_computation=%?([\w.\-]+)')
-_GROUPS = re.compile(
-  r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\]'
-  r'(?:T\([\d,]+\))?|mesh\[[^\]]*\] \{[^}]*\})'
-)
+# Patterns whose failure a run that did not name them reports in the row
+# instead of raising. Empty it once the library supports explicit sharding.
+MAY_FAIL = EXPLICIT_PATTERNS
 
 
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-  """One HLO instruction: its name, opcode, result shapes and callees.
-
-  ``shapes`` are ``(dtype, dims)`` pairs of the result (a tuple result gives
-  several). ``branches`` are a ``conditional``'s branch computations in
-  branch-index order (``false`` before ``true`` for a predicate);
-  ``callees`` the other computations it calls. ``groups`` is the text of a
-  collective's ``replica_groups`` (``''`` if none).
-  """
-
-  name: str
-  opcode: str
-  shapes: tuple[tuple[str, tuple[int, ...]], ...]
-  callees: tuple[str, ...]
-  branches: tuple[str, ...]
-  groups: str = ''
-
-  @property
-  def collective(self):
-    """The collective's kind (``'all-reduce'`` for its async start too)."""
-    opcode = self.opcode
-    if opcode.endswith(_ASYNC_SUFFIX):
-      opcode = opcode[: -len(_ASYNC_SUFFIX)]
-    return opcode if opcode in COLLECTIVE_OPCODES else None
-
-  @property
-  def num_bytes(self):
-    """Bytes of the result (of its second half for an async start)."""
-    shapes = self.shapes
-    if self.opcode.endswith(_ASYNC_SUFFIX) and len(shapes) > 1:
-      shapes = shapes[len(shapes) // 2 :]
-    return sum(
-      _BYTES_PER_ELEMENT.get(dtype, 4) * math.prod(dims)
-      for dtype, dims in shapes
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class HloModule:
-  computations: dict[str, list[Instruction]]
-  entry: str
-
-
-def _parse_instruction(name, rest):
-  match = _OPCODE.search(rest)
-  opcode = match.group(1) if match else ''
-  type_text = rest[: match.start(1)] if match else rest
-  shapes = tuple(
-    (dtype, tuple(int(d) for d in dims.split(',') if d))
-    for dtype, dims in _SHAPE.findall(type_text)
-  )
-  branches = ()
-  found = _BRANCHES.search(rest)
-  if found:
-    branches = tuple(b.strip().lstrip('%') for b in found.group(1).split(','))
-  else:
-    true_false = dict(_TRUE_FALSE.findall(rest))
-    if true_false:
-      branches = (true_false['false'], true_false['true'])
-  callees = tuple(c for c in _CALLEE.findall(rest) if c not in branches)
-  groups = _GROUPS.search(rest)
-  return Instruction(
-    name, opcode, shapes, callees, branches, groups.group(1) if groups else ''
-  )
-
-
-def parse_hlo(hlo_text):
-  """Splits compiled HLO text (``compiled.as_text()``) into computations."""
-  computations = {}
-  entry = None
-  current = None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header:
-      current = header.group(2)
-      computations[current] = []
-      if header.group(1):
-        entry = current
-      continue
-    if current is None:
-      continue
-    if line.startswith('}'):
-      current = None
-      continue
-    instruction = _INSTRUCTION.match(line)
-    if instruction:
-      computations[current].append(_parse_instruction(*instruction.groups()))
-  if entry is None:
-    raise ValueError('No ENTRY computation found in the HLO text.')
-  return HloModule(computations, entry)
-
-
-def collective_sites(module):
-  """Every collective with the conditional branches that lead to it.
-
-  Returns ``(instruction, path)`` pairs, where ``path`` is a tuple of
-  ``(conditional_name, branch_index)`` from the entry computation: empty for
-  a collective that runs on every call.
-  """
-  sites = []
-
-  def visit(computation, path, seen):
-    if computation in seen or computation not in module.computations:
-      return
-    seen = seen | {computation}
-    for instruction in module.computations[computation]:
-      if instruction.collective:
-        sites.append((instruction, path))
-      for callee in instruction.callees:
-        visit(callee, path, seen)
-      for index, branch in enumerate(instruction.branches):
-        visit(branch, path + ((instruction.name, index),), seen)
-
-  visit(module.entry, (), frozenset())
-  return sites
-
-
-def device_groups(text, num_devices):
-  """The device groups of a ``replica_groups`` text, as lists of ids.
-
-  Handles the explicit (``{{0,1},{2,3}}``), iota (``[2,4]<=[4,2]T(1,0)``)
-  and mesh (``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``) forms; ``{}`` or no
-  groups means all devices. Returns None for a form it does not know.
-  """
-  import numpy as np  # noqa: PLC0415
-
-  if text in ('', '{}'):
-    return [list(range(num_devices))]
-  if text.startswith('{{'):
-    return [
-      [int(i) for i in group.split(',') if i]
-      for group in re.findall(r'\{([\d,]*)\}', text[1:-1])
-    ]
-  iota = re.fullmatch(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text)
-  if iota:
-    shape, dims, perm = (
-      [int(i) for i in g.split(',')] if g else None for g in iota.groups()
-    )
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    ids = ids.transpose(perm) if perm else ids
-    return ids.reshape(shape[0], -1).tolist()
-  mesh = re.fullmatch(r'mesh\[([^\]]*)\] \{([^}]*)\}', text)
-  if mesh:
-    axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-    grouped = set(re.findall(r"'(\w+)'", mesh.group(2)))
-    names = [name for name, _ in axes]
-    ids = np.arange(math.prod(int(s) for _, s in axes))
-    ids = ids.reshape([int(s) for _, s in axes])
-    order = [i for i, n in enumerate(names) if n not in grouped]
-    order += [i for i, n in enumerate(names) if n in grouped]
-    size = math.prod(int(s) for n, s in axes if n in grouped)
-    return ids.transpose(order).reshape(-1, size).tolist()
-  return None
-
-
-def group_axes(groups, mesh_axes):
-  """The mesh axes along which the devices of a group differ.
-
-  ``mesh_axes`` is ``((name, size), ...)``; device ``i`` of the HLO is the
-  ``i``-th device of the mesh in row-major order. Returns ``'?'`` for
-  unknown groups and ``'-'`` for groups of one device.
-  """
-  import numpy as np  # noqa: PLC0415
-
-  if groups is None:
-    return '?'
-  sizes = [size for _, size in mesh_axes]
-  coordinates = np.array(np.unravel_index(groups[0], sizes))
-  names = [
-    name
-    for (name, _), row in zip(mesh_axes, coordinates)
-    if len(set(row.tolist())) > 1
-  ]
-  return ','.join(names) or '-'
-
-
-def _where(path):
-  """When a collective at ``path`` runs: on every micro-step, on the
-  closing step only (branch 1 of every conditional on its path: the taken
-  branch of ``lax.cond(emit, ...)``), or in another branch (counted as on
-  every micro-step, an upper bound, and flagged)."""
-  if not path:
-    return 'every micro-step'
-  if all(index == 1 for _, index in path):
-    return 'closing step'
-  return 'other branch'
-
-
-def collective_records(hlo_text, mesh_axes):
-  """Every collective of a compiled step: kind, where, axes, group, bytes."""
-  num_devices = math.prod(size for _, size in mesh_axes)
-  records = []
-  for instruction, path in collective_sites(parse_hlo(hlo_text)):
-    groups = device_groups(instruction.groups, num_devices)
-    group_size = len(groups[0]) if groups else None
-    payload = instruction.num_bytes
-    if instruction.collective == 'reduce-scatter' and group_size:
-      payload *= group_size  # Its operand: the result times the group.
-    records.append(
-      {
-        'kind': instruction.collective,
-        'where': _where(path),
-        'axes': group_axes(groups, mesh_axes),
-        'group_size': group_size,
-        'bytes': payload,
-      }
-    )
-  return records
-
-
-def summarize(records, k):
-  """Collectives and payload bytes per micro-step and per window of ``k``.
-
-  A micro-step that does not close the window runs the ``every micro-step``
-  (and ``other branch``) collectives; the window adds those of the closing
-  step once. ``window_by_axes`` splits the window's totals by mesh axes.
-  """
-  per_step = [r for r in records if r['where'] != 'closing step']
-  closing = [r for r in records if r['where'] == 'closing step']
-  by_axes = collections.defaultdict(lambda: {'collectives': 0, 'bytes': 0})
-  for records_of, times in ((per_step, k), (closing, 1)):
-    for record in records_of:
-      by_axes[record['axes']]['collectives'] += times
-      by_axes[record['axes']]['bytes'] += times * record['bytes']
-  return {
-    'micro_step': {
-      'collectives': len(per_step),
-      'bytes': sum(r['bytes'] for r in per_step),
-    },
-    'closing_step_extra': {
-      'collectives': len(closing),
-      'bytes': sum(r['bytes'] for r in closing),
-    },
-    'window': {
-      'collectives': k * len(per_step) + len(closing),
-      'bytes': k * sum(r['bytes'] for r in per_step)
-      + sum(r['bytes'] for r in closing),
-    },
-    'window_by_axes': dict(sorted(by_axes.items())),
-    'other_branch': sum(r['where'] == 'other branch' for r in records),
-  }
-
-
-def _max_difference(params, expected):
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-
-  differences = jax.tree.map(
-    lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-    params,
-    expected,
-  )
-  return max(jax.tree.leaves(differences))
-
-
-def measure(pattern, num_devices, k, windows, expected):
-  """One row: the compiled step's collectives, and 2 windows trained."""
-  import _sharded_steps as steps  # noqa: PLC0415
-  import jax  # noqa: PLC0415
-  from jax.sharding import NamedSharding  # noqa: PLC0415
-
-  setup = steps.BUILDERS[pattern](num_devices, k, steps.init_params())
-  data = NamedSharding(setup.mesh, setup.batch_spec)
-  first = jax.device_put(windows[0][0], data)
-  compiled = setup.step.lower(setup.params, setup.state, first).compile()
-  records = collective_records(compiled.as_text(), setup.mesh_axes)
-  param_bytes = sum(x.nbytes for x in jax.tree.leaves(setup.params))
-  acc_bytes = steps.accumulator_bytes_per_device(setup.state)
+def _train(setup, windows):
+  """The parameters after training ``windows`` (already placed)."""
   params, state = setup.params, setup.state
   for window in windows:
     for batch in window:
-      params, state = setup.step(params, state, jax.device_put(batch, data))
+      params, state = setup.step(params, state, batch)
+  return params
+
+
+def measure(name, devices, k, windows, expected):
+  """One row: the compiled step's collectives, and 2 windows trained."""
+  pattern = PATTERNS[name]
+  setup = pattern.build(devices, k, steps.init_params())
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(setup.params))
+  acc_bytes = steps.accumulator_bytes_per_device(setup.state)
+  with setup.mesh_context():
+    data = NamedSharding(setup.mesh, setup.batch_spec)
+    windows = jax.device_put(windows, data)
+    lowered = setup.step.lower(setup.params, setup.state, windows[0][0])
+    records = collective_records(lowered.compile().as_text(), setup.mesh_axes)
+    params = _train(setup, windows)
   return {
-    'pattern': pattern,
+    'name': name,
+    'pattern': pattern.title,
     'k': k,
-    'devices': num_devices,
+    'devices': len(devices),
     'mesh': ' x '.join(f'{n}={s}' for n, s in setup.mesh_axes),
     'param_bytes': param_bytes,
     'collectives': records,
     'summary': summarize(records, k),
     'accumulator_bytes_per_device': acc_bytes,
-    'exact': pattern in EXACT_PATTERNS,
-    'max_abs_diff_to_full_batch': _max_difference(params, expected),
+    'exact': pattern.exact,
+    'max_abs_diff_to_full_batch': _common.max_difference(params, expected),
   }
 
 
-def run(num_devices=8, ks=(1, 4, 8), patterns=PATTERNS):
-  """Rows of :func:`measure` for each k and pattern (HSDP needs an even
-  number >= 4 of devices; it is left out otherwise)."""
-  import _sharded_steps as steps  # noqa: PLC0415
+def _measure_or_report(name, devices, k, windows, expected, may_fail):
+  """:func:`measure`, or for a pattern of ``may_fail`` that raises, a row
+  holding the error."""
+  try:
+    return measure(name, devices, k, windows, expected)
+  except Exception as e:  # noqa: BLE001 - reported in the row and stderr.
+    if name not in may_fail:
+      raise
+    error = _common.describe_error(e)
+    print(f'  {name} (k={k}) not measured: {error}', file=sys.stderr)
+    return {
+      'name': name,
+      'pattern': PATTERNS[name].title,
+      'k': k,
+      'devices': len(devices),
+      'error': error,
+    }
 
-  if num_devices < 4 or num_devices % 2:
-    patterns = [p for p in patterns if not p.startswith('HSDP')]
+
+def run(num_devices=8, ks=(1, 4, 8), names=tuple(PATTERNS), may_fail=MAY_FAIL):
+  """Rows of :func:`measure` for each k and pattern, on the first
+  ``num_devices`` CPU devices (hybrid patterns need an even number >= 4 of
+  devices; they are left out otherwise)."""
+  devices = jax.devices('cpu')[:num_devices]
+  if len(devices) < 4 or len(devices) % 2:
+    names = [name for name in names if not PATTERNS[name].hybrid]
   rows = []
   for k in ks:
-    windows = steps.make_windows(num_devices, k)
-    expected = steps.reference(steps.init_params(), windows)
-    for pattern in patterns:
-      rows.append(measure(pattern, num_devices, k, windows, expected))
+    windows = steps.make_windows(len(devices), k)
+    with jax.default_device(devices[0]):
+      expected = steps.reference(steps.init_params(), windows)
+    for name in names:
+      rows.append(
+        _measure_or_report(name, devices, k, windows, expected, may_fail)
+      )
   return rows
 
 
 def _count(entry, param_bytes):
   return f'{entry["collectives"]} ({entry["bytes"] / param_bytes:.2f}P)'
+
+
+def _row_line(row):
+  """A measured row of the table."""
+  summary, size = row['summary'], row['param_bytes']
+  axes = ', '.join(
+    f'{name}: {_count(entry, size)}'
+    for name, entry in summary['window_by_axes'].items()
+  )
+  flag = ' (other branch!)' if summary['other_branch'] else ''
+  return (
+    f'{row["pattern"]:<20} {row["mesh"]:<18} {row["k"]:>2} '
+    f'{_count(summary["micro_step"], size):>12} '
+    f'{_count(summary["closing_step_extra"], size):>11} '
+    f'{_count(summary["window"], size):>13} '
+    f'{row["accumulator_bytes_per_device"] / size:>6.3f}P '
+    f'{row["max_abs_diff_to_full_batch"]:>8.1e}  {axes or "-"}{flag}'
+  )
 
 
 def print_table(rows, file=None):
@@ -426,21 +244,11 @@ def print_table(rows, file=None):
     file=file,
   )
   for row in rows:
-    summary, size = row['summary'], row['param_bytes']
-    axes = ', '.join(
-      f'{name}: {_count(entry, size)}'
-      for name, entry in summary['window_by_axes'].items()
-    )
-    flag = ' (other branch!)' if summary['other_branch'] else ''
-    print(
-      f'{row["pattern"]:<20} {row["mesh"]:<18} {row["k"]:>2} '
-      f'{_count(summary["micro_step"], size):>12} '
-      f'{_count(summary["closing_step_extra"], size):>11} '
-      f'{_count(summary["window"], size):>13} '
-      f'{row["accumulator_bytes_per_device"] / size:>6.3f}P '
-      f'{row["max_abs_diff_to_full_batch"]:>8.1e}  {axes or "-"}{flag}',
-      file=file,
-    )
+    if 'error' in row:
+      line = f'{row["pattern"]:<20} {"":<18} {row["k"]:>2} not measured: '
+      print(line + row['error'], file=file)
+    else:
+      print(_row_line(row), file=file)
 
 
 def print_details(rows, file=None):
@@ -452,7 +260,7 @@ def print_details(rows, file=None):
     file=file,
   )
   for row in last:
-    for record in row['collectives']:
+    for record in row.get('collectives', ()):
       print(
         f'{row["pattern"]:<20} {record["where"]:<17} {record["kind"]:<15} '
         f'{record["axes"]:<13} {record["group_size"] or "?":>5} '
@@ -461,37 +269,55 @@ def print_details(rows, file=None):
       )
 
 
-def main(argv=None):
+def parse_args(argv=None):
   parser = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   parser.add_argument('--devices', type=int, default=8)
   parser.add_argument('--k', default='1,4,8', help='window sizes, e.g. 1,4,8')
+  parser.add_argument(
+    '--patterns',
+    default=None,
+    help=f'comma-separated, of: {", ".join(PATTERNS)} (default: all)',
+  )
   parser.add_argument('--out', help='write the rows as JSON to this file')
   args = parser.parse_args(argv)
-  ks = tuple(int(k) for k in args.k.split(','))
-  if 'jax' not in sys.modules:
-    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  import jax  # noqa: PLC0415
+  try:
+    args.ks = _common.parse_ks(args.k)
+    args.names = tuple(PATTERNS)
+    if args.patterns is not None:
+      args.names = _common.parse_names(args.patterns, PATTERNS, 'pattern')
+  except ValueError as e:
+    parser.error(str(e))
+  return args
 
-  jax.config.update('jax_num_cpu_devices', args.devices)
-  rows = run(args.devices, ks)
+
+def main(argv=None):
+  args = parse_args(argv)
+  _common.use_cpu_devices(args.devices)
+  # Patterns named on the command line raise; the default run reports.
+  may_fail = MAY_FAIL if args.patterns is None else ()
+  rows = run(args.devices, args.ks, args.names, may_fail)
+  measured = [row for row in rows if 'error' not in row]
+  size = measured[0]['param_bytes'] if measured else '?'
   print(
     f'{args.devices} fake CPU devices, jax {jax.__version__}; payload bytes '
-    f'as multiples of the parameter bytes P = {rows[0]["param_bytes"]}'
+    f'as multiples of the parameter bytes P = {size}'
   )
   print_table(rows)
   print_details(rows)
   if args.out:
-    import run as benchmarks_run  # noqa: PLC0415
-
-    with open(args.out, 'w') as f:
-      json.dump(
-        {'machine': benchmarks_run.machine(), 'rows': rows}, f, indent=2
-      )
+    _common.write_json(
+      args.out,
+      {
+        'command': _common.command('collectives.py', argv),
+        'machine': _common.machine(),
+        'rows': rows,
+      },
+    )
+  return rows
 
 
 if __name__ == '__main__':
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   main()

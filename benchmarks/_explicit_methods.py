@@ -1,0 +1,188 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The explicit DDP methods of ``run.py``: plain ``jax.jit`` under
+``jax.set_mesh`` on an explicit ``data`` mesh (``case.ddp_devices``).
+
+Parameters are placed typed reduced over ``data`` with their full spec
+(``P(None, None, reduced={'data'})``), micro-batches sharded over ``data``;
+the gradients of such parameters are unreduced.
+
+- ``tokacc_explicit_ddp``: a user's step, ``token_weighted_multistep(adamw,
+  k)`` with no ``axis_name``, ``optax.apply_updates``.
+- ``ideal_explicit_ddp``: its reference, written by hand: the micro-step
+  adds the unreduced gradients into an unreduced float32 accumulator (no
+  collective), the window's update reduces it (one all-reduce) and runs
+  AdamW on the token mean.
+
+Their ratios are to ``ideal_explicit_ddp``. Models whose loss cannot take
+reduced parameters (``model.explicit`` false: the transformer) are skipped.
+"""
+
+import functools
+
+import _methods
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import optax
+
+import optax_tokacc as tokacc
+
+REFERENCE = 'ideal_explicit_ddp'
+
+
+def _mesh(case):
+  devices = case.ddp_devices or jax.devices()[:1]
+  return jax.make_mesh(
+    (len(devices),),
+    ('data',),
+    axis_types=(jax.sharding.AxisType.Explicit,),
+    devices=devices,
+  )
+
+
+def _place(case, mesh):
+  """The parameters typed reduced over ``data``, and the windows."""
+
+  def reduced(x):
+    spec = P(*(None,) * x.ndim, reduced={'data'})
+    return jax.device_put(x.copy(), NamedSharding(mesh, spec))
+
+  rows = NamedSharding(mesh, P('data'))
+  params = jax.tree.map(reduced, case.model.params)
+  windows = _methods.windows_of(case.model, lambda b: jax.device_put(b, rows))
+  return params, windows
+
+
+def _under_mesh(mesh, call):
+  """``call`` run under ``jax.set_mesh(mesh)``, as it was traced."""
+
+  def on_mesh(*args):
+    with jax.set_mesh(mesh):
+      return call(*args)
+
+  return on_mesh
+
+
+def tokacc_explicit_ddp(case):
+  """``token_weighted_multistep`` on parameters typed reduced over ``data``."""
+  model = case.model
+  tx = tokacc.token_weighted_multistep(case.adamw, case.k)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch):
+    grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
+    updates, opt_state = tx.update(
+      grads, opt_state, params, num_tokens=num_tokens
+    )
+    return optax.apply_updates(params, updates), opt_state
+
+  mesh = _mesh(case)
+  with jax.set_mesh(mesh):
+    params, windows = _place(case, mesh)
+    opt_state = tx.init(params)
+    batch = windows[0].micro_batches[0]
+    compiled = {'step': step.lower(params, opt_state, batch).compile()}
+  return _methods.per_micro_batch(
+    _under_mesh(mesh, lambda carry, batch: step(*carry, batch)),
+    (params, opt_state),
+    compiled,
+    windows,
+    lambda carry: carry[0],
+    reference=REFERENCE,
+  )
+
+
+def _spec(x, reduced=True):
+  """The partition spec of ``x``'s type (``reduced=False``: without its
+  reduced axes)."""
+  spec = jax.typeof(x).sharding.spec
+  return spec if reduced else P(*spec.partitions)
+
+
+def _unreduced_zeros(x):
+  """Float32 (at least) zeros typed like ``x`` with reduced turned
+  unreduced: what unreduced gradients add into."""
+  spec = _spec(x)
+  dtype = jnp.promote_types(x.dtype, jnp.float32)
+  unreduced = P(*spec.partitions, unreduced=spec.reduced)
+  return jnp.zeros(x.shape, dtype, out_sharding=unreduced)
+
+
+def _plain(x):
+  """``x`` without its reduced type (free: the values are replicated), what
+  AdamW's nonlinear update takes."""
+  return jax.reshard(x, _spec(x, reduced=False))
+
+
+def _window_mean(acc, acc_tokens, param):
+  """The token mean of an unreduced sum (one all-reduce), in ``param``'s
+  dtype."""
+  total = jax.reshard(acc, _spec(param, reduced=False))
+  return (total / acc_tokens.astype(total.dtype)).astype(param.dtype)
+
+
+def ideal_explicit_ddp(case):
+  """The hand-written reference of explicit DDP: AdamW runs on the plain
+  (not reduced) mean and parameters; its updates are typed back reduced."""
+  model, adamw = case.model, case.adamw
+
+  @functools.partial(jax.jit, donate_argnums=(1, 2))
+  def micro_step(params, acc, acc_tokens, batch):
+    grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
+    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+    return acc, acc_tokens + num_tokens
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+  def window_update(params, opt_state, acc, acc_tokens):
+    mean = jax.tree.map(
+      lambda a, p: _window_mean(a, acc_tokens, p), acc, params
+    )
+    plain = jax.tree.map(_plain, params)
+    updates, opt_state = adamw.update(mean, opt_state, plain)
+    updates = jax.tree.map(
+      lambda u, p: jax.reshard(u, _spec(p)), updates, params
+    )
+    params = optax.apply_updates(params, updates)
+    zeros = jax.tree.map(_unreduced_zeros, params)
+    return params, opt_state, zeros, jnp.zeros_like(acc_tokens)
+
+  mesh = _mesh(case)
+  with jax.set_mesh(mesh):
+    params, windows = _place(case, mesh)
+    acc = jax.jit(lambda p: jax.tree.map(_unreduced_zeros, p))(params)
+    opt_state = jax.jit(lambda p: adamw.init(jax.tree.map(_plain, p)))(params)
+    tokens = jax.device_put(jnp.zeros([], jnp.int32), NamedSharding(mesh, P()))
+    carry = (params, opt_state, acc, tokens)
+    batch = windows[0].micro_batches[0]
+    compiled = {
+      'micro_step': micro_step.lower(params, acc, tokens, batch).compile(),
+      'window_update': window_update.lower(*carry).compile(),
+    }
+  return _methods.ideal_trainer(
+    _under_mesh(mesh, micro_step),
+    _under_mesh(mesh, window_update),
+    carry,
+    compiled,
+    windows,
+    reference=REFERENCE,
+  )
+
+
+METHODS = {
+  'ideal_explicit_ddp': ideal_explicit_ddp,
+  'tokacc_explicit_ddp': tokacc_explicit_ddp,
+}

@@ -1,0 +1,316 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Collectives of a compiled step, read from its HLO text.
+
+``parse_hlo`` splits ``compiled.as_text()`` into computations;
+``collective_sites`` finds every collective with the conditional branches
+that lead to it; ``collective_records`` adds the mesh axes each one spans and
+its payload; ``summarize`` counts them per micro-step and per window. A
+collective on the unconditional path runs on every micro-step; one in the
+taken branch of the transform's ``lax.cond`` (branch 1) only on the step that
+closes the window. Payload: the bytes of the unsharded buffer on one device
+(all-reduce: its operand; all-gather: its result; reduce-scatter: its
+operand).
+"""
+
+import collections
+import dataclasses
+import math
+import re
+
+COLLECTIVE_OPCODES = (
+  'all-reduce',
+  'all-gather',
+  'reduce-scatter',
+  'all-to-all',
+  'ragged-all-to-all',
+  'collective-permute',
+  'collective-broadcast',
+)
+_ASYNC_SUFFIX = '-start'
+_BYTES_PER_ELEMENT = {
+  'pred': 1,
+  's8': 1,
+  'u8': 1,
+  'bf16': 2,
+  'f16': 2,
+  's16': 2,
+  'u16': 2,
+  'f32': 4,
+  's32': 4,
+  'u32': 4,
+  'f64': 8,
+  's64': 8,
+  'u64': 8,
+}
+
+_HEADER = re.compile(r'^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$')
+_OPCODE = re.compile(r'(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(')
+_SHAPE = re.compile(r'\b([a-z]+\d*)\[([\d,]*)\]')
+_CALLEE = re.compile(
+  r'\b(?:calls|to_apply|body|condition|true_computation|false_computation)'
+  r'=%?([\w.\-]+)'
+)
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_TRUE_FALSE = re.compile(r'\b(true|false)_computation=%?([\w.\-]+)')
+_GROUPS = re.compile(
+  r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\]'
+  r'(?:T\([\d,]+\))?|mesh\[[^\]]*\] \{[^}]*\})'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One HLO instruction: its name, opcode, result shapes and callees.
+
+  ``shapes`` are ``(dtype, dims)`` pairs of the result (a tuple result gives
+  several). ``branches`` are a ``conditional``'s branch computations in
+  branch-index order (``false`` before ``true`` for a predicate);
+  ``callees`` the other computations it calls. ``groups`` is the text of a
+  collective's ``replica_groups`` (``''`` if none).
+  """
+
+  name: str
+  opcode: str
+  shapes: tuple[tuple[str, tuple[int, ...]], ...]
+  callees: tuple[str, ...]
+  branches: tuple[str, ...]
+  groups: str = ''
+
+  @property
+  def collective(self):
+    """The collective's kind (``'all-reduce'`` for its async start too)."""
+    opcode = self.opcode
+    if opcode.endswith(_ASYNC_SUFFIX):
+      opcode = opcode[: -len(_ASYNC_SUFFIX)]
+    return opcode if opcode in COLLECTIVE_OPCODES else None
+
+  @property
+  def num_bytes(self):
+    """Bytes of the result (of its second half for an async start)."""
+    shapes = self.shapes
+    if self.opcode.endswith(_ASYNC_SUFFIX) and len(shapes) > 1:
+      shapes = shapes[len(shapes) // 2 :]
+    return sum(
+      _BYTES_PER_ELEMENT.get(dtype, 4) * math.prod(dims)
+      for dtype, dims in shapes
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class HloModule:
+  computations: dict[str, list[Instruction]]
+  entry: str
+
+
+def _parse_instruction(name, rest):
+  match = _OPCODE.search(rest)
+  opcode = match.group(1) if match else ''
+  type_text = rest[: match.start(1)] if match else rest
+  shapes = tuple(
+    (dtype, tuple(int(d) for d in dims.split(',') if d))
+    for dtype, dims in _SHAPE.findall(type_text)
+  )
+  branches = ()
+  found = _BRANCHES.search(rest)
+  if found:
+    branches = tuple(b.strip().lstrip('%') for b in found.group(1).split(','))
+  else:
+    true_false = dict(_TRUE_FALSE.findall(rest))
+    if true_false:
+      branches = (true_false['false'], true_false['true'])
+  callees = tuple(c for c in _CALLEE.findall(rest) if c not in branches)
+  groups = _GROUPS.search(rest)
+  return Instruction(
+    name, opcode, shapes, callees, branches, groups.group(1) if groups else ''
+  )
+
+
+def parse_hlo(hlo_text):
+  """Splits compiled HLO text (``compiled.as_text()``) into computations."""
+  computations = {}
+  entry = None
+  current = None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(2)
+      computations[current] = []
+      if header.group(1):
+        entry = current
+      continue
+    if current is None:
+      continue
+    if line.startswith('}'):
+      current = None
+      continue
+    instruction = _INSTRUCTION.match(line)
+    if instruction:
+      computations[current].append(_parse_instruction(*instruction.groups()))
+  if entry is None:
+    raise ValueError('No ENTRY computation found in the HLO text.')
+  return HloModule(computations, entry)
+
+
+def collective_sites(module):
+  """Every collective with the conditional branches that lead to it.
+
+  Returns ``(instruction, path)`` pairs, where ``path`` is a tuple of
+  ``(conditional_name, branch_index)`` from the entry computation: empty for
+  a collective that runs on every call.
+  """
+  sites = []
+
+  def visit(computation, path, seen):
+    if computation in seen or computation not in module.computations:
+      return
+    seen = seen | {computation}
+    for instruction in module.computations[computation]:
+      if instruction.collective:
+        sites.append((instruction, path))
+      for callee in instruction.callees:
+        visit(callee, path, seen)
+      for index, branch in enumerate(instruction.branches):
+        visit(branch, path + ((instruction.name, index),), seen)
+
+  visit(module.entry, (), frozenset())
+  return sites
+
+
+def device_groups(text, num_devices):
+  """The device groups of a ``replica_groups`` text, as lists of ids.
+
+  Handles the explicit (``{{0,1},{2,3}}``), iota (``[2,4]<=[4,2]T(1,0)``)
+  and mesh (``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``) forms; ``{}`` or no
+  groups means all devices. Returns None for a form it does not know.
+  """
+  import numpy as np  # noqa: PLC0415
+
+  if text in ('', '{}'):
+    return [list(range(num_devices))]
+  if text.startswith('{{'):
+    return [
+      [int(i) for i in group.split(',') if i]
+      for group in re.findall(r'\{([\d,]*)\}', text[1:-1])
+    ]
+  iota = re.fullmatch(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text)
+  if iota:
+    shape, dims, perm = (
+      [int(i) for i in g.split(',')] if g else None for g in iota.groups()
+    )
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    ids = ids.transpose(perm) if perm else ids
+    return ids.reshape(shape[0], -1).tolist()
+  mesh = re.fullmatch(r'mesh\[([^\]]*)\] \{([^}]*)\}', text)
+  if mesh:
+    axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
+    grouped = set(re.findall(r"'(\w+)'", mesh.group(2)))
+    names = [name for name, _ in axes]
+    ids = np.arange(math.prod(int(s) for _, s in axes))
+    ids = ids.reshape([int(s) for _, s in axes])
+    order = [i for i, n in enumerate(names) if n not in grouped]
+    order += [i for i, n in enumerate(names) if n in grouped]
+    size = math.prod(int(s) for n, s in axes if n in grouped)
+    return ids.transpose(order).reshape(-1, size).tolist()
+  return None
+
+
+def group_axes(groups, mesh_axes):
+  """The mesh axes along which the devices of a group differ.
+
+  ``mesh_axes`` is ``((name, size), ...)``; device ``i`` of the HLO is the
+  ``i``-th device of the mesh in row-major order. Returns ``'?'`` for
+  unknown groups and ``'-'`` for groups of one device.
+  """
+  import numpy as np  # noqa: PLC0415
+
+  if groups is None:
+    return '?'
+  sizes = [size for _, size in mesh_axes]
+  coordinates = np.array(np.unravel_index(groups[0], sizes))
+  names = [
+    name
+    for (name, _), row in zip(mesh_axes, coordinates)
+    if len(set(row.tolist())) > 1
+  ]
+  return ','.join(names) or '-'
+
+
+def _where(path):
+  """When a collective at ``path`` runs: on every micro-step, on the
+  closing step only (branch 1 of every conditional on its path: the taken
+  branch of ``lax.cond(emit, ...)``), or in another branch (counted as on
+  every micro-step, an upper bound, and flagged)."""
+  if not path:
+    return 'every micro-step'
+  if all(index == 1 for _, index in path):
+    return 'closing step'
+  return 'other branch'
+
+
+def collective_records(hlo_text, mesh_axes):
+  """Every collective of a compiled step: kind, where, axes, group, bytes."""
+  num_devices = math.prod(size for _, size in mesh_axes)
+  records = []
+  for instruction, path in collective_sites(parse_hlo(hlo_text)):
+    groups = device_groups(instruction.groups, num_devices)
+    group_size = len(groups[0]) if groups else None
+    payload = instruction.num_bytes
+    if instruction.collective == 'reduce-scatter' and group_size:
+      payload *= group_size  # Its operand: the result times the group.
+    records.append(
+      {
+        'kind': instruction.collective,
+        'where': _where(path),
+        'axes': group_axes(groups, mesh_axes),
+        'group_size': group_size,
+        'bytes': payload,
+      }
+    )
+  return records
+
+
+def summarize(records, k):
+  """Collectives and payload bytes per micro-step and per window of ``k``.
+
+  A micro-step that does not close the window runs the ``every micro-step``
+  (and ``other branch``) collectives; the window adds those of the closing
+  step once. ``window_by_axes`` splits the window's totals by mesh axes.
+  """
+  per_step = [r for r in records if r['where'] != 'closing step']
+  closing = [r for r in records if r['where'] == 'closing step']
+  by_axes = collections.defaultdict(lambda: {'collectives': 0, 'bytes': 0})
+  for records_of, times in ((per_step, k), (closing, 1)):
+    for record in records_of:
+      by_axes[record['axes']]['collectives'] += times
+      by_axes[record['axes']]['bytes'] += times * record['bytes']
+  return {
+    'micro_step': {
+      'collectives': len(per_step),
+      'bytes': sum(r['bytes'] for r in per_step),
+    },
+    'closing_step_extra': {
+      'collectives': len(closing),
+      'bytes': sum(r['bytes'] for r in closing),
+    },
+    'window': {
+      'collectives': k * len(per_step) + len(closing),
+      'bytes': k * sum(r['bytes'] for r in per_step)
+      + sum(r['bytes'] for r in closing),
+    },
+    'window_by_axes': dict(sorted(by_axes.items())),
+    'other_branch': sum(r['where'] == 'other branch' for r in records),
+  }

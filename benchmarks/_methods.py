@@ -1,0 +1,293 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The methods of ``run.py``: each usage's train step, as a user writes it.
+
+A builder ``(case) -> Trainer`` sets one method up on a model: its jitted
+functions (parameters and optimizer state donated), what they carry from
+call to call, and the compiled functions whose memory is reported. The
+timer drives a :class:`Trainer` a window at a time: its micro-steps (the
+calls that do not close the window), then the closing step. The Flax
+methods are in ``_flax_methods.py`` (Flax is optional), the explicit DDP
+ones in ``_explicit_methods.py``.
+"""
+
+from collections.abc import Callable
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import _models
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_tokacc as tokacc
+
+
+class Case(NamedTuple):
+  """What every method of one table section trains.
+
+  Attributes:
+    model: the model, its data and its loss.
+    k: micro-batches per window.
+    adamw: the optimizer (``optax.adamw`` with the model's ``mu_dtype``).
+    ddp_devices: the devices of the explicit DDP mesh.
+  """
+
+  model: _models.Model
+  k: int
+  adamw: optax.GradientTransformation
+  ddp_devices: tuple = ()
+
+
+class Window(NamedTuple):
+  """A window's micro-batches, and the same rows in one batch (for the
+  method that takes the whole window in one call)."""
+
+  micro_batches: list
+  whole: Any
+
+
+@dataclasses.dataclass
+class Trainer:
+  """A method set up on a model, as the timer drives it.
+
+  Attributes:
+    micro_step: ``(carry, batch) -> carry``: one call that does not close
+      the window (None for a method that takes the window in one call).
+    closing_step: ``(carry, window) -> carry``: what closes a window (the
+      last micro-batch's call, and the ideal's update).
+    carry: what the calls carry (parameters, optimizer state, ...).
+    params_of: ``carry -> parameters``.
+    windows: the :class:`Window` s it trains on, reused cyclically.
+    compiled: label -> compiled function (for its memory analysis).
+    reference: the method whose times its ratios divide by.
+  """
+
+  micro_step: Callable[[Any, Any], Any] | None
+  closing_step: Callable[[Any, Window], Any]
+  carry: Any
+  params_of: Callable[[Any], Any]
+  windows: list
+  compiled: dict
+  reference: str = 'ideal'
+
+  def run_micro_steps(self, index):
+    """Feeds the first ``k - 1`` micro-batches of window ``index``."""
+    if self.micro_step is not None:
+      window = self.windows[index % len(self.windows)]
+      for batch in window.micro_batches[:-1]:
+        self.carry = self.micro_step(self.carry, batch)
+
+  def run_closing_step(self, index):
+    """Closes window ``index``."""
+    window = self.windows[index % len(self.windows)]
+    self.carry = self.closing_step(self.carry, window)
+
+  def block(self):
+    jax.block_until_ready(self.carry)
+
+  def params(self):
+    return self.params_of(self.carry)
+
+
+def windows_of(model, put=lambda batch: batch):
+  """The model's windows, each batch placed with ``put``."""
+
+  def concatenate(batches):
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *batches)
+
+  return [
+    Window([put(b) for b in w], put(concatenate(w))) for w in model.windows
+  ]
+
+
+def copy(tree):
+  """A copy of ``tree`` (each method donates its own buffers)."""
+  return jax.tree.map(lambda x: x.copy(), tree)
+
+
+def per_micro_batch(step, carry, compiled, windows, params_of, **kwargs):
+  """A trainer that calls ``step(carry, batch)`` once per micro-batch."""
+
+  def closing_step(carry, window):
+    return step(carry, window.micro_batches[-1])
+
+  return Trainer(
+    step, closing_step, carry, params_of, windows, compiled, **kwargs
+  )
+
+
+def _gradients(model, loss, params, batch):
+  """The micro-batch's gradients and the extra args of ``tx.update``:
+  of the token-summed loss with ``num_tokens``, or of the mean loss."""
+  if loss == 'mean':
+    return jax.grad(model.loss_mean)(params, batch), {}
+  grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
+  return grads, {'num_tokens': num_tokens}
+
+
+def _optax(case, tx, loss='sum'):
+  """A user's step: gradient, ``tx.update``, ``optax.apply_updates``."""
+  model = case.model
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch):
+    grads, extra_args = _gradients(model, loss, params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+    return optax.apply_updates(params, updates), opt_state
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def update(params, opt_state, grads, num_tokens):
+    """The optimizer part alone, gradients given."""
+    extra_args = {'num_tokens': num_tokens} if loss == 'sum' else {}
+    updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = copy(model.params)
+  opt_state = tx.init(params)
+  zero = jnp.zeros([], jnp.int32)
+  compiled = {
+    'step': step.lower(params, opt_state, model.windows[0][0]).compile(),
+    'update': update.lower(params, opt_state, params, zero).compile(),
+  }
+  return per_micro_batch(
+    lambda carry, batch: step(*carry, batch),
+    (params, opt_state),
+    compiled,
+    windows_of(model),
+    lambda carry: carry[0],
+  )
+
+
+def plain(case):
+  """One AdamW step per micro-batch (no accumulation)."""
+  return _optax(case, case.adamw, loss='mean')
+
+
+def multisteps(case):
+  """``optax.MultiSteps(adamw, k)`` on the mean loss."""
+  return _optax(case, optax.MultiSteps(case.adamw, case.k), loss='mean')
+
+
+def tokacc_apply_updates(case):
+  """``token_weighted_multistep(adamw, k)``, ``optax.apply_updates``."""
+  return _optax(case, tokacc.token_weighted_multistep(case.adamw, case.k))
+
+
+def tokacc_chain(case):
+  """A transform chained after the accumulator (the clip never binds)."""
+  accumulate = tokacc.token_weighted_multistep(case.adamw, case.k)
+  return _optax(case, optax.chain(accumulate, optax.clip(1.0)))
+
+
+def ideal(case):
+  """The reference: a jitted micro-step ``acc + grad`` (accumulator
+  donated) and, once per window, a jitted AdamW update of the token mean
+  (in the float32 accumulator's dtype, handed to AdamW in the gradients'
+  dtype, as ``token_weighted_multistep`` does)."""
+  model, adamw = case.model, case.adamw
+
+  @functools.partial(jax.jit, donate_argnums=(1, 2))
+  def micro_step(params, acc, acc_tokens, batch):
+    grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
+    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+    return acc, acc_tokens + num_tokens
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+  def window_update(params, opt_state, acc, acc_tokens):
+    mean = jax.tree.map(
+      lambda g, p: (g / acc_tokens.astype(g.dtype)).astype(p.dtype),
+      acc,
+      params,
+    )
+    updates, opt_state = adamw.update(mean, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    zeros = jax.tree.map(jnp.zeros_like, acc)
+    return params, opt_state, zeros, jnp.zeros_like(acc_tokens)
+
+  params = copy(model.params)
+  acc = jax.tree.map(
+    lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)),
+    params,
+  )
+  carry = (params, adamw.init(params), acc, jnp.zeros([], jnp.int32))
+  compiled = {
+    'micro_step': micro_step.lower(
+      params, acc, carry[3], model.windows[0][0]
+    ).compile(),
+    'window_update': window_update.lower(*carry).compile(),
+  }
+  return ideal_trainer(
+    micro_step, window_update, carry, compiled, windows_of(model)
+  )
+
+
+def ideal_trainer(micro_step, window_update, carry, compiled, windows, **kw):
+  """The ideal's trainer: ``carry = (params, opt_state, acc, tokens)``;
+  the closing step is a micro-step then the window's update."""
+
+  def step(carry, batch):
+    params, opt_state, acc, acc_tokens = carry
+    return (params, opt_state, *micro_step(params, acc, acc_tokens, batch))
+
+  def closing_step(carry, window):
+    return window_update(*step(carry, window.micro_batches[-1]))
+
+  return Trainer(
+    step, closing_step, carry, lambda c: c[0], windows, compiled, **kw
+  )
+
+
+def microbatched(case):
+  """One jitted step per window on the whole window's batch:
+  ``tokacc.microbatched_value_and_grad`` then AdamW."""
+  model, adamw = case.model, case.adamw
+  micro_size = jax.tree.leaves(model.windows[0][0])[0].shape[0]
+  value_and_grad = tokacc.microbatched_value_and_grad(
+    model.loss_sum, micro_size
+  )
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch):
+    (_, num_tokens), grads = value_and_grad(params, batch)
+    mean = jax.tree.map(lambda g: g / num_tokens.astype(g.dtype), grads)
+    updates, opt_state = adamw.update(mean, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = copy(model.params)
+  carry = (params, adamw.init(params))
+  windows = windows_of(model)
+  compiled = {'window_step': step.lower(*carry, windows[0].whole).compile()}
+  return Trainer(
+    None,
+    lambda carry, window: step(*carry, window.whole),
+    carry,
+    lambda carry: carry[0],
+    windows,
+    compiled,
+  )
+
+
+METHODS = {
+  'plain': plain,
+  'ideal': ideal,
+  'multisteps': multisteps,
+  'tokacc': tokacc_apply_updates,
+  'tokacc_chain': tokacc_chain,
+  'microbatched': microbatched,
+}
+# Methods that are not the same computation as the ideal (no max|dp| check).
+INEXACT = ('plain', 'multisteps')

@@ -1,0 +1,139 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The rows of ``run.py`` (its JSON) and its printed table.
+
+A row holds one method on one model and k: the median time per micro-step
+and per window with their ratios to the method's reference ideal (and per
+window to ``optax.MultiSteps``), every timed window, the compiled memory of
+its jitted functions, and the largest parameter difference to its reference
+after one window. A method that could not be set up has a row with
+``error`` instead.
+"""
+
+import _common
+import _timing
+import jax.numpy as jnp
+
+
+def _model_fields(case):
+  model = case.model
+  return {
+    'model': model.name,
+    'model_description': model.description,
+    'param_dtype': model.param_dtype,
+    'mu_dtype': model.mu_dtype and jnp.dtype(model.mu_dtype).name,
+    'num_params': model.num_params,
+    'param_bytes': model.param_bytes,
+    'k': case.k,
+  }
+
+
+def _time_fields(name, reference, times):
+  """Medians, their ratios, and the times of every timed window."""
+  median = _timing.median
+  micro_step = median(times[name].micro_step)
+  window = median(times[name].window)
+  reference_times = times.get(reference)
+  multisteps = times.get('multisteps')
+  return {
+    'reference': reference,
+    'median_micro_step_s': micro_step,
+    'median_closing_step_s': median(times[name].closing_step),
+    'median_window_s': window,
+    'micro_step_ratio_to_ideal': _timing.ratio(
+      micro_step, reference_times and median(reference_times.micro_step)
+    ),
+    'ratio_to_ideal': _timing.ratio(
+      window, reference_times and median(reference_times.window)
+    ),
+    'ratio_to_multisteps': _timing.ratio(
+      window, multisteps and median(multisteps.window)
+    ),
+    'micro_step_times_s': times[name].micro_step,
+    'closing_step_times_s': times[name].closing_step,
+    'window_times_s': times[name].window,
+  }
+
+
+def rows(case, trainers, times, differences, errors):
+  """The rows of one model and k.
+
+  Args:
+    case: the ``_methods.Case`` measured.
+    trainers: name -> ``_methods.Trainer`` (set up and timed).
+    times: name -> ``_timing.Times``.
+    differences: name -> largest parameter difference to the reference.
+    errors: name -> why the method could not be set up.
+
+  Returns:
+    One dict per method, in the order of ``trainers`` then ``errors``.
+  """
+  out = []
+  for name, trainer in trainers.items():
+    row = _model_fields(case)
+    row['method'] = name
+    row.update(_time_fields(name, trainer.reference, times))
+    row['memory'] = {
+      label: _common.memory(compiled, case.model.param_bytes)
+      for label, compiled in trainer.compiled.items()
+    }
+    row['max_abs_diff_to_ideal_after_one_window'] = differences.get(name)
+    out.append(row)
+  for name, error in errors.items():
+    out.append({**_model_fields(case), 'method': name, 'error': error})
+  return out
+
+
+def _ratio(value):
+  return '' if value is None else f'{value:.2f}x'
+
+
+def _ms(seconds):
+  return '' if seconds is None else f'{1e3 * seconds:.1f}'
+
+
+_HEADER = (
+  f'{"model":<12}{"k":>2} {"method":<20}{"ms/micro":>9}{"/ideal":>7}'
+  f'{"ms/window":>10}{"/ideal":>7}{"/MultiSteps":>12}  '
+  f'{"compiled temp / param bytes":<38}{"max|dp|":>8}'
+)
+
+
+def _line(row):
+  """One measured row of the table."""
+  temps = ' '.join(
+    f'{label}={m["temp_over_params"]:.3f}' for label, m in row['memory'].items()
+  )
+  diff = row['max_abs_diff_to_ideal_after_one_window']
+  return (
+    f'{row["model"]:<12}{row["k"]:>2} {row["method"]:<20}'
+    f'{_ms(row["median_micro_step_s"]):>9}'
+    f'{_ratio(row["micro_step_ratio_to_ideal"]):>7}'
+    f'{_ms(row["median_window_s"]):>10}'
+    f'{_ratio(row["ratio_to_ideal"]):>7}'
+    f'{_ratio(row["ratio_to_multisteps"]):>12}  {temps:<38}'
+    f'{"" if diff is None else f"{diff:.1e}":>8}'
+  )
+
+
+def print_table(rows, file=None):
+  """Times, ratios, compiled memory and the check, one line per row."""
+  print(_HEADER, file=file)
+  for row in rows:
+    if 'error' in row:
+      start = f'{row["model"]:<12}{row["k"]:>2} {row["method"]:<20}'
+      print(f'{start}not measured: {row["error"]}', file=file)
+    else:
+      print(_line(row), file=file)
