@@ -22,7 +22,55 @@ def loss_sum(params, x, y, mask):
   return jnp.sum(mask * (jnp.tanh(x @ params['w']) + params['b'] - y) ** 2)
 
 
+def long_run_optimizer():
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+
+
+def emitting_windows(tokens, non_finite):
+  """Independent bookkeeping: rejected micro-batches do not count; every
+  EVERY_K accepted ones close a window; windows with tokens emit.
+
+  Returns the micro-batch indices of each emitting window, and those of
+  the window still open at the end.
+  """
+  windows, window = [], []
+  for i in range(len(tokens)):
+    if non_finite[i]:
+      continue
+    window.append(i)
+    if len(window) == EVERY_K:
+      if tokens[window].sum() > 0:
+        windows.append(window)
+      window = []
+  return np.array(windows), window
+
+
+@jax.jit
+def train_full_batch(params, x, y, mask):
+  """Reference: one step of the optimizer per window, on the gradient of
+  the window's token-summed loss over its tokens; ``x[w]`` holds window
+  ``w``'s micro-batches."""
+  optimizer = long_run_optimizer()
+
+  def window_step(carry, window):
+    params, state = carry
+
+    def window_loss(params):
+      return loss_sum(params, *window) / jnp.sum(window[2])
+
+    grads = jax.grad(window_loss)(params)
+    updates, state = optimizer.update(grads, state, params)
+    return (optax.apply_updates(params, updates), state), None
+
+  carry = (params, optimizer.init(params))
+  (params, _), _ = lax.scan(window_step, carry, (x, y, mask))
+  return params
+
+
 def test_long_run_with_empty_and_non_finite_micro_batches():
+  """3,000 micro-steps with empty and NaN/inf micro-batches (rejected): the
+  counters, and the parameters against full-batch training on the windows
+  that emit."""
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, MAX_TOKENS + 1, NUM_MICRO_STEPS)
   tokens[rng.random(NUM_MICRO_STEPS) < 0.2] = 0  # padding-only batches
@@ -35,11 +83,12 @@ def test_long_run_with_empty_and_non_finite_micro_batches():
   mask = (np.arange(MAX_TOKENS) < tokens[:, None]).astype(np.float32)
 
   tx = tokacc.token_weighted_multistep(
-    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    long_run_optimizer(),
     EVERY_K,
     should_skip_update_fn=tokacc.skip_not_finite,
   )
-  params = {'w': jnp.array([0.3, -0.2, 0.1]), 'b': jnp.array(0.0)}
+  initial = {'w': jnp.array([0.3, -0.2, 0.1]), 'b': jnp.array(0.0)}
+  params = initial
 
   @jax.jit
   def run(params, data):
@@ -61,20 +110,10 @@ def test_long_run_with_empty_and_non_finite_micro_batches():
   (params, state), (emitted, last_tokens) = run(params, (x, y, mask))
   emitted, last_tokens = np.asarray(emitted), np.asarray(last_tokens)
 
-  # Independent bookkeeping: rejected micro-batches do not count; every
-  # EVERY_K accepted ones close a window; windows with tokens emit.
-  window_sums, in_window, window = [], 0, 0
+  windows, open_window = emitting_windows(tokens, non_finite)
+  window_sums = tokens[windows].sum(axis=1)
   expected_emitted = np.zeros(NUM_MICRO_STEPS, bool)
-  for i in range(NUM_MICRO_STEPS):
-    if non_finite[i]:
-      continue
-    window += tokens[i]
-    in_window += 1
-    if in_window == EVERY_K:
-      if window > 0:
-        window_sums.append(window)
-        expected_emitted[i] = True
-      window, in_window = 0, 0
+  expected_emitted[windows[:, -1]] = True
 
   for leaf in jax.tree.leaves(params):
     assert np.all(np.isfinite(leaf))
@@ -82,12 +121,15 @@ def test_long_run_with_empty_and_non_finite_micro_batches():
   np.testing.assert_array_equal(emitted, expected_emitted)
   np.testing.assert_array_equal(last_tokens[emitted], window_sums)
   assert int(state.gradient_step) == len(window_sums)
-  assert int(state.mini_step) == in_window
-  assert int(state.acc_tokens) == window
+  assert int(state.mini_step) == len(open_window)
+  assert int(state.acc_tokens) == tokens[open_window].sum()
   assert int(state.dropped_windows) == 0
   assert bool(state.skip_state['should_skip']) == non_finite[-1]
   # adam's own counter advanced once per emitted window.
   assert int(state.inner_state[1][0].count) == len(window_sums)
+  # The parameters are those of full-batch training on the emitting windows.
+  expected = train_full_batch(initial, x[windows], y[windows], mask[windows])
+  chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)
 
 
 def sgd_reference(params, grads_per_window, learning_rate=0.1):
@@ -106,13 +148,14 @@ def test_step_counters_saturate_near_int32_max():
   state = tx.init(params)._replace(gradient_step=jnp.int32(INT32_MAX - 1))
   step = jax.jit(tx.update)
   grads = [{'w': jnp.array([1.0, -2.0])}, {'w': jnp.array([3.0, 0.5])}]
+  counts = [3, 1]  # tokens the token-summed gradients above are over
   for _ in range(3):  # three windows: the counter reaches max and stays
-    for g in grads:
-      updates, state = step(g, state, params, num_tokens=1)
+    for g, n in zip(grads, counts):
+      updates, state = step(g, state, params, num_tokens=n)
     params = optax.apply_updates(params, updates)
     assert int(state.gradient_step) >= INT32_MAX - 1
   assert int(state.gradient_step) == INT32_MAX
-  mean = {'w': (grads[0]['w'] + grads[1]['w']) / 2}
+  mean = {'w': (grads[0]['w'] + grads[1]['w']) / sum(counts)}
   chex.assert_trees_all_close(
     params, sgd_reference({'w': jnp.zeros(2)}, [mean] * 3)
   )
