@@ -263,16 +263,20 @@ def test_every_guide_has_a_program():
 
 
 def documented_names() -> set[str]:
-  """Names documented by an autodoc directive of docs/api/."""
+  """Full names documented by an autodoc directive of docs/api/."""
   names = set()
   for path in (DOCS / 'api').glob('*.rst'):
-    names.update(
-      re.findall(
-        r'^\.\. auto(?:function|class|data):: ([\w.]+)',
-        path.read_text(),
-        re.M,
-      )
-    )
+    module = ''
+    for line in path.read_text().splitlines():
+      match = re.match(r'\.\. (currentmodule|auto\w+):: ([\w.]+)', line)
+      if not match:
+        continue
+      directive, name = match.groups()
+      if directive == 'currentmodule':
+        module = name
+      elif directive in ('autofunction', 'autoclass', 'autodata'):
+        full = name if name.startswith('optax_tokacc') else f'{module}.{name}'
+        names.add(full)
   return names
 
 

@@ -12,83 +12,143 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Every ```python block of README.md runs as written.
+"""README.md: every ```python block runs as written, and the page keeps its
+shape (the two commands first, at most 250 lines, a link to every page of
+the documentation, the measured table of docs/, the citation of
+CITATION.cff).
 
-Each block is a program of its own: it runs in a fresh Python process from
-the repository root, with nothing defined beforehand. Blocks that use
-several devices (``shard_map``, ``pmap``, ``axis_name``, a mesh) get fake CPU
-devices, as the rest of the test suite does.
+Each block is a program of its own, run as ``tests/test_docs.py`` runs the
+blocks of the documentation (same markers, same fake devices).
 """
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+import test_docs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = REPO / 'README.md'
-NUM_DEVICES = 8
-TIMEOUT_S = 180
-_NEEDS_DEVICES = re.compile(r'shard_map|pmap|axis_name|make_mesh|devices\(')
-
-
-def python_blocks(markdown: str) -> list[tuple[str, str]]:
-  """``(id, code)`` of each ```python block; the id names the section.
-
-  The id is the block's index among the Python blocks and the nearest
-  heading above it, e.g. ``'0-quickstart'``.
-  """
-  blocks, heading, fence, code = [], 'top', None, []
-  for line in markdown.splitlines():
-    if fence is None:
-      match = re.match(r'#{1,6} (.+)', line)
-      if match:
-        heading = re.sub(r'[^a-z0-9]+', '-', match.group(1).lower()).strip('-')
-      if line.startswith('```'):
-        fence, code = line[3:].strip(), []
-    elif line.startswith('```'):
-      if fence == 'python':
-        blocks.append((f'{len(blocks)}-{heading}', '\n'.join(code) + '\n'))
-      fence = None
-    else:
-      code.append(line)
-  return blocks
-
-
-BLOCKS = python_blocks(README.read_text())
+TEXT = README.read_text()
+BLOCKS = test_docs.python_blocks(TEXT, 'README.md')
+MAX_LINES = 250
+COMMANDS = (
+  "pip install -e '.[examples]' && python examples/train_lm.py",
+  "pip install -e '.[test]' && python -m pytest",  # .ci/run greps this line
+)
 
 
 def test_readme_has_a_quickstart_program():
-  names = [name for name, _ in BLOCKS]
+  names = [block.id for block in BLOCKS]
   assert any(name.endswith('-quickstart') for name in names), names
 
 
-@pytest.mark.parametrize(
-  'code', [code for _, code in BLOCKS], ids=[name for name, _ in BLOCKS]
-)
-def test_readme_block_runs(code, tmp_path):
-  script = tmp_path / 'block.py'
-  script.write_text(code)
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env['PYTHONPATH'] = os.pathsep.join(
-    [str(REPO)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else [])
+@pytest.mark.parametrize('block', BLOCKS, ids=[block.id for block in BLOCKS])
+def test_readme_block_runs(block, tmp_path):
+  assert not block.skip, 'every block of the README is a complete program'
+  test_docs.run_block(block, tmp_path)
+
+
+def test_readme_starts_with_the_two_commands():
+  first_fence = re.search(r'^```(\w*)\n(.*?)^```', TEXT, re.M | re.S)
+  assert first_fence.group(1) == 'bash'
+  assert tuple(first_fence.group(2).splitlines()) == COMMANDS
+  before = TEXT[: first_fence.start()].strip().splitlines()
+  assert before[0] == '# optax_tokacc' and len(before) <= 3, before
+
+
+def test_readme_is_short():
+  assert len(TEXT.splitlines()) <= MAX_LINES
+
+
+def _linked_files() -> set[pathlib.Path]:
+  targets = re.findall(r'\]\(([^)#\s]+)(?:#[^)]*)?\)', TEXT)
+  return {
+    (REPO / target).resolve()
+    for target in targets
+    if not re.match(r'[a-z]+:', target)  # not https: or mailto:
+  }
+
+
+def test_readme_links_resolve():
+  missing = [path for path in _linked_files() if not path.exists()]
+  assert not missing, missing
+
+
+def _toctree_pages() -> list[str]:
+  """The pages of the site's tables of contents, as docs/index.md lists."""
+  index = (test_docs.DOCS / 'index.md').read_text()
+  pages = []
+  for body in re.findall(r'```\{toctree\}\n(.*?)```', index, re.S):
+    pages += [
+      line.strip()
+      for line in body.splitlines()
+      if line.strip() and not line.startswith(':')
+    ]
+  return pages
+
+
+def _page_file(page: str) -> pathlib.Path:
+  """The file a README link to ``page`` may name: the page itself, or the
+  repository file it includes (CHANGELOG.md, CONTRIBUTING.md)."""
+  for suffix in ('.md', '.rst'):
+    path = test_docs.DOCS / (page + suffix)
+    if path.exists():
+      included = re.fullmatch(
+        r'```\{include\} (\S+)\n```\n', path.read_text()
+      )
+      if included:
+        return (path.parent / included.group(1)).resolve()
+      return path.resolve()
+  raise AssertionError(f'docs/index.md lists {page!r}, which does not exist')
+
+
+def test_readme_links_every_page_of_the_docs():
+  pages = _toctree_pages()
+  assert len(pages) >= 10, pages
+  linked = _linked_files()
+  unlinked = [page for page in pages if _page_file(page) not in linked]
+  assert not unlinked, f'link these pages from the README: {unlinked}'
+
+
+def _table(text: str) -> list[str]:
+  return [line for line in text.splitlines() if line.startswith('|')]
+
+
+def test_readme_shows_the_measured_table_of_the_docs():
+  measured = (test_docs.DOCS / 'accumulation_bug.md').read_text()
+  rows = _table(measured)
+  assert len(rows) >= 3
+  start = TEXT.index(rows[0])
+  assert _table(TEXT[start:])[: len(rows)] == rows, (
+    'copy docs/accumulation_bug.md (written by examples/accumulation_bug.py '
+    '--out docs) into the README'
   )
-  if _NEEDS_DEVICES.search(code):
-    env['JAX_NUM_CPU_DEVICES'] = str(NUM_DEVICES)
-  result = subprocess.run(
-    [sys.executable, str(script)],
-    capture_output=True,
-    text=True,
-    env=env,
-    cwd=REPO,
-    timeout=TIMEOUT_S,
-  )
-  if result.returncode != 0:
-    pytest.fail(
-      f'this README block fails:\n{code}\n{result.stdout}'
-      f'{result.stderr[-3000:]}',
-      pytrace=False,
-    )
+
+
+def _cff_field(name: str) -> str:
+  text = (REPO / 'CITATION.cff').read_text()
+  match = re.search(rf'^{name}: "?(.*?)"?$', text, re.M)
+  assert match, name
+  return match.group(1)
+
+
+def _bibtex_field(name: str) -> str:
+  bibtex = re.search(r'```bibtex\n(.*?)```', TEXT, re.S).group(1)
+  match = re.search(rf'^\s*{name} = \{{(.*)\}},?$', bibtex, re.M)
+  assert match, name
+  return match.group(1)
+
+
+def test_readme_citation_matches_citation_cff():
+  assert _bibtex_field('title').replace('\\_', '_') == _cff_field('title')
+  assert _bibtex_field('version') == _cff_field('version')
+  assert _bibtex_field('license') == _cff_field('license')
+  assert _bibtex_field('year') == _cff_field('date-released')[:4]
+  assert _bibtex_field('author') == '{' + _cff_field('  - name') + '}'
+
+
+def test_citation_version_is_the_package_version():
+  init = (REPO / 'optax_tokacc' / '__init__.py').read_text()
+  version = re.search(r"^__version__ = '(.*)'$", init, re.M).group(1)
+  assert _cff_field('version') == version
