@@ -103,7 +103,10 @@ def test_bfloat16_grads_updates_match_float32_accumulator():
   assert relative_error(updates['bfloat16'], expected) > 0.1
 
 
-def test_compensated_float32_is_at_least_as_accurate():
+def test_compensated_float32_is_within_float32_rounding():
+  """A float32 accumulator over 2048 micro-steps: plain summation drifts
+  (about 2e-6 here); compensated, the mean is off by a few float32
+  roundings of the result only (2**-24 each: the sum's, the division's)."""
   grads, tokens = gradient_stream(seed=2)
   expected = reference_mean(grads, tokens)
   grads = jnp.asarray(grads, jnp.float32)
@@ -111,7 +114,8 @@ def test_compensated_float32_is_at_least_as_accurate():
   compensated = relative_error(
     one_window(None, True, grads, tokens)[0], expected
   )
-  assert compensated <= plain
+  assert compensated < 2.0**-22, (compensated, plain)
+  assert compensated < plain / 4, (compensated, plain)
 
 
 def test_compensation_state_layout_and_reset():
