@@ -15,6 +15,8 @@
 """optax_tokacc: exact, token-weighted gradient accumulation for optax."""
 
 from optax_tokacc._checks import with_input_checks
+from optax_tokacc._explicit import from_checkpoint
+from optax_tokacc._explicit import to_checkpoint
 from optax_tokacc._losses import token_cross_entropy
 from optax_tokacc._microbatch import microbatched_value_and_grad
 from optax_tokacc._multistep import skip_not_finite
@@ -35,11 +37,13 @@ __all__ = (
   'apply_if_updated',
   'find_state',
   'has_updated',
+  'from_checkpoint',
   'init_sharded',
   'microbatched_value_and_grad',
   'skip_not_finite',
   'state_partition_specs',
   'state_shardings',
+  'to_checkpoint',
   'token_cross_entropy',
   'token_weighted_multistep',
   'window_loss',

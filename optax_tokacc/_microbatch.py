@@ -18,9 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
+
+from optax_tokacc import _explicit
 
 Batch = Any
 TokenLossFn = Callable[[optax.Params, Batch], tuple[jax.Array, jax.Array]]
@@ -75,7 +79,8 @@ def microbatched_value_and_grad(
 
   The batch's leading axis is split into :math:`M` micro-batches of
   ``microbatch_size`` examples, evaluated one after the other in a loop
-  (``optax.microbatching.microbatch``) inside the same jitted step, and
+  (``lax.fori_loop``, splitting the batch as ``optax.microbatching`` does)
+  inside the same jitted step, and
 
   .. math::
 
@@ -126,16 +131,54 @@ def microbatched_value_and_grad(
     )
     return (loss_sum, num_tokens), grads
 
-  summed = optax.microbatching.microbatch(
-    value_and_grad_in_float32,
-    argnums=1,
-    microbatch_size=microbatch_size,
-    accumulator=optax.microbatching.AccumulationType.SUM,
-  )
-
   def microbatched_fn(params, batch):
-    _batch_size(batch, microbatch_size)
-    (loss_sum, num_tokens), grads_sum = summed(params, batch)
+    num_microbatches = _batch_size(batch, microbatch_size) // microbatch_size
+    split = jax.tree.map(lambda x: _split(x, microbatch_size), batch)
+
+    def one(index):
+      microbatch = jax.tree.map(lambda x: x[index], split)
+      return value_and_grad_in_float32(params, microbatch)
+
+    def add(index, total):
+      return jax.tree.map(jnp.add, total, one(index))
+
+    zeros = jax.tree.map(_zeros, jax.eval_shape(one, 0))
+    (loss_sum, num_tokens), grads_sum = lax.fori_loop(
+      0, num_microbatches, add, zeros
+    )
     return (loss_sum, num_tokens), optax.tree.cast_like(grads_sum, params)
 
   return microbatched_fn
+
+
+def _split(x: jax.Array, microbatch_size: int) -> jax.Array:
+  """``x``'s leading axis as ``(num_microbatches, microbatch_size)``,
+  column-major as in ``optax.microbatching``: micro-batch ``m`` takes rows
+  ``m, m + M, ...``, so a batch split over devices keeps each micro-batch
+  split over them. On an explicit mesh the layout is given, as JAX asks
+  (optax 0.2.8 compares JAX versions as strings and does not)."""
+  rows = (microbatch_size, -1) + tuple(jnp.shape(x)[1:])
+  found = _explicit.spec(x)
+  if found is None or all(p is None for p in _explicit.partitions(found)):
+    return jnp.swapaxes(x.reshape(rows), 0, 1)
+  parts = _explicit.partitions(found)
+  mesh = jax.typeof(x).sharding.mesh
+  splits = 1
+  for axis in (parts[0],) if isinstance(parts[0], str) else parts[0] or ():
+    splits *= mesh.shape[axis]
+  if microbatch_size % splits:
+    raise ValueError(
+      f'microbatch_size={microbatch_size} must be a multiple of the {splits} '
+      'devices the batch is split over, so that every micro-batch stays '
+      'split over them.'
+    )
+  grouped = jnp.reshape(x, rows, out_sharding=P(parts[0], None, *parts[1:]))
+  return jnp.swapaxes(grouped, 0, 1)
+
+
+def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+  """Zeros of ``shape``, typed like it (unreduced gradients included)."""
+  sharding = getattr(shape, 'sharding', None)
+  if _explicit.spec(shape) is None:
+    return jnp.zeros(shape.shape, shape.dtype)
+  return jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _collectives
+from optax_tokacc import _explicit
 from optax_tokacc import _state
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
@@ -157,6 +158,8 @@ def token_weighted_multistep(
     compensated=bool(compensated),
     should_skip_update_fn=should_skip_update_fn,
     token_dtype=_validation.token_dtype(token_dtype),
+    skip_on_partial_sums=should_skip_update_fn
+    in (skip_not_finite, optax.skip_not_finite),
   )
 
   def init_fn(params: optax.Params) -> TokenWeightedMultiStepState:
@@ -176,32 +179,36 @@ def token_weighted_multistep(
 def _init(
   config: _validation.Config, params: optax.Params
 ) -> TokenWeightedMultiStepState:
-  acc_grads = jax.tree.map(
-    lambda p: jnp.zeros_like(p, dtype=config.acc_dtype(p)), params
-  )
+  _explicit.check_supported(params, 'Parameters')
+  axes = _explicit.data_axes(params)
+
+  def zeros_like_gradients():
+    return jax.tree.map(
+      lambda p: _explicit.gradient_zeros(p, config.acc_dtype(p)), params
+    )
+
+  acc_grads = zeros_like_gradients()
   skip_state = ()
   if config.should_skip_update_fn is not None:
-    _, skip_state = _validation.call_skip_fn(
-      config.should_skip_update_fn,
-      optax.tree.zeros_like(params),
-      jnp.zeros([], jnp.int32),
-      params,
+    zero_grads = jax.tree.map(
+      lambda p: _explicit.gradient_zeros(p, jnp.result_type(p)), params
+    )
+    _, skip_state = _window.keep(
+      config, zero_grads, jnp.zeros([], jnp.int32), params, ()
     )
   no_loss = jnp.full([], jnp.nan, config.loss_dtype)
   state = TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
     acc_grads=acc_grads,
-    acc_tokens=jnp.zeros([], config.token_dtype),
-    acc_loss=jnp.zeros([], config.loss_dtype),
+    acc_tokens=_explicit.scalar_zeros(config.token_dtype, axes, params),
+    acc_loss=_explicit.scalar_zeros(config.loss_dtype, axes, params),
     inner_state=config.inner.init(params),
     last_loss=no_loss,
     last_tokens=jnp.zeros([], config.token_dtype),
     skip_state=skip_state,
     emitted=jnp.zeros([], jnp.bool_),
-    acc_compensation=(
-      optax.tree.zeros_like(acc_grads) if config.compensated else ()
-    ),
+    acc_compensation=zeros_like_gradients() if config.compensated else (),
     dropped_windows=jnp.zeros([], jnp.int32),
   )
   return state if config.axis_name is None else _state.with_device_slot(state)
@@ -230,16 +237,18 @@ def _update(
     config.loss_dtype,
   )
   _validation.grads(grads, params, state.acc_grads)
-  count = _tokens.as_count(
-    _validation.num_tokens(num_tokens, config.token_dtype), config.token_dtype
-  )
+  _explicit.check_supported(grads, 'Gradients')
+  _explicit.check_layout(grads, state, params)
+  count = _count(config, state, num_tokens)
   loss = _validation.loss(loss)
   emit_now = _validation.emit_now(emit_now)
   dp = _data_parallel(config)
   if dp[1]:
     _collectives.check_complete(count, grads, params, dp[0])
 
-  keep, skip_state = _window.keep(config, grads, state, params)
+  keep, skip_state = _window.keep(
+    config, grads, state.gradient_step, params, state.skip_state
+  )
   window = _window.add_micro_batch(config, state, grads, count, loss, keep)
   mini_step = optax.safe_increment(state.mini_step)
   if keep is not None and not dp[0]:
@@ -254,6 +263,17 @@ def _update(
   if config.axis_name is not None:
     new_state = _state.with_device_slot(new_state)
   return updates, new_state
+
+
+def _count(config, state, num_tokens) -> jax.Array:
+  """The micro-batch's validated count (``_tokens.as_count``). A count of
+  partial sums (explicit sharding) is validated on each device when added,
+  unless a mean loss needs the whole count now (a scalar all-reduce)."""
+  count = _validation.num_tokens(num_tokens, config.token_dtype)
+  if _explicit.unreduced(state.acc_tokens) and not config.mean_loss:
+    return count
+  count = _explicit.reduce_now(jnp.asarray(count))
+  return _tokens.as_count(count, config.token_dtype)
 
 
 def _data_parallel(config: _validation.Config) -> tuple[tuple[str, ...], bool]:

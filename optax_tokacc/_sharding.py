@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 import optax
 
 from optax_tokacc import _collectives
+from optax_tokacc import _explicit
 from optax_tokacc import _state
 
 
@@ -40,7 +41,7 @@ def _is_spec(x: Any) -> bool:
 def _spec_axes(spec: P) -> set:
   """The mesh axes a spec shards over."""
   used = set()
-  for entry in spec:
+  for entry in _explicit.partitions(spec):
     if entry is None:
       continue
     used.update((entry,) if isinstance(entry, str) else entry)
@@ -76,6 +77,43 @@ def _per_device_specs(state_specs: Any, axes: tuple[str, ...]) -> Any:
   )
 
 
+def _param_specs(params: optax.Params, param_specs: Optional[Any]) -> Any:
+  """``param_specs``, or the specs in the parameters' types (explicit
+  sharding; replicated where a type carries none)."""
+  if param_specs is not None:
+    return param_specs
+
+  def of(p):
+    found = _explicit.spec(p)
+    if found is None or not (
+      _spec_axes(found) or found.reduced or found.unreduced
+    ):
+      return _REPLICATED
+    return found
+
+  return jax.tree.map(of, params)
+
+
+def _partial_sum_specs(state_specs: Any, data_axes: frozenset) -> Any:
+  """Explicit sharding: the accumulator typed like the gradients (reduced
+  axes turned unreduced), the window's count and loss unreduced over every
+  axis some parameter is reduced over."""
+
+  def like_gradient(spec):
+    return P(*_explicit.partitions(spec), unreduced=spec.reduced)
+
+  def gradient_specs(tree):
+    return jax.tree.map(like_gradient, tree, is_leaf=_is_spec)
+
+  scalar = P(unreduced=data_axes)
+  return state_specs._replace(
+    acc_grads=gradient_specs(state_specs.acc_grads),
+    acc_compensation=gradient_specs(state_specs.acc_compensation),
+    acc_tokens=scalar,
+    acc_loss=scalar,
+  )
+
+
 def state_partition_specs(
   tx: optax.GradientTransformation,
   params: optax.Params,
@@ -97,8 +135,8 @@ def state_partition_specs(
   Args:
     tx: :func:`token_weighted_multistep`, or a transformation containing it.
     params: the parameters, or their shapes (``jax.ShapeDtypeStruct``).
-    param_specs: a tree of ``PartitionSpec`` like ``params``; None means
-      replicated parameters.
+    param_specs: a tree of ``PartitionSpec`` like ``params``; None means the
+      specs in the parameters' types (explicit sharding), else replicated.
     axis_name: the transform's ``axis_name``; None under ``jax.jit`` with
       global arrays (the accumulator then simply follows the parameters).
     manual_axes: for a partial-manual ``jax.shard_map(...,
@@ -121,8 +159,7 @@ def state_partition_specs(
     >>> tuple(specs.inner_state[0].mu['w']), tuple(specs.mini_step)
     ((), ())
   """
-  if param_specs is None:
-    param_specs = jax.tree.map(lambda _: P(), params)
+  param_specs = _param_specs(params, param_specs)
   abstract = jax.eval_shape(tx.init, params)
   specs = optax.tree_map_params(
     tx,
@@ -140,7 +177,17 @@ def state_partition_specs(
         return _per_device_specs(node, axes)
       return node
 
-    specs = jax.tree.map(fix, specs, is_leaf=_is_spec_or_state)
+  else:
+    data_axes = frozenset().union(
+      *(s.reduced for s in jax.tree.leaves(param_specs, is_leaf=_is_spec))
+    )
+
+    def fix(node):
+      if isinstance(node, _state.TokenWeightedMultiStepState):
+        return _partial_sum_specs(node, data_axes)
+      return node
+
+  specs = jax.tree.map(fix, specs, is_leaf=_is_spec_or_state)
   if manual_axes is None:
     return specs
   return _only_manual(specs, axis_name, manual_axes)
@@ -182,8 +229,8 @@ def state_shardings(
     tx: :func:`token_weighted_multistep`, or a transformation containing it.
     params: the parameters, or their shapes.
     mesh: the device mesh.
-    param_specs: a tree of ``PartitionSpec`` like ``params``; None means
-      replicated parameters.
+    param_specs: a tree of ``PartitionSpec`` like ``params``; None means the
+      specs in the parameters' types (explicit sharding), else replicated.
     axis_name: the transform's ``axis_name``.
 
   Returns:
@@ -214,16 +261,15 @@ def init_sharded(
     tx: :func:`token_weighted_multistep`, or a transformation containing it.
     params: the parameters, global arrays laid out by ``param_specs``.
     mesh: the device mesh.
-    param_specs: a tree of ``PartitionSpec`` like ``params``; None means
-      replicated parameters.
+    param_specs: a tree of ``PartitionSpec`` like ``params``; None means the
+      specs in the parameters' types (explicit sharding), else replicated.
     axis_name: the transform's ``axis_name``.
 
   Returns:
     The optimizer state, global arrays sharded as
     :func:`state_partition_specs` says.
   """
-  if param_specs is None:
-    param_specs = jax.tree.map(lambda _: P(), params)
+  param_specs = _param_specs(params, param_specs)
   layout = dict(param_specs=param_specs, axis_name=axis_name)
   if axis_name is None:
     shardings = state_shardings(tx, params, mesh, **layout)

@@ -44,6 +44,9 @@ class Config:
   compensated: bool
   should_skip_update_fn: Optional[Callable]
   token_dtype: jnp.dtype
+  # Whether should_skip_update_fn decides as well on partial sums of the
+  # gradients (explicit sharding) as on their sum: skip_not_finite.
+  skip_on_partial_sums: bool = False
 
   def acc_dtype(self, leaf: Any) -> jnp.dtype:
     """The accumulator dtype of a leaf: configured, or at least float32."""

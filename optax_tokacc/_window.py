@@ -15,7 +15,8 @@
 """The window: adding a micro-batch, and closing it in one ``lax.cond``."""
 
 import functools
-from typing import Any, Optional
+from typing import Any
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,23 +24,70 @@ import optax
 
 from optax_tokacc import _collectives
 from optax_tokacc import _compensated
+from optax_tokacc import _explicit
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
 
 
-def keep(config, grads, state, params) -> tuple[Optional[jax.Array], Any]:
-  """Whether to keep the micro-batch (None: always), and the skip state."""
+def keep(config, grads, gradient_step, params, skip_state):
+  """Whether to keep the micro-batch (None: always), and the skip state.
+
+  Gradients kept as partial sums (explicit sharding) are judged on every
+  device's share and rejected everywhere if any device rejects them: a
+  scalar all-reduce per micro-step. That is exact for ``skip_not_finite``
+  (a sum is not finite when a partial sum is not); any other function sees
+  the reduced gradients, at the cost of their all-reduce per micro-step.
+  """
   if config.should_skip_update_fn is None:
-    return None, state.skip_state
-  skip, skip_state = _validation.call_skip_fn(
-    config.should_skip_update_fn, grads, state.gradient_step, params
+    return None, skip_state
+  if not any(_explicit.unreduced(g) for g in jax.tree.leaves(grads)):
+    skip, skip_state = _validation.call_skip_fn(
+      config.should_skip_update_fn, grads, gradient_step, params
+    )
+    return jnp.logical_not(skip), skip_state
+  params = _explicit.without_reduced(params)
+  if not config.skip_on_partial_sums:
+    _warn_reduced_skip()
+    reduced = jax.tree.map(_explicit.reduce_now, grads)
+    return keep(config, reduced, gradient_step, params, skip_state)
+  axes = tuple(
+    sorted(set().union(*map(_explicit.unreduced, jax.tree.leaves(grads))))
+  )
+
+  def decide(grads, gradient_step, params):
+    skip, skip_state = _validation.call_skip_fn(
+      config.should_skip_update_fn, grads, gradient_step, params
+    )
+    return _explicit.psum_tree((skip, skip_state), axes)
+
+  out_shape = jax.eval_shape(
+    lambda *args: _validation.call_skip_fn(config.should_skip_update_fn, *args),
+    *_explicit.unsharded_shapes((grads, gradient_step, params)),
+  )
+  skip, skip_state = _explicit.local(
+    decide, (grads, gradient_step, params), _explicit.replicated(out_shape)
   )
   return jnp.logical_not(skip), skip_state
 
 
+def _warn_reduced_skip():
+  warnings.warn(
+    'token_weighted_multistep: should_skip_update_fn sees the reduced '
+    'gradients, which are unreduced partial sums here (explicit sharding): '
+    'this costs an all-reduce of the gradients on every micro-step. '
+    'tokacc.skip_not_finite decides on the partial sums instead (a scalar '
+    'all-reduce).',
+    stacklevel=6,
+  )
+
+
 def add_micro_batch(config, state, grads, count, loss, keep) -> tuple:
   """The window with this micro-batch added: grads, compensation, tokens,
-  loss. Contributions are selected, never multiplied by zero."""
+  loss. Contributions are selected, never multiplied by zero.
+
+  ``count`` is the validated count (``_tokens.as_count``); where the window
+  is kept as partial sums it is replicated and only counted on one device.
+  """
   adds = keep
   if config.mean_loss:
     adds = count > 0 if adds is None else jnp.logical_and(adds, count > 0)
@@ -48,35 +96,76 @@ def add_micro_batch(config, state, grads, count, loss, keep) -> tuple:
     dtype = jnp.promote_types(acc.dtype, jnp.float32)
     grad = grad.astype(dtype if config.compensated else acc.dtype)
     if config.mean_loss:
-      grad = grad * count.astype(grad.dtype)
-    return grad if adds is None else jnp.where(adds, grad, 0).astype(grad.dtype)
+      grad = _explicit.scale(grad, count.astype(grad.dtype))
+    if adds is None:
+      return grad
+    return jnp.where(adds, grad, jnp.zeros_like(grad))
 
-  acc_grads, acc_compensation = _compensated.accumulate(
+  acc_grads, acc_compensation = _accumulate(
+    config, state, jax.tree.map(addend, state.acc_grads, grads)
+  )
+  acc_tokens, acc_loss = _add_scalars(config, state, count, loss, keep, adds)
+  return acc_grads, acc_compensation, acc_tokens, acc_loss
+
+
+def _accumulate(config, state, addends):
+  """``_compensated.accumulate``, on each device's partial sums where the
+  compensated (nonlinear) sum meets unreduced values."""
+  args = (
     state.acc_grads,
     state.acc_compensation,
-    jax.tree.map(addend, state.acc_grads, grads),
+    addends,
     state.mini_step == 0,
-    config.compensated,
   )
-  acc_tokens = _tokens.add(
-    state.acc_tokens, count if keep is None else jnp.where(keep, count, 0)
-  )
+
+  def accumulate(acc_grads, acc_compensation, addends, restart):
+    return _compensated.accumulate(
+      acc_grads, acc_compensation, addends, restart, config.compensated
+    )
+
+  if not config.compensated or not _explicit.any_unreduced(state.acc_grads):
+    return accumulate(*args)
+  out_specs = (_explicit.specs(state.acc_grads),) * 2
+  return _explicit.local(accumulate, args, out_specs)
+
+
+def _add_scalars(config, state, count, loss, keep, adds):
+  """The window's token count and loss with this micro-batch's added.
+
+  Where the window is kept as partial sums, a replicated count or loss is
+  put on one device (free) and the count is validated on each device.
+  """
+  axes = _explicit.unreduced(state.acc_tokens)
   if loss is None:  # No loss: the window's loss is unknown, NaN.
-    loss_sum = jnp.full([], jnp.nan, config.loss_dtype)
-  else:
-    loss_sum = jnp.asarray(loss, config.loss_dtype)
-    if config.mean_loss:
-      loss_sum = loss_sum * count.astype(loss_sum.dtype)
-    if adds is not None:
-      loss_sum = jnp.where(adds, loss_sum, 0).astype(loss_sum.dtype)
-  acc_loss = state.acc_loss + loss_sum
-  return acc_grads, acc_compensation, acc_tokens, acc_loss
+    loss = jnp.full([], jnp.nan, config.loss_dtype)
+  loss = jnp.asarray(loss).astype(config.loss_dtype)
+  if config.mean_loss:
+    loss = _explicit.scale(loss, count.astype(loss.dtype))
+  count = jnp.asarray(count)
+  if axes:
+    count = _explicit.partial_sums(count, axes)
+  loss = _explicit.partial_sums(loss, axes)
+  if adds is not None:
+    loss = jnp.where(adds, loss, jnp.zeros_like(loss))
+  if keep is not None:
+    count = jnp.where(keep, count, jnp.zeros_like(count))
+
+  def add(acc_tokens, acc_loss, count, loss):
+    count = _tokens.as_count(count, config.token_dtype)
+    return _tokens.add(acc_tokens, count), acc_loss + loss
+
+  args = (state.acc_tokens, state.acc_loss, count, loss)
+  if not axes:
+    return add(*args)
+  return _explicit.local(add, args, (_explicit.spec(state.acc_tokens),) * 2)
 
 
 def _sum_over_devices(grads, params, window, compensated, dp):
   """The window's sums, token parts and loss, summed over the data axes."""
   acc_grads, acc_compensation, acc_tokens, acc_loss = window
   sums = _compensated.window_sums(acc_grads, acc_compensation, compensated)
+  if _explicit.unreduced(acc_tokens):
+    return _reduce_partial_sums(sums, acc_tokens, acc_loss)
   scalars = (_tokens.to_parts(acc_tokens), acc_loss)
   axes, tracked = dp
   if not axes:
@@ -89,6 +178,51 @@ def _sum_over_devices(grads, params, window, compensated, dp):
     params,
     axes,
   )
+
+
+def _reduce_partial_sums(sums, acc_tokens, acc_loss):
+  """Explicit sharding: the window's partial sums reduced on each device in
+  one ``psum`` per distinct set of axes (one all-reduce in data
+  parallelism), the count split into exact float32 parts first."""
+  leaves, treedef = jax.tree.flatten(sums)
+  partial = [i for i, leaf in enumerate(leaves) if _explicit.unreduced(leaf)]
+  leaf_axes = [tuple(sorted(_explicit.unreduced(leaves[i]))) for i in partial]
+  scalar_axes = tuple(sorted(_explicit.unreduced(acc_tokens)))
+
+  def reduce(partial_leaves, acc_tokens, acc_loss):
+    scalars = (_tokens.to_parts(acc_tokens), acc_loss)
+    return _collectives.reduce_window(
+      partial_leaves, leaf_axes, scalars, scalar_axes, None, scalar_axes
+    )
+
+  partial_leaves = [leaves[i] for i in partial]
+  out_specs = (
+    [_explicit.spec(leaf, unreduced=False) for leaf in partial_leaves],
+    (jax.sharding.PartitionSpec(),) * 2,
+  )
+  reduced, scalars = _explicit.local(
+    reduce, (partial_leaves, acc_tokens, acc_loss), out_specs
+  )
+  for i, leaf in zip(partial, reduced):
+    leaves[i] = leaf
+  return treedef.unflatten(leaves), scalars
+
+
+def inner_update(config, grads, inner_state, params, extra_args):
+  """``inner.update``, its state's dtypes kept. Reduced types (explicit
+  sharding) are dropped around it and restored (free): optax's nonlinear
+  updates are not defined on them. The updates come typed like the
+  parameters, so that ``optax.apply_updates`` keeps their type."""
+  updates, new_inner = config.inner.update(
+    grads,
+    _explicit.without_reduced(inner_state),
+    _explicit.without_reduced(params),
+    **extra_args,
+  )
+  if params is not None:
+    updates = _explicit.like(updates, params)
+  new_inner = optax.tree.cast_like(new_inner, inner_state)
+  return updates, _explicit.like(new_inner, inner_state)
 
 
 def _close(config, grads, window, inner_state, params, extra_args, dp, hold):
@@ -112,15 +246,14 @@ def _close(config, grads, window, inner_state, params, extra_args, dp, hold):
       wide = jnp.promote_types(s.dtype, jnp.float32)
       return s.astype(wide) / divisor.astype(wide)
 
-    updates, new_inner = config.inner.update(
+    updates, new_inner = inner_update(
+      config,
       optax.tree.cast_like(jax.tree.map(mean, sums), grads),
       inner_state,
       params,
-      **extra_args,
+      extra_args,
     )
-    return hold(updates, acc_grads), optax.tree.cast_like(
-      new_inner, inner_state
-    )
+    return hold(updates, acc_grads), new_inner
 
   def no_step(acc_grads, sums, divisor, inner_state, params):
     del sums, divisor, params
@@ -155,8 +288,8 @@ def close_if(config, emit, grads, window, inner_state, params, extra_args, dp):
   """
   acc_grads, _, acc_tokens, acc_loss = window
   shapes = jax.eval_shape(
-    lambda g, s, p: config.inner.update(g, s, p, **extra_args)[0],
-    grads,
+    lambda g, s, p: inner_update(config, g, s, p, extra_args)[0],
+    jax.tree.map(_explicit.reduce_now, grads),
     inner_state,
     params,
   )
@@ -194,6 +327,7 @@ def _holds_exactly(acc_grads: optax.Updates, updates: Any) -> bool:
     a.shape == u.shape
     and jnp.promote_types(a.dtype, u.dtype) == a.dtype
     and not _collectives.varying_axes(a)
+    and _explicit.same_type(a, u)
     for a, u in zip(acc_leaves, update_leaves)
   )
 
@@ -206,7 +340,11 @@ def _zeros(shapes: Any) -> Any:
   def zeros(shape):
     sharding = getattr(shape, 'sharding', None)
     spec = getattr(sharding, 'spec', None)
-    if spec is not None and any(entry is not None for entry in spec):
+    if spec is not None and (
+      any(e is not None for e in _explicit.partitions(spec))
+      or spec.reduced
+      or spec.unreduced
+    ):
       return jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding)
     return jnp.zeros(shape.shape, shape.dtype)
 

@@ -1,0 +1,377 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Explicit sharding under plain ``jax.jit``: reduced parameters, unreduced
+gradients, one reduction per window.
+
+On an explicit mesh an array's type says how it is laid out
+(``jax.typeof(x).sharding.spec``). Parameters typed *reduced* over the data
+axes (``jax.P(reduced={'data'})``) get *unreduced* gradients: per-device
+partial sums that no collective has summed yet. The accumulator is typed like
+those gradients and stays unreduced across micro-steps; the window is reduced
+once, when it closes. JAX defines only linear operations on unreduced values,
+so what is not linear (validating a count, Kahan summation, a skip decision,
+splitting a count into exact parts) runs on each device's partial sum inside a
+fully manual ``shard_map`` with ``check_vma=False``, which moves no data.
+"""
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MIN_JAX = (0, 10, 0)
+# ``jax.device_put`` of unreduced arrays (restoring a checkpoint) and the
+# reduced/unreduced rules this module relies on are complete from jax 0.10.
+SUPPORTED = tuple(int(v) for v in jax.__version__.split('.')[:3]) >= MIN_JAX
+
+
+def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
+  """The ``PartitionSpec`` in ``x``'s type, padded to its rank (None where
+  the type carries no named sharding); ``unreduced=False`` drops the
+  unreduced axes (the type of ``x`` once reduced)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    sharding = x.sharding
+  else:
+    sharding = getattr(jax.typeof(x), 'sharding', None)
+  found = getattr(sharding, 'spec', None)
+  if not isinstance(found, P):
+    return None
+  parts = partitions(found)
+  parts += (None,) * (len(jnp.shape(x)) - len(parts))
+  kept = found.unreduced if unreduced else frozenset()
+  return P(*parts, reduced=found.reduced, unreduced=kept)
+
+
+def partitions(found: P) -> tuple:
+  """The per-dimension entries of a spec (iterating a spec that has
+  reduced or unreduced axes is an error in JAX)."""
+  return tuple(getattr(found, 'partitions', found._partitions))
+
+
+def unreduced(x: Any) -> frozenset:
+  """The mesh axes over which ``x`` holds per-device partial sums."""
+  found = spec(x)
+  return frozenset(getattr(found, 'unreduced', ()) or ())
+
+
+def reduced(x: Any) -> frozenset:
+  """The mesh axes over which ``x`` is typed reduced."""
+  found = spec(x)
+  return frozenset(getattr(found, 'reduced', ()) or ())
+
+
+def sharded(x: Any) -> frozenset:
+  """The mesh axes ``x`` is split over."""
+  axes = set()
+  found = spec(x)
+  for entry in partitions(found) if found is not None else ():
+    if entry is not None:
+      axes.update((entry,) if isinstance(entry, str) else entry)
+  return frozenset(axes)
+
+
+def _retyped(x: Any, new_spec: P) -> NamedSharding:
+  return jax.typeof(x).sharding.update(spec=new_spec)
+
+
+def check_supported(tree: Any, what: str) -> None:
+  """Refuses reduced or unreduced types on a JAX that cannot run them."""
+  if SUPPORTED:
+    return
+  for leaf in jax.tree.leaves(tree):
+    if reduced(leaf) or unreduced(leaf):
+      raise NotImplementedError(
+        f'{what} typed reduced or unreduced ({jax.typeof(leaf)}) need '
+        f'jax >= {".".join(map(str, MIN_JAX))}; found jax {jax.__version__}. '
+        'Upgrade JAX, or type the parameters replicated or sharded.'
+      )
+
+
+def data_axes(params: Any) -> frozenset:
+  """The axes whose gradient reduction is deferred: those over which some
+  parameter is typed reduced."""
+  axes = frozenset()
+  for leaf in jax.tree.leaves(params):
+    axes |= reduced(leaf)
+  return axes
+
+
+def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
+  """Zeros typed like the gradient of ``param``: its spec with reduced axes
+  turned unreduced (``jnp.zeros_like`` would keep them reduced)."""
+  if not reduced(param):
+    return jnp.zeros_like(param, dtype=dtype)
+  sharding = _retyped(param, spec(param).to_ct_spec())
+  return jnp.zeros(jnp.shape(param), dtype, out_sharding=sharding)
+
+
+def scalar_zeros(dtype: Any, axes: frozenset, params: Any) -> jax.Array:
+  """A zero scalar, unreduced over ``axes`` (replicated when empty)."""
+  if not axes:
+    return jnp.zeros([], dtype)
+  like = next(p for p in jax.tree.leaves(params) if reduced(p))
+  sharding = _retyped(like, P(unreduced=axes))
+  return jnp.zeros([], dtype, out_sharding=sharding)
+
+
+def to_type(x: Any, new_spec: P) -> jax.Array:
+  """``x`` resharded to ``new_spec`` (no work when it already has it; free
+  from replicated to reduced or unreduced, and from reduced to replicated)."""
+  x = jnp.asarray(x)
+  if spec(x) == new_spec:
+    return x
+  return jax.reshard(x, new_spec)
+
+
+def partial_sums(x: Any, axes: frozenset) -> jax.Array:
+  """A scalar as partial sums over ``axes``: replicated values are put on
+  one device (free), values unreduced over other axes are summed there."""
+  return to_type(x, P(unreduced=axes)) if axes else to_type(x, P())
+
+
+def without_reduced(tree: Any) -> Any:
+  """``tree`` with reduced axes dropped from every type (free): what
+  optax's nonlinear updates can take."""
+
+  def plain(x):
+    if not reduced(x):
+      return x
+    found = spec(x)
+    return to_type(x, P(*partitions(found), unreduced=found.unreduced))
+
+  return jax.tree.map(plain, tree)
+
+
+def like(tree: Any, reference: Any) -> Any:
+  """``tree`` typed like ``reference``, leaf by leaf, where ``reference``
+  is typed reduced (free: the values are already replicated)."""
+
+  def retype(x, ref):
+    if not reduced(ref) or reduced(x) == reduced(ref):
+      return x
+    return to_type(x, spec(ref))
+
+  return jax.tree.map(retype, tree, reference)
+
+
+def scale(grad: jax.Array, factor: jax.Array) -> jax.Array:
+  """``grad * factor`` for a replicated scalar ``factor``; an unreduced
+  gradient takes it typed reduced (the product is then linear in it)."""
+  axes = unreduced(grad)
+  if axes:
+    factor = to_type(factor, P(reduced=axes))
+  return grad * factor
+
+
+def local(fn: Callable, args: tuple, out_specs: Any) -> Any:
+  """``fn(*args)`` on each device's share, partial sums included.
+
+  A fully manual ``shard_map`` with ``check_vma=False``: ``fn`` sees every
+  unreduced argument as this device's partial sum and must return values
+  whose partial sums (or replicated values) ``out_specs`` describes. Entering
+  and leaving move no data.
+  """
+  leaves = [x for x in jax.tree.leaves(args) if spec(x) is not None]
+  mesh = jax.typeof(leaves[0]).sharding.mesh
+  return jax.shard_map(
+    fn, mesh=mesh, in_specs=specs(args), out_specs=out_specs, check_vma=False
+  )(*args)
+
+
+def any_unreduced(tree: Any) -> bool:
+  return any(unreduced(leaf) for leaf in jax.tree.leaves(tree))
+
+
+def specs(tree: Any) -> Any:
+  """The specs of a tree's types (replicated where none)."""
+  return jax.tree.map(lambda x: P() if spec(x) is None else spec(x), tree)
+
+
+def replicated(tree: Any) -> Any:
+  """Replicated specs for every leaf of ``tree``."""
+  return jax.tree.map(lambda _: P(), tree)
+
+
+def unsharded_shapes(tree: Any) -> Any:
+  """Shapes and dtypes of ``tree``, without types of sharding."""
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree
+  )
+
+
+def reduce_now(x: Any) -> Any:
+  """``x`` summed over the axes it is unreduced over (an all-reduce)."""
+  if not unreduced(x):
+    return x
+  return jax.reshard(x, spec(x, unreduced=False))
+
+
+def same_type(a: Any, b: Any) -> bool:
+  """Whether ``a`` and ``b`` are reduced and unreduced over the same axes."""
+  return reduced(a) == reduced(b) and unreduced(a) == unreduced(b)
+
+
+def psum_tree(tree: Any, axes: tuple) -> Any:
+  """Sums a tree over ``axes`` in one ``psum`` (bools as any-device)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  wide = [x.astype(jnp.int32) if x.dtype == jnp.bool_ else x for x in leaves]
+  summed = lax.psum(wide, axes)
+  out = [s > 0 if x.dtype == jnp.bool_ else s for s, x in zip(summed, leaves)]
+  return treedef.unflatten(out)
+
+
+def check_layout(grads: Any, state: Any, params: Any) -> None:
+  """Refuses gradients whose partial sums the state cannot hold exactly.
+
+  The accumulator of each gradient must be unreduced over the same axes
+  (a state built, or restored, for the parameters as they are typed now),
+  and never over an axis along which the parameter is split (each device
+  would add a different shard into one sum).
+  """
+  axes = unreduced(state.acc_tokens)
+  if unreduced(state.acc_loss) != axes:
+    raise TypeError(
+      f'state.acc_tokens is unreduced over {sorted(axes)} but state.acc_loss'
+      f' over {sorted(unreduced(state.acc_loss))}: the state was restored '
+      'with another type. Restore into tx.init(params) as the target, with '
+      'tokacc.from_checkpoint.'
+    )
+  param_leaves = (
+    [None] * len(jax.tree.leaves(grads))
+    if params is None
+    else jax.tree.leaves(params)
+  )
+  leaves = zip(
+    jax.tree.leaves(grads), jax.tree.leaves(state.acc_grads), param_leaves
+  )
+  for grad, acc, param in leaves:
+    _check_leaf(grad, acc, param, axes)
+
+
+def _check_leaf(grad: Any, acc: Any, param: Any, axes: frozenset) -> None:
+  if param is not None and unreduced(grad) & sharded(param):
+    raise ValueError(
+      f'A gradient is unreduced over {sorted(unreduced(grad) & sharded(param))}'
+      f', along which its parameter ({jax.typeof(param)}) is split: its '
+      'partial sums would add different shards. Type the parameter reduced '
+      'only over the axes it is replicated on, e.g. '
+      "P('fsdp', reduced={'replica'})."
+    )
+  if unreduced(grad) == unreduced(acc) and unreduced(acc) <= axes:
+    return
+  typed = '' if param is None else f' (the parameter is {jax.typeof(param)})'
+  raise TypeError(
+    f'A gradient is {jax.typeof(grad)}{typed} but its accumulator is '
+    f'{jax.typeof(acc)}: the state was built or restored for parameters '
+    'typed otherwise. Build it from the parameters as they are placed, '
+    'tx.init(params) or tokacc.init_sharded(tx, params, mesh); '
+    'optax.apply_updates keeps their type from step to step.'
+  )
+
+
+def _mesh_order(x: Any, axes: frozenset) -> tuple:
+  names = jax.typeof(x).sharding.mesh.axis_names
+  return tuple(a for a in names if a in axes)
+
+
+def to_checkpoint(tree: Any) -> Any:
+  """Every leaf as an ordinary array, for ``jax.device_get`` and orbax.
+
+  Under explicit sharding the state holds arrays that cannot be read to the
+  host as they are: the accumulator is *unreduced* between two window
+  closes (``jax.device_get`` refuses it), and moments and parameters may be
+  typed *reduced* (orbax 0.12 cannot write their metadata). This gives each
+  unreduced leaf a new leading axis, split over the axes it is unreduced
+  over, that holds the devices' partial sums, and types each reduced leaf
+  replicated; other leaves are returned as they are. Nothing is summed or
+  rounded, and no data moves: :func:`from_checkpoint` restores the same
+  state bit for bit.
+
+  Args:
+    tree: a pytree of arrays, e.g. ``(params, opt_state)``.
+
+  Returns:
+    The tree with every unreduced leaf of shape ``s`` replaced by an array
+    of shape ``(n, *s)``, ``n`` the number of devices it is unreduced over,
+    and every reduced leaf typed replicated.
+
+  Example:
+    Save mid-window with orbax and restore into ``tx.init``::
+
+      ckptr.save(path, tokacc.to_checkpoint((params, opt_state)))
+      like = (params0, tx.init(params0))  # placed as in training
+      target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                            tokacc.to_checkpoint(like))
+      params, opt_state = tokacc.from_checkpoint(
+          ckptr.restore(path, target), like)
+  """
+
+  def split(x):
+    axes = unreduced(x)
+    if not axes:
+      return without_reduced(x)
+    found = spec(x)
+    lead = _mesh_order(x, axes)
+    out = P(lead[0] if len(lead) == 1 else lead, *partitions(found))
+    return local(lambda v: v[None], (x,), out)
+
+  return jax.tree.map(split, tree)
+
+
+def from_checkpoint(tree: Any, like: Any) -> Any:
+  """The inverse of :func:`to_checkpoint`: the types of ``like`` again.
+
+  Args:
+    tree: what :func:`to_checkpoint` gave, e.g. restored by orbax.
+    like: a tree with the target types, e.g. ``(params, tx.init(params))``
+      for parameters placed as in training, or its ``jax.eval_shape``.
+
+  Returns:
+    ``tree`` typed like ``like``: bit for bit the tree that was saved.
+
+  Raises:
+    ValueError: if a leaf does not hold the partial sums of its target.
+  """
+
+  def merge(x, ref):
+    if reduced(ref):
+      return to_type(x, spec(ref))
+    if not unreduced(ref):
+      return x
+    if jnp.shape(x) != (_num_devices(ref),) + tuple(jnp.shape(ref)):
+      raise ValueError(
+        f'from_checkpoint: a leaf of shape {jnp.shape(x)} does not hold the '
+        f'partial sums of {jax.typeof(ref)}; pass what to_checkpoint gave (or '
+        'its checkpoint) and, as like, the tree it was made from.'
+      )
+    return local(lambda v: v[0], (x,), spec(ref))
+
+  return jax.tree.map(merge, tree, like)
+
+
+def _num_devices(x: Any) -> int:
+  mesh = (
+    x.sharding.mesh
+    if isinstance(x, jax.ShapeDtypeStruct)
+    else (jax.typeof(x).sharding.mesh)
+  )
+  size = 1
+  for axis in unreduced(x):
+    size *= mesh.shape[axis]
+  return size

@@ -1,0 +1,716 @@
+"""Explicit sharding under plain ``jax.jit``: reduced parameters, unreduced
+gradients, one reduction per window (``axis_name=None``, no ``shard_map``).
+
+Every run is compared with single-device full-batch training on the
+concatenation of all devices' micro-batches (``multihost_worker``), with
+unequal token counts per device and micro-step and devices without tokens.
+The compiled step is inspected for the collectives each path runs.
+"""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import multihost_worker as harness
+import numpy as np
+import optax
+import pytest
+
+import optax_tokacc as tokacc
+from optax_tokacc import _explicit
+
+pytestmark = pytest.mark.skipif(
+  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+)
+
+K = 3
+WINDOW_SIZES = (3, 3, 2)  # the last window is closed early by emit_now
+TOLERANCE = 1e-5
+DDP = P(None, None, reduced={'data'})
+U_DATA = P(unreduced={'data'})
+
+
+def _load_collectives():
+  path = pathlib.Path(__file__).parents[1] / 'benchmarks' / 'collectives.py'
+  spec = importlib.util.spec_from_file_location('collectives', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def ddp_mesh():
+  return jax.make_mesh((4,), ('data',), devices=jax.devices()[:4])
+
+
+def hsdp_mesh():
+  return jax.make_mesh((2, 2), ('replica', 'fsdp'), devices=jax.devices()[:4])
+
+
+def full_spec(spec, ndim):
+  """``spec`` padded to ``ndim`` entries (what ``jit`` returns)."""
+  parts = tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
+  return P(*parts, reduced=spec.reduced, unreduced=spec.unreduced)
+
+
+LAYOUTS = {
+  # name: (mesh, parameter specs, batch axes)
+  'ddp': (ddp_mesh, {'w': P(reduced={'data'}), 'v': P(reduced={'data'})}),
+  'fsdp': (
+    lambda: jax.make_mesh((4,), ('fsdp',), devices=jax.devices()[:4]),
+    {'w': P('fsdp'), 'v': P('fsdp')},
+  ),
+  'hsdp': (
+    hsdp_mesh,
+    {
+      'w': P('fsdp', reduced={'replica'}),
+      'v': P('fsdp', reduced={'replica'}),
+    },
+  ),
+  'replicated': (ddp_mesh, {'w': P(), 'v': P()}),
+}
+
+
+def batch_axes(mesh):
+  return tuple(mesh.axis_names)
+
+
+def place_params(params, mesh, specs):
+  return {
+    name: jax.device_put(
+      value, NamedSharding(mesh, full_spec(specs[name], np.ndim(value)))
+    )
+    for name, value in params.items()
+  }
+
+
+def forward_params(params):
+  """The parameters as the loss uses them: HSDP shards are gathered into a
+  copy reduced over every axis (JAX needs the contracting axes reduced)."""
+
+  def gather(p):
+    spec = jax.typeof(p).sharding.spec
+    if spec.reduced and any(entry is not None for entry in spec.partitions):
+      axes = set(spec.reduced)
+      for entry in spec.partitions:
+        if entry is not None:
+          axes.update((entry,) if isinstance(entry, str) else entry)
+      return jax.reshard(p, P(reduced=axes))
+    return p
+
+  return jax.tree.map(gather, params)
+
+
+def counts_and_loss(batch, spelling, loss):
+  """``(num_tokens, loss)`` replicated (a plain sum: a scalar all-reduce in
+  the forward pass) or unreduced (partial sums: no collective)."""
+  if spelling == 'replicated':
+    return harness.token_count(batch), loss
+  axes = set(batch_axes(jax.sharding.get_abstract_mesh()))
+  count = jnp.einsum('bt->', batch['mask'], out_sharding=P(unreduced=axes))
+  return count, loss
+
+
+def loss_fn(spelling):
+  if spelling == 'replicated':
+    return harness.loss_sum
+
+  def unreduced_loss_sum(params, batch):
+    axes = set(batch_axes(jax.sharding.get_abstract_mesh()))
+    hidden = jnp.tanh(batch['x'] @ params['w'])
+    error = (hidden @ params['v'] - batch['y']) ** 2
+    return jnp.einsum(
+      'bt,bt->', error, batch['mask'], out_sharding=P(unreduced=axes)
+    )
+
+  return unreduced_loss_sum
+
+
+def make_step(tx, spelling='replicated'):
+  loss_sum = loss_fn(spelling)
+
+  @jax.jit
+  def step(params, state, batch, emit_now):
+    loss, grads = jax.value_and_grad(
+      lambda p: loss_sum(forward_params(p), batch)
+    )(params)
+    num_tokens, loss = counts_and_loss(batch, spelling, loss)
+    updates, state = tx.update(
+      grads, state, params, num_tokens=num_tokens, loss=loss, emit_now=emit_now
+    )
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def type_strings(tree):
+  return jax.tree.map(lambda x: str(jax.typeof(x)), tree)
+
+
+def train(layout, tx, windows, spelling='replicated', on_step=None):
+  """Trains on ``layout``; the last window is closed early by emit_now."""
+  make_mesh, specs = LAYOUTS[layout]
+  mesh = make_mesh()
+  with jax.set_mesh(mesh):
+    data = NamedSharding(mesh, P(batch_axes(mesh)))
+    params = place_params(harness.init_params(), mesh, specs)
+    state = tx.init(params)
+    step = make_step(tx, spelling)
+    for w, window in enumerate(windows):
+      for m, batch in enumerate(window):
+        emit_now = w == len(windows) - 1 and m == len(window) - 1
+        batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
+        params, state = step(params, state, batch, jnp.asarray(emit_now))
+        if on_step is not None:
+          on_step(params, state)
+    return params, state, step
+
+
+def sgd():
+  return optax.sgd(harness.LEARNING_RATE, momentum=0.9)
+
+
+def clipped_adamw():
+  return optax.chain(optax.clip_by_global_norm(1.0), harness.adamw())
+
+
+def reference(optimizer, num_devices=4):
+  windows = harness.make_windows(WINDOW_SIZES, num_devices)
+  expected, losses = harness.train_full_batch(
+    optimizer, harness.init_params(), windows
+  )
+  return windows, expected, losses
+
+
+def plain(tree):
+  """Host copies (arrays typed reduced read like replicated ones)."""
+  return jax.tree.map(
+    lambda x: np.asarray(
+      jax.reshard(x, P(*jax.typeof(x).sharding.spec.partitions))
+    ),
+    tree,
+  )
+
+
+@pytest.mark.parametrize('spelling', ['replicated', 'unreduced'])
+@pytest.mark.parametrize('layout', ['ddp', 'hsdp', 'fsdp', 'replicated'])
+def test_equals_full_batch(layout, spelling):
+  if layout in ('fsdp', 'replicated') and spelling == 'unreduced':
+    pytest.skip('one spelling suffices where gradients are not unreduced')
+  windows, expected, losses = reference(sgd())
+  tx = tokacc.token_weighted_multistep(sgd(), K)
+  params, state, _ = train(layout, tx, windows, spelling)
+  with jax.set_mesh(LAYOUTS[layout][0]()):
+    chex.assert_trees_all_close(plain(params), expected, atol=TOLERANCE)
+    np.testing.assert_allclose(
+      tokacc.window_loss(state), losses[-1], rtol=TOLERANCE
+    )
+    assert int(state.gradient_step) == len(WINDOW_SIZES)
+
+
+def test_clip_by_global_norm_sees_the_global_norm():
+  """Clipping inside ``inner`` acts (the norm is above 1) and is exact:
+  it sees the norm of the reduced window gradient, not of a partial sum."""
+  windows, expected, _ = reference(clipped_adamw())
+  tx = tokacc.token_weighted_multistep(clipped_adamw(), K)
+  for layout in ('ddp', 'hsdp'):
+    params, _, _ = train(layout, tx, windows)
+    with jax.set_mesh(LAYOUTS[layout][0]()):
+      chex.assert_trees_all_close(plain(params), expected, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize('layout', ['ddp', 'hsdp', 'fsdp', 'replicated'])
+def test_types_are_a_fixed_point(layout):
+  """After every call the state and parameters have the types of ``tx.init``
+  and of the placed parameters; the step compiles once."""
+  windows = harness.make_windows(WINDOW_SIZES, 4)
+  tx = tokacc.token_weighted_multistep(harness.adamw(), K)
+  make_mesh, specs = LAYOUTS[layout]
+  with jax.set_mesh(make_mesh()):
+    params0 = place_params(harness.init_params(), make_mesh(), specs)
+    expected_params = type_strings(params0)
+    expected_state = type_strings(tx.init(params0))
+    jitted_state = type_strings(jax.jit(tx.init)(params0))
+  assert jitted_state == expected_state
+  seen = []
+
+  def check(params, state):
+    assert type_strings(params) == expected_params
+    assert type_strings(state) == expected_state
+    seen.append(1)
+
+  _, _, step = train(layout, tx, windows, on_step=check)
+  assert len(seen) == sum(WINDOW_SIZES)
+  assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize(
+  'layout, acc_type, tokens_type',
+  [
+    ('ddp', 'float32[8,8]{U:data}', 'int32[]{U:data}'),
+    ('hsdp', 'float32[8@fsdp,8]{U:replica}', 'int32[]{U:replica}'),
+    ('fsdp', 'float32[8@fsdp,8]', 'int32[]'),
+    ('replicated', 'float32[8,8]', 'int32[]'),
+  ],
+)
+def test_accumulator_typed_like_the_gradients(layout, acc_type, tokens_type):
+  """The accumulator is the parameter's type with reduced turned unreduced;
+  the optimizer moments are typed like the parameters."""
+  make_mesh, specs = LAYOUTS[layout]
+  mesh = make_mesh()
+  tx = tokacc.token_weighted_multistep(harness.adamw(), K)
+  with jax.set_mesh(mesh):
+    params = place_params(harness.init_params(), mesh, specs)
+    for state in (
+      tx.init(params),
+      jax.jit(tx.init)(params),
+      tokacc.init_sharded(tx, params, mesh),
+    ):
+      assert str(jax.typeof(state.acc_grads['w'])) == acc_type
+      assert str(jax.typeof(state.acc_tokens)) == tokens_type
+      assert str(jax.typeof(state.acc_loss)) == tokens_type.replace(
+        'int32', 'float32'
+      )
+      mu = state.inner_state[0].mu['w']
+      assert jax.typeof(mu) == jax.typeof(params['w'])
+    shardings = tokacc.state_shardings(tx, params, mesh)
+    acc_spec = jax.typeof(state.acc_grads['w']).sharding.spec
+    assert shardings.acc_grads['w'].spec.unreduced == acc_spec.unreduced
+    assert shardings.acc_tokens.spec == P(unreduced=acc_spec.unreduced)
+    specs_out = tokacc.state_partition_specs(tx, params)
+    assert set(specs_out.acc_grads['w'].unreduced) == set(
+      jax.typeof(state.acc_grads['w']).sharding.spec.unreduced
+    )
+    assert set(specs_out.inner_state[0].mu['w'].reduced) == set(
+      jax.typeof(params['w']).sharding.spec.reduced
+    )
+
+
+def test_accumulator_bytes_per_device():
+  """DDP keeps a whole accumulator per device, HSDP a shard of it."""
+  tx = tokacc.token_weighted_multistep(harness.adamw(), K)
+  full = harness.init_params()['w'].nbytes
+  for layout, expected in (('ddp', full), ('hsdp', full // 2)):
+    make_mesh, specs = LAYOUTS[layout]
+    with jax.set_mesh(make_mesh()):
+      params = place_params(harness.init_params(), make_mesh(), specs)
+      acc = tx.init(params).acc_grads['w']
+      assert {s.data.nbytes for s in acc.addressable_shards} == {expected}
+
+
+# Collectives in the compiled step.
+
+collectives = _load_collectives()
+
+
+def compiled_sites(layout, spelling, inner=None):
+  """Collective sites of one compiled micro-step: ``(every_step, window)``
+  where ``window`` holds those in the closing branch."""
+  make_mesh, specs = LAYOUTS[layout]
+  mesh = make_mesh()
+  tx = tokacc.token_weighted_multistep(inner or harness.adamw(), K)
+  with jax.set_mesh(mesh):
+    params = place_params(harness.init_params(), mesh, specs)
+    state = tx.init(params)
+    batch = harness.make_windows((1,), 4)[0][0]
+    data = NamedSharding(mesh, P(batch_axes(mesh)))
+    batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
+    text = (
+      make_step(tx, spelling)
+      .lower(params, state, batch, jnp.asarray(False))
+      .compile()
+      .as_text()
+    )
+  sites = collectives.collective_sites(collectives.parse_hlo(text))
+  every_step = [site for site, path in sites if not path]
+  window = [site for site, path in sites if path]
+  return every_step, window
+
+
+def groups_of(site):
+  text = site.groups
+  return collectives.device_groups(text, 4)
+
+
+def test_ddp_one_all_reduce_per_window():
+  """Unreduced counts and loss: no collective at all on a micro-step; the
+  closing branch runs one all-reduce carrying every gradient leaf, the
+  count's float32 parts and the loss."""
+  every_step, window = compiled_sites('ddp', 'unreduced')
+  assert every_step == []
+  (reduction,) = window
+  assert reduction.opcode.startswith('all-reduce')
+  gradient_shapes = [('f32', (8, 8)), ('f32', (8,))]
+  assert sorted(reduction.shapes) == sorted(
+    gradient_shapes + [('f32', (4,)), ('f32', ())]
+  )
+
+
+def test_ddp_replicated_count_costs_only_scalars_per_micro_step():
+  """A plain ``mask.sum()`` count and loss cost scalar all-reduces in the
+  forward pass (the user's code), never a gradient-sized one."""
+  every_step, window = compiled_sites('ddp', 'replicated')
+  assert every_step, 'the forward pass sums the count and loss'
+  for site in every_step:
+    assert all(dims == () for _, dims in site.shapes), site
+  assert len(window) == 1
+
+
+def test_hsdp_reduces_across_replicas_once_per_window():
+  """Per micro-step, the reductions stay within ``fsdp`` groups (the
+  forward pass's all-gathers of the shards are the user's code; with a
+  replicated count and loss, so are its scalar sums); the closing branch
+  holds exactly one collective: an all-reduce over ``replica`` of the
+  accumulator shard (P / 2 per leaf), the count parts and the loss."""
+  fsdp_groups = [[0, 1], [2, 3]]
+  replica_groups = [[0, 2], [1, 3]]
+  for spelling in ('replicated', 'unreduced'):
+    every_step, window = compiled_sites('hsdp', spelling)
+    reductions = [s for s in every_step if s.opcode.startswith('all-reduce')]
+    assert reductions
+    for site in reductions:
+      if spelling == 'replicated' and all(d == () for _, d in site.shapes):
+        continue
+      assert sorted(map(sorted, groups_of(site))) == fsdp_groups, site
+    (reduction,) = window
+    assert sorted(map(sorted, groups_of(reduction))) == replica_groups
+    assert sorted(reduction.shapes) == sorted(
+      [('f32', (4, 8)), ('f32', (4,)), ('f32', (4,)), ('f32', ())]
+    )
+
+
+# Compositions, on the DDP layout, against full-batch training.
+
+
+def micro_batches(windows):
+  """``(batch, emit_now)`` in training order (the last closes early)."""
+  for w, window in enumerate(windows):
+    for m, batch in enumerate(window):
+      yield batch, w == len(windows) - 1 and m == len(window) - 1
+
+
+def run(tx, sequence, layout='ddp', step=None, dtype=None):
+  """Trains on ``sequence``; returns final params (host) and state."""
+  make_mesh, specs = LAYOUTS[layout]
+  mesh = make_mesh()
+  with jax.set_mesh(mesh):
+    data = NamedSharding(mesh, P(batch_axes(mesh)))
+    params = harness.init_params()
+    if dtype is not None:
+      params = jax.tree.map(lambda x: x.astype(dtype), params)
+    params = place_params(params, mesh, specs)
+    state = tx.init(params)
+    step = step or make_step(tx)
+    for batch, emit_now in sequence:
+      batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
+      params, state = step(params, state, batch, jnp.asarray(emit_now))
+    return plain(params), state
+
+
+def with_nan(batch, device):
+  """``batch`` with a NaN in the rows of ``device`` (of 4)."""
+  x = np.array(batch['x'])
+  rows = len(x) // 4
+  x[device * rows, 0, 0] = np.nan
+  return dict(batch, x=x)
+
+
+@pytest.mark.parametrize('custom', [False, True])
+def test_skip_not_finite_rejects_the_micro_batch_on_every_device(custom):
+  """A micro-batch with a NaN on one device is rejected on all of them and
+  does not advance the window: training equals full-batch training on the
+  other micro-batches. ``skip_not_finite`` decides on each device's partial
+  sums (a scalar all-reduce); another function sees the reduced gradients
+  (an all-reduce of the gradients, with a warning)."""
+  windows, expected, _ = reference(sgd())
+  skip = tokacc.skip_not_finite
+  if custom:
+
+    def skip(grads, step, params):
+      return optax.skip_not_finite(grads, step, params)
+
+  tx = tokacc.token_weighted_multistep(sgd(), K, should_skip_update_fn=skip)
+  sequence = list(micro_batches(windows))
+  sequence.insert(1, (with_nan(sequence[0][0], device=2), False))
+  if custom:
+    with pytest.warns(UserWarning, match='all-reduce of the gradients'):
+      params, state = run(tx, sequence)
+  else:
+    params, state = run(tx, sequence)
+  chex.assert_trees_all_close(params, expected, atol=TOLERANCE)
+  assert int(state.gradient_step) == len(WINDOW_SIZES)
+
+
+def test_compensated_and_chained_after():
+  """Kahan-compensated partial sums, and a stage after the accumulator
+  (doubling the updates equals SGD with twice the learning rate)."""
+  double = optax.sgd(2 * harness.LEARNING_RATE, momentum=0.9)
+  windows, expected, _ = reference(double)
+  tx = optax.chain(
+    tokacc.token_weighted_multistep(sgd(), K, compensated=True),
+    optax.scale(2.0),
+  )
+  params, _ = run(tx, micro_batches(windows))
+  chex.assert_trees_all_close(params, expected, atol=TOLERANCE)
+
+
+def test_linear_stage_before_the_accumulator():
+  """A stage before the accumulator sees unreduced partial sums: a linear
+  one with a reduced constant is exact; a Python float is refused by JAX
+  (the README says to put such stages inside ``inner``)."""
+  double = optax.sgd(2 * harness.LEARNING_RATE, momentum=0.9)
+  windows, expected, _ = reference(double)
+  with jax.set_mesh(ddp_mesh()):
+    two = jax.reshard(jnp.float32(2.0), P(reduced={'data'}))
+  tx = optax.chain(optax.scale(two), tokacc.token_weighted_multistep(sgd(), K))
+  params, _ = run(tx, micro_batches(windows))
+  chex.assert_trees_all_close(params, expected, atol=TOLERANCE)
+  tx = optax.chain(optax.scale(2.0), tokacc.token_weighted_multistep(sgd(), K))
+  with pytest.raises(Exception, match='reduced'):
+    run(tx, micro_batches(windows))
+
+
+def test_mixed_precision_bf16_params():
+  """bfloat16 parameters and gradients typed reduced/unreduced, a float32
+  accumulator, AdamW with float32 moments: dtypes and types kept, close to
+  full-batch training in float32."""
+  inner = optax.adamw(harness.LEARNING_RATE, mu_dtype=jnp.float32)
+  windows, expected, _ = reference(inner)
+  tx = tokacc.token_weighted_multistep(inner, K)
+  params, state = run(tx, micro_batches(windows), dtype=jnp.bfloat16)
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+  assert state.acc_grads['w'].dtype == jnp.float32
+  assert str(jax.typeof(state.acc_grads['w'])).endswith('{U:data}')
+  assert state.inner_state[0].mu['w'].dtype == jnp.float32
+  chex.assert_trees_all_close(
+    jax.tree.map(lambda x: x.astype(np.float32), params), expected, atol=0.05
+  )
+
+
+def test_flax_train_state():
+  """``optax_tokacc.flax.TrainState`` over reduced parameters: its step
+  counts optimizer updates; parameters keep their type."""
+  from optax_tokacc import flax as tokacc_flax  # noqa: PLC0415
+
+  windows, expected, _ = reference(sgd())
+  tx = tokacc.token_weighted_multistep(sgd(), K)
+  mesh = ddp_mesh()
+
+  @jax.jit
+  def step(ts, batch, emit_now):
+    loss, grads = jax.value_and_grad(harness.loss_sum)(ts.params, batch)
+    return ts.apply_gradients(
+      grads=grads,
+      num_tokens=harness.token_count(batch),
+      loss=loss,
+      emit_now=emit_now,
+    )
+
+  with jax.set_mesh(mesh):
+    data = NamedSharding(mesh, P('data'))
+    params = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    ts = tokacc_flax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    for batch, emit_now in micro_batches(windows):
+      batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
+      ts = step(ts, batch, jnp.asarray(emit_now))
+      assert jax.typeof(ts.params['w']) == jax.typeof(params['w'])
+    chex.assert_trees_all_close(plain(ts.params), expected, atol=TOLERANCE)
+    assert int(ts.step) == len(WINDOW_SIZES)
+
+
+def test_microbatched_value_and_grad_and_token_cross_entropy():
+  """In-step micro-batches of a token cross-entropy, accumulated across
+  steps with unreduced gradients, equal full-batch training."""
+  classes = 3
+  rng = np.random.default_rng(3)
+  params = {'w': rng.normal(size=(harness.FEATURES, classes))}
+  params = jax.tree.map(lambda x: x.astype(np.float32), params)
+  windows = harness.make_windows(WINDOW_SIZES, 4)
+
+  def labels(batch):
+    y = (np.abs(batch['y']) * 10).astype(np.int32) % classes
+    return np.where(batch['mask'] > 0, y, -100)
+
+  def loss_fn(params, batch):
+    logits = batch['x'] @ params['w']
+    return tokacc.token_cross_entropy(logits, batch['labels'])
+
+  windows = [[dict(b, labels=labels(b)) for b in w] for w in windows]
+  optimizer = sgd()
+  opt_state = optimizer.init(params)
+  expected = params
+  for window in windows:
+    batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
+    (_, n), g = jax.value_and_grad(loss_fn, has_aux=True)(expected, batch)
+    updates, opt_state = optimizer.update(
+      jax.tree.map(lambda x, n=n: x / n, g), opt_state
+    )
+    expected = optax.apply_updates(expected, updates)
+
+  tx = tokacc.token_weighted_multistep(sgd(), K)
+  grad_fn = tokacc.microbatched_value_and_grad(loss_fn, 4)  # 2 per step
+  mesh = ddp_mesh()
+  with jax.set_mesh(mesh):
+
+    @jax.jit
+    def step(params, state, batch, emit_now):
+      (loss, n), grads = grad_fn(params, batch)
+      updates, state = tx.update(
+        grads, state, params, num_tokens=n, loss=loss, emit_now=emit_now
+      )
+      return optax.apply_updates(params, updates), state
+
+    data = NamedSharding(mesh, P('data'))
+    placed = jax.device_put(params, P(None, None, reduced={'data'}))
+    state = tx.init(placed)
+    for batch, emit_now in micro_batches(windows):
+      batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
+      placed, state = step(placed, state, batch, jnp.asarray(emit_now))
+    chex.assert_trees_all_close(plain(placed), expected, atol=TOLERANCE)
+
+
+# Checkpoints in the middle of a window, with orbax.
+
+CHECKPOINT_VARIANTS = {
+  'ddp': ('ddp', lambda: tokacc.token_weighted_multistep(harness.adamw(), K)),
+  'hsdp_compensated_skip': (
+    'hsdp',
+    lambda: tokacc.token_weighted_multistep(
+      harness.adamw(),
+      K,
+      compensated=True,
+      should_skip_update_fn=tokacc.skip_not_finite,
+    ),
+  ),
+}
+
+
+def checkpoint_training(variant, start, stop, train_state=None):
+  """Trains micro-steps ``[start, stop)`` of the windows from the placed
+  initial parameters, or from ``train_state``; returns (params, state)."""
+  layout, make_tx = CHECKPOINT_VARIANTS[variant]
+  tx = make_tx()
+  windows = harness.make_windows(WINDOW_SIZES, 4)
+  sequence = list(micro_batches(windows))
+  mesh = LAYOUTS[layout][0]()
+  data = NamedSharding(mesh, P(batch_axes(mesh)))
+  step = _checkpoint_step(variant)
+  if train_state is None:
+    params = place_params(harness.init_params(), mesh, LAYOUTS[layout][1])
+    train_state = (params, tx.init(params))
+  for batch, emit_now in sequence[start:stop]:
+    batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
+    train_state = step(*train_state, batch, jnp.asarray(emit_now))
+  return train_state
+
+
+_STEPS = {}
+
+
+def _checkpoint_step(variant):
+  if variant not in _STEPS:
+    _STEPS[variant] = make_step(CHECKPOINT_VARIANTS[variant][1]())
+  return _STEPS[variant]
+
+
+def save_split(path, train_state):
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(path, tokacc.to_checkpoint(train_state))
+  checkpointer.wait_until_finished()
+
+
+def restore_merged(path, variant):
+  """Restores into ``tx.init`` of freshly placed parameters."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  layout, make_tx = CHECKPOINT_VARIANTS[variant]
+  mesh = LAYOUTS[layout][0]()
+  params = place_params(harness.init_params(), mesh, LAYOUTS[layout][1])
+  like = (params, make_tx().init(params))
+  target = jax.tree.map(
+    ocp.utils.to_shape_dtype_struct, tokacc.to_checkpoint(like)
+  )
+  restored = ocp.StandardCheckpointer().restore(path, target)
+  return tokacc.from_checkpoint(restored, like)
+
+
+STOP_AT = 4  # one micro-step into the second window
+
+
+def host(train_state):
+  """Host copies, comparable bit for bit (partial sums split per device)."""
+  return jax.tree.map(np.asarray, tokacc.to_checkpoint(train_state))
+
+
+@pytest.mark.parametrize('variant', sorted(CHECKPOINT_VARIANTS))
+def test_resume_mid_window_is_bit_identical(tmp_path, variant):
+  layout = CHECKPOINT_VARIANTS[variant][0]
+  with jax.set_mesh(LAYOUTS[layout][0]()):
+    expected = checkpoint_training(variant, 0, sum(WINDOW_SIZES))
+    train_state = checkpoint_training(variant, 0, STOP_AT)
+    state = train_state[1]
+    assert int(state.mini_step) == 1  # really mid-window
+    assert str(jax.typeof(state.acc_grads['w'])).endswith(
+      f'{{U:{"data" if layout == "ddp" else "replica"}}}'
+    )
+    with pytest.raises(Exception, match='unreduced'):
+      np.asarray(state.acc_grads['w'])  # why the helper exists
+    save_split(tmp_path / 'ckpt', train_state)
+    restored = restore_merged(tmp_path / 'ckpt', variant)
+    assert type_strings(restored) == type_strings(train_state)
+    chex.assert_trees_all_equal(host(restored), host(train_state))
+    resumed = checkpoint_training(variant, STOP_AT, sum(WINDOW_SIZES), restored)
+    chex.assert_trees_all_equal(host(resumed), host(expected))
+
+
+_CHILD = """
+import sys
+import jax
+jax.config.update('jax_platforms', 'cpu')
+jax.config.update('jax_num_cpu_devices', 8)
+sys.path.insert(0, {tests_dir!r})
+import test_explicit
+test_explicit.child(*sys.argv[1:])
+"""
+
+
+def child(role, path, variant):
+  """In a new process: `save` trains to STOP_AT and checkpoints; `resume`
+  restores, finishes training and checkpoints the result."""
+  layout = CHECKPOINT_VARIANTS[variant][0]
+  with jax.set_mesh(LAYOUTS[layout][0]()):
+    if role == 'save':
+      save_split(path, checkpoint_training(variant, 0, STOP_AT))
+    else:
+      restored = restore_merged(path, variant)
+      final = checkpoint_training(variant, STOP_AT, sum(WINDOW_SIZES), restored)
+      save_split(path + '_final', final)
+
+
+def test_resume_mid_window_in_new_processes(tmp_path):
+  variant = 'hsdp_compensated_skip'
+  path = str(tmp_path / 'ckpt')
+  harness_dir = pathlib.Path(__file__).parent
+  code = _CHILD.format(tests_dir=str(harness_dir))
+  env = dict(os.environ, PYTHONPATH=str(harness_dir.parent))
+  for role in ('save', 'resume'):
+    result = subprocess.run(
+      [sys.executable, '-c', code, role, path, variant],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+  with jax.set_mesh(LAYOUTS['hsdp'][0]()):
+    final = restore_merged(path + '_final', variant)
+    expected = checkpoint_training(variant, 0, sum(WINDOW_SIZES))
+    chex.assert_trees_all_equal(host(final), host(expected))
