@@ -98,8 +98,10 @@ def python_blocks(markdown: str, page: str = 'page') -> list[Block]:
     elif line.startswith('```'):
       fence, code = line[3:].strip(), []
     elif line.strip() and marker is not None:
-      raise ValueError(f'{page}:{marker[2]}: a docs-test marker must stand '
-                       'right before a fence')
+      raise ValueError(
+        f'{page}:{marker[2]}: a docs-test marker must stand '
+        'right before a fence'
+      )
   return blocks
 
 
@@ -109,8 +111,10 @@ def _close(blocks, fence, marker, code, page, heading):
   where = f'{page}:{number}'
   if kind == 'output':
     if fence != 'text' or not blocks:
-      raise ValueError(f'{where}: "output" marks a ```text block that '
-                       'follows a ```python block')
+      raise ValueError(
+        f'{where}: "output" marks a ```text block that '
+        'follows a ```python block'
+      )
     blocks[-1].output = code
     return
   if fence not in _PYTHON_FENCES:
@@ -297,8 +301,7 @@ def public_names() -> set[str]:
 def test_api_reference_documents_every_public_name():
   missing = public_names() - documented_names()
   assert not missing, (
-    f'add {sorted(missing)} to a page of docs/api/ (autofunction or '
-    'autoclass)'
+    f'add {sorted(missing)} to a page of docs/api/ (autofunction or autoclass)'
   )
 
 

@@ -94,9 +94,7 @@ def _page_file(page: str) -> pathlib.Path:
   for suffix in ('.md', '.rst'):
     path = test_docs.DOCS / (page + suffix)
     if path.exists():
-      included = re.fullmatch(
-        r'```\{include\} (\S+)\n```\n', path.read_text()
-      )
+      included = re.fullmatch(r'```\{include\} (\S+)\n```\n', path.read_text())
       if included:
         return (path.parent / included.group(1)).resolve()
       return path.resolve()
