@@ -714,3 +714,91 @@ def test_resume_mid_window_in_new_processes(tmp_path):
     final = restore_merged(path + '_final', variant)
     expected = checkpoint_training(variant, 0, sum(WINDOW_SIZES))
     chex.assert_trees_all_equal(host(final), host(expected))
+
+
+# Bad input: refused at trace time, naming what is wrong and the fix.
+
+
+def _one_update(tx, params, state, grads, **kwargs):
+  return jax.jit(
+    lambda g, s, p: tx.update(g, s, p, num_tokens=4, **kwargs)
+  ).trace(grads, state, params)
+
+
+def _ddp_grads(params):
+  x = jax.device_put(jnp.ones((8, 8)), P('data'))
+
+  @jax.jit
+  def grads(params):
+    return jax.grad(lambda p: jnp.sum(x @ p['w'] @ p['v']))(params)
+
+  return grads(params)
+
+
+def test_unreduced_gradients_with_a_state_of_replicated_params():
+  """A state built for replicated parameters, fed unreduced gradients (the
+  parameters were typed reduced afterwards): the error names both types
+  and how to build the state, not JAX's internal ShardingTypeError."""
+  tx = tokacc.token_weighted_multistep(sgd(), K)
+  mesh = ddp_mesh()
+  with jax.set_mesh(mesh):
+    replicated = place_params(
+      harness.init_params(), mesh, LAYOUTS['replicated'][1]
+    )
+    reduced = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    state = tx.init(replicated)
+    with pytest.raises(TypeError, match=r'U:data.*accumulator.*tx\.init'):
+      _one_update(tx, reduced, state, _ddp_grads(reduced))
+    state = tx.init(reduced)  # the reverse: reduced state, replicated grads
+    with pytest.raises(TypeError, match='accumulator is float32.*U:data'):
+      _one_update(tx, replicated, state, _ddp_grads(replicated))
+
+
+def test_state_restored_with_another_type():
+  """A state whose window count lost its unreduced type (restored without
+  ``from_checkpoint``) is refused: it would be summed wrongly."""
+  tx = tokacc.token_weighted_multistep(sgd(), K)
+  mesh = ddp_mesh()
+  with jax.set_mesh(mesh):
+    params = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    state = tx.init(params)
+    broken = state._replace(acc_tokens=jnp.zeros([], jnp.int32))
+    with pytest.raises(TypeError, match='restored with another type'):
+      _one_update(tx, params, broken, _ddp_grads(params))
+    broken = state._replace(
+      acc_grads=dict(state.acc_grads, w=jnp.zeros((8, 8)))
+    )
+    with pytest.raises(TypeError, match='built or restored'):
+      _one_update(tx, params, broken, _ddp_grads(params))
+
+
+def test_gradients_unreduced_over_an_axis_the_parameter_is_split_on():
+  """Gradients whose partial sums run over the axis their parameter is
+  sharded on would add different shards into one sum: refused."""
+  tx = tokacc.token_weighted_multistep(sgd(), K)
+  mesh = ddp_mesh()
+  with jax.set_mesh(mesh):
+    params = place_params(
+      harness.init_params(), mesh, {'w': P('data'), 'v': P('data')}
+    )
+    state = tx.init(params)
+    grads = jax.jit(
+      lambda: {
+        'w': jnp.zeros((8, 8), out_sharding=P(None, None, unreduced={'data'})),
+        'v': jnp.zeros((8,), out_sharding=P(None, unreduced={'data'})),
+      }
+    )()
+    with pytest.raises(ValueError, match=r"unreduced over \['data'\].*split"):
+      _one_update(tx, params, state, grads)
+
+
+def test_from_checkpoint_refuses_a_tree_of_other_shapes():
+  tx = tokacc.token_weighted_multistep(sgd(), K)
+  mesh = ddp_mesh()
+  with jax.set_mesh(mesh):
+    params = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    state = tx.init(params)
+    saved = tokacc.to_checkpoint(state)
+    assert saved.acc_grads['w'].shape == (4, 8, 8)
+    with pytest.raises(ValueError, match='from_checkpoint.*partial sums'):
+      tokacc.from_checkpoint(state._replace(acc_grads=saved.acc_grads), state)
