@@ -1,24 +1,69 @@
-"""Runs the docstring examples of the public modules."""
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The docstring examples of every module with a public name run.
+
+The modules are those that define a name of ``optax_tokacc.__all__``, and
+``optax_tokacc.flax``: a new public module is picked up by itself, and must
+bring a runnable example (``>>>``) or be listed in ``WITHOUT_EXAMPLES``
+with the reason.
+"""
 
 import doctest
 import importlib
 
 import pytest
 
-MODULES = [
-  'optax_tokacc._multistep',
-  'optax_tokacc._state',
-  'optax_tokacc._sharding',
-  'optax_tokacc._losses',
-  'optax_tokacc._microbatch',
-  'optax_tokacc._checks',
-  'optax_tokacc.flax',
-]
+import optax_tokacc
+
+# Modules whose public names have no runnable docstring example yet: a gap
+# to close, listed so that it is not forgotten.
+WITHOUT_EXAMPLES = {
+  'optax_tokacc._explicit': 'to_checkpoint / from_checkpoint show a literal '
+  'block (explicit sharding needs jax >= 0.10 and a mesh)',
+}
+
+
+def public_modules() -> list[str]:
+  modules = {
+    getattr(optax_tokacc, name).__module__ for name in optax_tokacc.__all__
+  }
+  return sorted(modules | {'optax_tokacc.flax'})
+
+
+MODULES = public_modules()
 
 
 @pytest.mark.parametrize('name', MODULES)
 def test_docstring_examples(name):
+  if name == 'optax_tokacc.flax':
+    pytest.importorskip('flax')
   module = importlib.import_module(name)
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
-  assert result.attempted > 0, f'{name} has no docstring example'
   assert result.failed == 0
+  if name not in WITHOUT_EXAMPLES:
+    assert result.attempted > 0, f'{name} has no docstring example'
+
+
+def test_modules_without_examples_are_public():
+  assert set(WITHOUT_EXAMPLES) <= set(MODULES), WITHOUT_EXAMPLES
+
+
+def test_every_module_opens_with_a_docstring():
+  missing = [
+    name
+    for name in MODULES + ['optax_tokacc']
+    if not (importlib.import_module(name).__doc__ or '').strip()
+  ]
+  assert not missing, missing
