@@ -13,7 +13,9 @@ the global mesh of all processes' CPU devices and writes the final parameters.
 
 ``--mode=ddp`` (the default) trains data-parallel over all devices;
 ``--mode=hsdp`` trains on a ``('replica', 'fsdp') = (2, 2)`` mesh, each
-process one replica, partial-manual and fully manual.
+process one replica, partial-manual and fully manual; ``--mode=explicit``
+trains data-parallel under plain ``jax.jit`` with parameters typed reduced
+(explicit sharding).
 """
 
 import argparse
@@ -578,10 +580,59 @@ def _hsdp_results():
   return results
 
 
+def train_explicit(tx, params, windows, mesh):
+  """Explicit sharding under plain ``jax.jit``: parameters typed reduced
+  over the data axis (unreduced gradients), the batch split over it."""
+  axis = mesh.axis_names[0]
+  with jax.set_mesh(mesh):
+    params = {
+      name: jax.jit(
+        lambda x: jax.reshard(x, P(*(None,) * x.ndim, reduced={axis}))
+      )(put(value, NamedSharding(mesh, P())))
+      for name, value in params.items()
+    }
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, batch, emit_now):
+      loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+      updates, state = tx.update(
+        grads,
+        state,
+        params,
+        num_tokens=token_count(batch),
+        loss=loss,
+        emit_now=emit_now,
+      )
+      return optax.apply_updates(params, updates), state
+
+    data = NamedSharding(mesh, P(axis))
+    for w, window in enumerate(windows):
+      for m, batch in enumerate(window):
+        emit_now = w == len(windows) - 1 and m == len(window) - 1
+        batch = jax.tree.map(lambda x: put(x, data), batch)
+        params, state = step(params, state, batch, jnp.asarray(emit_now))
+    return fetch(tokacc.to_checkpoint(params)), fetch(tokacc.window_loss(state))
+
+
+def _explicit_results():
+  """Explicit data parallelism over all devices of all processes."""
+  mesh = jax.make_mesh((jax.device_count(),), (MULTIHOST_AXIS,))
+  windows = make_windows(MULTIHOST_WINDOW_SIZES, jax.device_count())
+  tx = tokacc.token_weighted_multistep(adamw(), MULTIHOST_K)
+  params, loss = train_explicit(tx, init_params(), windows, mesh)
+  results = {'explicit_loss': loss}
+  for name, value in params.items():
+    results[f'explicit_{name}'] = value
+  return results
+
+
 def _run_worker(args):
   _join(args)
   if args.mode == 'hsdp':
     results = _hsdp_results()
+  elif args.mode == 'explicit':
+    results = _explicit_results()
   else:
     results = _data_parallel_results()
   results['num_devices'] = np.asarray(jax.device_count())
@@ -596,7 +647,9 @@ def main():
   parser.add_argument('--num_processes', type=int, required=True)
   parser.add_argument('--port', type=int, required=True)
   parser.add_argument('--local_devices', type=int, default=2)
-  parser.add_argument('--mode', choices=('ddp', 'hsdp'), default='ddp')
+  parser.add_argument(
+    '--mode', choices=('ddp', 'hsdp', 'explicit'), default='ddp'
+  )
   parser.add_argument('--out', required=True)
   _run_worker(parser.parse_args())
 

@@ -802,3 +802,49 @@ def test_from_checkpoint_refuses_a_tree_of_other_shapes():
     assert saved.acc_grads['w'].shape == (4, 8, 8)
     with pytest.raises(ValueError, match='from_checkpoint.*partial sums'):
       tokacc.from_checkpoint(state._replace(acc_grads=saved.acc_grads), state)
+
+
+def test_nnx_optimizer_with_reduced_parameters():
+  """``optax_tokacc.flax.Optimizer`` over an nnx model whose parameters
+  are typed reduced (``jax.set_mesh``, as nnx's sharding guide does):
+  exact, its step counts updates, the parameters keep their type."""
+  from flax import nnx  # noqa: PLC0415
+
+  from optax_tokacc.flax import Optimizer  # noqa: PLC0415
+
+  class Model(nnx.Module):
+    def __init__(self, params):
+      self.w = nnx.Param(jnp.asarray(params['w']))
+      self.v = nnx.Param(jnp.asarray(params['v']))
+
+    def __call__(self, batch):
+      return harness.loss_sum({'w': self.w[...], 'v': self.v[...]}, batch)
+
+  windows, expected, _ = reference(sgd())
+  mesh = ddp_mesh()
+  with jax.set_mesh(mesh):
+    placed = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    model = Model(placed)
+    optimizer = Optimizer(
+      model, tokacc.token_weighted_multistep(sgd(), K), wrt=nnx.Param
+    )
+
+    @nnx.jit
+    def step(model, optimizer, batch, emit_now):
+      loss, grads = nnx.value_and_grad(lambda m: m(batch))(model)
+      optimizer.update(
+        model,
+        grads,
+        num_tokens=harness.token_count(batch),
+        loss=loss,
+        emit_now=emit_now,
+      )
+
+    data = NamedSharding(mesh, P('data'))
+    for batch, emit_now in micro_batches(windows):
+      batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
+      step(model, optimizer, batch, jnp.asarray(emit_now))
+      assert jax.typeof(model.w[...]) == jax.typeof(placed['w'])
+    actual = plain({'w': model.w[...], 'v': model.v[...]})
+    chex.assert_trees_all_close(actual, expected, atol=TOLERANCE)
+    assert int(optimizer.step[...]) == len(WINDOW_SIZES)

@@ -116,3 +116,23 @@ def test_two_processes_hsdp_equal_full_batch(tmp_path):
     np.testing.assert_allclose(
       result[f'{layout}_loss'], expected_losses[-1], rtol=1e-5
     )
+
+
+def test_two_processes_explicit_ddp_equal_full_batch(tmp_path):
+  """Explicit sharding under plain ``jax.jit``, parameters typed reduced
+  over the data axis of both processes' devices."""
+  if not worker.tokacc._explicit.SUPPORTED:
+    pytest.skip('reduced/unreduced types need jax >= 0.10')
+  out = tmp_path / 'result.npz'
+  run_workers(out, mode='explicit')
+  result = dict(np.load(out))
+  num_devices = NUM_PROCESSES * LOCAL_DEVICES
+  windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  expected_params, expected_losses = worker.train_full_batch(
+    worker.adamw(), worker.init_params(), windows
+  )
+  params = {name: result[f'explicit_{name}'] for name in expected_params}
+  chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    result['explicit_loss'], expected_losses[-1], rtol=1e-5
+  )
