@@ -73,6 +73,7 @@ def token_weighted_multistep(
   compensated: bool = False,
   should_skip_update_fn: Optional[ShouldSkipUpdateFn] = None,
   token_dtype: Optional[jax.typing.DTypeLike] = None,
+  tokens_per_update: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates token-summed gradients; one exact update every k steps.
 
@@ -160,6 +161,7 @@ def token_weighted_multistep(
     token_dtype=_validation.token_dtype(token_dtype),
     skip_on_partial_sums=should_skip_update_fn
     in (skip_not_finite, optax.skip_not_finite),
+    tokens_per_update=_validation.tokens_per_update(tokens_per_update),
   )
 
   def init_fn(params: optax.Params) -> TokenWeightedMultiStepState:
@@ -242,6 +244,7 @@ def _update(
   count = _count(config, state, num_tokens)
   loss = _validation.loss(loss)
   emit_now = _validation.emit_now(emit_now)
+  _validation.extra_args(extra_args)
   dp = _data_parallel(config)
   if dp[1]:
     _collectives.check_complete(count, grads, params, dp[0])
@@ -253,9 +256,16 @@ def _update(
   mini_step = optax.safe_increment(state.mini_step)
   if keep is not None and not dp[0]:
     mini_step = jnp.where(keep, mini_step, state.mini_step)
-  emit = _should_emit(config, state, mini_step, emit_now, dp)
+  emit = _should_emit(config, state, mini_step, window[2], emit_now, dp)
   updates, acc_grads, inner_state, closed = _window.close_if(
-    config, emit, grads, window, state.inner_state, params, extra_args, dp
+    config,
+    emit,
+    grads,
+    window,
+    state.inner_state,
+    params,
+    (extra_args, loss is not None),
+    dp,
   )
   new_state = _next_state(
     state, emit, mini_step, window, acc_grads, inner_state, closed, skip_state
@@ -289,11 +299,14 @@ def _data_parallel(config: _validation.Config) -> tuple[tuple[str, ...], bool]:
   return axes, tracked
 
 
-def _should_emit(config, state, mini_step, emit_now, dp) -> jax.Array:
+def _should_emit(config, state, mini_step, acc_tokens, emit_now, dp):
   """Whether this call closes the window: the same on every device."""
   k = config.schedule(state.gradient_step)
   _validation.check_k(k)
   emit = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
+  if config.tokens_per_update is not None:
+    tokens = _window.window_tokens(acc_tokens, dp)
+    emit = jnp.logical_or(emit, tokens >= config.tokens_per_update)
   if emit_now is None:
     return emit
   return jnp.logical_or(emit, _collectives.any_device(emit_now, *dp))

@@ -47,6 +47,8 @@ class Config:
   # Whether should_skip_update_fn decides as well on partial sums of the
   # gradients (explicit sharding) as on their sum: skip_not_finite.
   skip_on_partial_sums: bool = False
+  # Close a window once it holds this many counted tokens (all devices).
+  tokens_per_update: Optional[int] = None
 
   def acc_dtype(self, leaf: Any) -> jnp.dtype:
     """The accumulator dtype of a leaf: configured, or at least float32."""
@@ -117,6 +119,11 @@ def schedule(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
 
 def check_k(k: Any) -> None:
   """``every_k_schedule``'s value must be an integer scalar."""
+  if not isinstance(k, (int, float, np.number, np.ndarray, jax.Array)):
+    raise TypeError(
+      'every_k_schedule(gradient_step) must return an integer scalar; got '
+      f'{k!r} of type {type(k).__name__}.'
+    )
   if jnp.shape(k) != () or not jnp.issubdtype(jnp.result_type(k), jnp.integer):
     raise TypeError(
       'every_k_schedule(gradient_step) must return an integer scalar; got '
@@ -148,7 +155,13 @@ def accumulator_dtype(dtype: Any) -> Optional[jnp.dtype]:
 
 def token_dtype(dtype: Any) -> jnp.dtype:
   """``token_dtype`` checked: int32 (exact counts) or a floating dtype."""
-  dtype = jnp.dtype(jnp.int32 if dtype is None else dtype)
+  try:
+    dtype = jnp.dtype(jnp.int32 if dtype is None else dtype)
+  except TypeError as e:
+    raise TypeError(
+      f'token_dtype must be int32 or a floating dtype; got {dtype!r}. With '
+      'optax.inject_hyperparams, list it in static_args.'
+    ) from e
   if dtype != jnp.int32 and not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(
       f'token_dtype must be int32 or a floating dtype; got {dtype}. Use '
@@ -232,7 +245,13 @@ def loss(value: Any) -> Any:
   """Checks ``loss``: None, or a real scalar."""
   if value is None:
     return None
-  kind = jnp.result_type(value)
+  try:
+    kind = jnp.result_type(value)
+  except TypeError as e:
+    raise TypeError(
+      "loss must be a real scalar (this micro-batch's loss); got "
+      f'{value!r} of type {type(value).__name__}.'
+    ) from e
   if kind == jnp.bool_ or not jnp.issubdtype(kind, jnp.number):
     raise TypeError(f'loss must be a real scalar; got dtype {kind}.')
   if jnp.shape(value) != ():
@@ -348,3 +367,64 @@ def axis_name(value: Any) -> None:
     raise TypeError(
       f"axis_name must be a str or a tuple of str (e.g. 'data'); got {value!r}."
     )
+
+
+def tokens_per_update(value: Any) -> Optional[int]:
+  """``tokens_per_update``: None, or a Python int >= 1."""
+  if value is None:
+    return None
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (int, np.integer)
+  ):
+    raise TypeError(
+      'tokens_per_update must be None or an int >= 1 (counted tokens per '
+      f'optimizer update); got {value!r} of type {type(value).__name__}.'
+    )
+  if value < 1:
+    raise ValueError(
+      f'tokens_per_update must be >= 1; got tokens_per_update={value}.'
+    )
+  return int(value)
+
+
+# Extra arguments that re-evaluate the objective at other parameters.
+_OBJECTIVE_FNS = ('value_fn', 'grad_fn', 'obj_fn')
+
+
+def extra_args(extra: dict[str, Any]) -> None:
+  """Refuses extra args that describe the last micro-batch only.
+
+  ``value`` is the window's token-mean loss, computed by the transform from
+  ``loss``. A function of the parameters (``value_fn``, ``grad_fn``,
+  ``obj_fn``, any callable) would let ``inner`` re-evaluate an objective,
+  but a window of micro-batches has none to re-evaluate.
+  """
+  if 'value' in extra:
+    raise TypeError(
+      'tx.update got value=...: inner receives value= from the transform, '
+      "the window's token-mean loss over all devices (what window_loss "
+      "reports). Pass this micro-batch's token-summed loss as loss= instead."
+    )
+  for name, arg in extra.items():
+    if name in _OBJECTIVE_FNS or callable(arg):
+      raise TypeError(
+        f'tx.update got {name}={arg!r}, a function that re-evaluates the '
+        'objective; a window of micro-batches has no objective to evaluate '
+        'at new parameters (inner would see the last micro-batch only). Use '
+        'an optimizer that does not, e.g. optax.lbfgs(linesearch=None) or '
+        'optax.contrib.sam(..., opaque_mode=False).'
+      )
+
+
+def needs_value_error(error: TypeError) -> Optional[TypeError]:
+  """Our error for ``inner`` asking for ``value`` (or an objective function)
+  when ``loss`` was not passed; None for an unrelated ``TypeError``."""
+  message = str(error)
+  if 'value' not in message and not any(n in message for n in _OBJECTIVE_FNS):
+    return None
+  return TypeError(
+    'inner needs value= (e.g. optax.contrib.reduce_on_plateau): pass this '
+    "micro-batch's token-summed loss as loss= to tx.update, and inner "
+    "receives value=, the window's token-mean loss. (inner raised: "
+    f'{message})'
+  )

@@ -19,6 +19,7 @@ from typing import Any
 import warnings
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
 
@@ -160,6 +161,35 @@ def _add_scalars(config, state, count, loss, keep, adds):
   return _explicit.local(add, args, (_explicit.spec(state.acc_tokens),) * 2)
 
 
+def window_tokens(acc_tokens, dp) -> jax.Array:
+  """The window's counted tokens so far, over all devices (for
+  ``tokens_per_update``; an invalid count counts 0, a total beyond the
+  counter counts as its maximum). Where the window is split over devices,
+  a scalar all-reduce on every micro-step."""
+  axes = tuple(sorted(_explicit.unreduced(acc_tokens)))
+
+  def parts_over(acc_tokens, axes):
+    parts = _tokens.to_parts(jnp.maximum(acc_tokens, 0))
+    return lax.psum(parts, axes) if axes else parts
+
+  if axes:
+    parts = _explicit.local(
+      lambda acc: parts_over(acc, axes),
+      (acc_tokens,),
+      jax.sharding.PartitionSpec(),
+    )
+  else:
+    data_axes, tracked = dp
+    over = _collectives.sum_axes(acc_tokens, data_axes, tracked)
+    parts = parts_over(acc_tokens, over)
+  total, fits = _tokens.from_parts(parts, acc_tokens.dtype)
+  if jnp.issubdtype(acc_tokens.dtype, jnp.integer):
+    top = jnp.iinfo(acc_tokens.dtype).max
+  else:
+    top = jnp.finfo(acc_tokens.dtype).max
+  return jnp.where(fits, total, jnp.asarray(top, acc_tokens.dtype))
+
+
 def _sum_over_devices(grads, params, window, compensated, dp):
   """The window's sums, token parts and loss, summed over the data axes."""
   acc_grads, acc_compensation, acc_tokens, acc_loss = window
@@ -225,8 +255,9 @@ def inner_update(config, grads, inner_state, params, extra_args):
   return updates, _explicit.like(new_inner, inner_state)
 
 
-def _close(config, grads, window, inner_state, params, extra_args, dp, hold):
-  """Runs ``inner`` once on the window's token-mean gradient.
+def _close(config, grads, window, inner_state, params, extra, dp, hold):
+  """Runs ``inner`` once on the window's token-mean gradient, with
+  ``value=`` the window's token-mean loss when ``loss`` was passed.
 
   Returns ``(held, inner_state, (emitted, valid, tokens, mean_loss))``, with
   ``held = hold(updates, acc_grads)``. A window without tokens or with an
@@ -240,8 +271,10 @@ def _close(config, grads, window, inner_state, params, extra_args, dp, hold):
   total, valid = _tokens.from_parts(parts, config.token_dtype)
   emitted = jnp.logical_and(valid, total > 0)
   divisor = jnp.maximum(total, 1)
+  mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
+  extra_args, with_value = extra
 
-  def step(acc_grads, sums, divisor, inner_state, params):
+  def step(acc_grads, sums, divisor, inner_state, params, mean_loss):
     def mean(s):
       wide = jnp.promote_types(s.dtype, jnp.float32)
       return s.astype(wide) / divisor.astype(wide)
@@ -251,18 +284,20 @@ def _close(config, grads, window, inner_state, params, extra_args, dp, hold):
       optax.tree.cast_like(jax.tree.map(mean, sums), grads),
       inner_state,
       params,
-      extra_args,
+      dict(extra_args, value=mean_loss) if with_value else extra_args,
     )
     return hold(updates, acc_grads), new_inner
 
-  def no_step(acc_grads, sums, divisor, inner_state, params):
-    del sums, divisor, params
+  def no_step(acc_grads, sums, divisor, inner_state, params, mean_loss):
+    del sums, divisor, params, mean_loss
     return hold(None, acc_grads), inner_state
 
   held, new_inner = _collectives.cond(
-    emitted, step, no_step, window[0], sums, divisor, inner_state, params
+    emitted,
+    step,
+    no_step,
+    *(window[0], sums, divisor, inner_state, params, mean_loss),
   )
-  mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
   return held, new_inner, (emitted, valid, total, mean_loss)
 
 
@@ -277,8 +312,9 @@ def _held(updates, acc_grads, *, shapes, in_buffer):
   return _zeros(shapes) if updates is None else updates
 
 
-def close_if(config, emit, grads, window, inner_state, params, extra_args, dp):
-  """Closes the window if ``emit``, in one ``lax.cond``.
+def close_if(config, emit, grads, window, inner_state, params, extra, dp):
+  """Closes the window if ``emit``, in one ``lax.cond``; ``extra`` is
+  ``(extra_args, whether loss was passed)``.
 
   Returns ``(updates, acc_grads, inner_state, (emitted, valid, tokens,
   mean_loss))``. The updates have the shapes and dtypes of ``inner``'s
@@ -287,19 +323,12 @@ def close_if(config, emit, grads, window, inner_state, params, extra_args, dp):
   twice is copied on every micro-step.
   """
   acc_grads, _, acc_tokens, acc_loss = window
-  shapes = jax.eval_shape(
-    lambda g, s, p: inner_update(config, g, s, p, extra_args)[0],
-    jax.tree.map(_explicit.reduce_now, grads),
-    inner_state,
-    params,
-  )
+  shapes = _update_shapes(config, grads, inner_state, params, extra)
   in_buffer = _holds_exactly(acc_grads, shapes)
   hold = functools.partial(_held, shapes=shapes, in_buffer=in_buffer)
 
   def closing(window, inner_state, params):
-    return _close(
-      config, grads, window, inner_state, params, extra_args, dp, hold
-    )
+    return _close(config, grads, window, inner_state, params, extra, dp, hold)
 
   def accumulating(window, inner_state, params):
     closed = (False, True, jnp.zeros([], acc_tokens.dtype))
@@ -315,6 +344,26 @@ def close_if(config, emit, grads, window, inner_state, params, extra_args, dp):
     lambda h, s: jnp.where(closed[0], h, 0).astype(s.dtype), held, shapes
   )
   return updates, held, inner_state, closed
+
+
+def _update_shapes(config, grads, inner_state, params, extra):
+  """The shapes, dtypes and types of ``inner``'s updates. Without ``loss``,
+  ``inner`` gets no ``value``; if it needs one, the error names ``loss``."""
+  extra_args, with_value = extra
+  if with_value:
+    extra_args = dict(extra_args, value=jnp.zeros([], config.loss_dtype))
+  try:
+    return jax.eval_shape(
+      lambda g, s, p: inner_update(config, g, s, p, extra_args)[0],
+      jax.tree.map(_explicit.reduce_now, grads),
+      inner_state,
+      params,
+    )
+  except TypeError as e:
+    error = None if with_value else _validation.needs_value_error(e)
+    if error is None:
+      raise
+    raise error from e
 
 
 def _holds_exactly(acc_grads: optax.Updates, updates: Any) -> bool:
