@@ -93,6 +93,21 @@ def token_weighted_multistep(
   window. A window without counted tokens, or with an invalid count, emits
   zero updates and leaves ``inner``'s state untouched.
 
+  The window is the unit ``inner`` sees: when ``loss`` is passed, ``inner``
+  receives ``value=`` the window's token-mean loss over all devices (what
+  :func:`window_loss` reports), so ``optax.contrib.reduce_on_plateau`` takes
+  the decisions of full-batch training. A ``value`` extra arg is refused
+  (pass ``loss``), and so are functions that would re-evaluate the
+  objective (``value_fn``, ``grad_fn``, ``obj_fn``, any callable: a window
+  has no objective to evaluate at new parameters). Other extra args reach
+  ``inner`` from the call that closes the window.
+
+  Under ``jax.jit`` on an explicit mesh (``jax.make_mesh``), parameters typed
+  reduced over the data axes (``jax.P(reduced={'data'})``) give unreduced
+  gradients; the accumulator stays unreduced (per-device partial sums) and
+  the window is reduced once, when it closes, in one all-reduce with its
+  token count and loss. Leave ``axis_name`` None there.
+
   Args:
     inner: the wrapped optimizer, e.g. ``optax.chain(clip, adamw)``; it sees
       the accumulated, token-normalized gradient once per window.
@@ -120,6 +135,12 @@ def token_weighted_multistep(
       weights. An invalid count (negative, NaN, fractional under int32, or a
       total beyond int32) drops its window: zero updates, no optimizer step,
       ``state.dropped_windows`` + 1; :func:`with_input_checks` reports it.
+    tokens_per_update: close a window at the first micro-step at which its
+      counted tokens, over its micro-steps and all devices, reach this
+      number (a Python int >= 1), or after ``every_k_schedule`` micro-steps,
+      whichever comes first; the micro-batch that reaches it belongs to the
+      window. With data parallelism this costs a scalar all-reduce per
+      micro-step. None (the default): windows of ``every_k_schedule``.
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose ``update(grads, state,

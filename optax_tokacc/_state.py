@@ -30,7 +30,10 @@ class TokenWeightedMultiStepState(NamedTuple):
   there each of their leaves carries a leading axis of length 1 (the
   device's slot), so that the global state stacks the devices' shares along
   it (:func:`optax_tokacc.state_partition_specs` gives the layout). The
-  other fields are the same on every device.
+  other fields are the same on every device. Under explicit sharding
+  (parameters typed reduced, ``axis_name=None``) the per-device fields are
+  typed *unreduced* instead: each device holds its partial sum
+  (:func:`optax_tokacc.to_checkpoint` reads them out for a checkpoint).
 
   Attributes:
     mini_step: micro-steps taken in the current window (int32); 0 right
