@@ -14,7 +14,7 @@
 # ==============================================================================
 """Token-summed losses that report how many tokens they count."""
 
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +88,7 @@ def token_cross_entropy(
   *,
   where: Optional[jax.typing.ArrayLike] = None,
   ignore_index: Optional[int] = -100,
+  out_sharding: Optional[Any] = None,
 ) -> tuple[jax.Array, jax.Array]:
   r"""Token-summed softmax cross-entropy and the number of counted tokens.
 
@@ -125,6 +126,11 @@ def token_cross_entropy(
       counts as that many tokens).
     ignore_index: label value of positions that do not count (padding);
       None means every label counts.
+    out_sharding: the type of both sums on an explicit mesh, as for
+      ``jnp.einsum``: e.g. ``jax.P(unreduced={'data'})`` for a batch split
+      over ``data`` keeps them per-device partial sums (no collective; what
+      :func:`optax_tokacc.token_weighted_multistep` takes under explicit
+      sharding). None: replicated sums (a scalar all-reduce each).
 
   Returns:
     ``(loss_sum, num_tokens)``: the summed loss (at least float32) and the
@@ -163,6 +169,13 @@ def token_cross_entropy(
     logits.astype(compute_dtype), safe_labels
   )
   weighted = token_losses * weights.astype(compute_dtype)
-  loss_sum = jnp.sum(jnp.where(counted, weighted, 0))
-  num_tokens = jnp.sum(weights)
-  return loss_sum, num_tokens
+  weighted = jnp.where(counted, weighted, jnp.zeros_like(weighted))
+  if out_sharding is None:
+    return jnp.sum(weighted), jnp.sum(weights)
+  return _sum(weighted, out_sharding), _sum(weights, out_sharding)
+
+
+def _sum(x: jax.Array, out_sharding: Any) -> jax.Array:
+  """``jnp.sum(x)``, typed by ``out_sharding``."""
+  letters = 'abcdefghijklmnopqrstuvwxyz'[: jnp.ndim(x)]
+  return jnp.einsum(f'{letters}->', x, out_sharding=out_sharding)

@@ -848,3 +848,29 @@ def test_nnx_optimizer_with_reduced_parameters():
     actual = plain({'w': model.w[...], 'v': model.v[...]})
     chex.assert_trees_all_close(actual, expected, atol=TOLERANCE)
     assert int(optimizer.step[...]) == len(WINDOW_SIZES)
+
+
+def test_token_cross_entropy_partial_sums_need_no_collective():
+  """``out_sharding=P(unreduced=...)`` gives the loss sum and the count as
+  per-device partial sums: the same totals, and no collective at all."""
+  mesh = ddp_mesh()
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(8, 5, 7)).astype(np.float32)
+  labels = rng.integers(0, 7, size=(8, 5)).astype(np.int32)
+  labels[::3, 2:] = -100
+  expected = tokacc.token_cross_entropy(logits, labels)
+  with jax.set_mesh(mesh):
+    logits_d = jax.device_put(logits, P('data'))
+    labels_d = jax.device_put(labels, P('data'))
+    fn = jax.jit(
+      lambda x, y: tokacc.token_cross_entropy(x, y, out_sharding=U_DATA)
+    )
+    loss_sum, count = fn(logits_d, labels_d)
+    assert str(jax.typeof(loss_sum)) == 'float32[]{U:data}'
+    assert str(jax.typeof(count)) == 'int32[]{U:data}'
+    totals = jax.jit(lambda t: jax.reshard(t, P()))((loss_sum, count))
+    text = fn.lower(logits_d, labels_d).compile().as_text()
+  np.testing.assert_allclose(totals[0], expected[0], rtol=1e-6)
+  assert int(totals[1]) == int(expected[1])
+  sites = collectives.collective_sites(collectives.parse_hlo(text))
+  assert sites == []
