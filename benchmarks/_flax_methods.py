@@ -55,8 +55,12 @@ class _Weights(nnx.Module):
     self.params = nnx.data(jax.tree.map(nnx.Param, params))
 
   def values(self):
-    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    return jax.tree.map(lambda v: v[...], self.params, is_leaf=is_variable)
+    """The parameters' arrays, in the model's tree."""
+    return jax.tree.map(
+      lambda v: v[...],
+      self.params,
+      is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
 
 def tokacc_nnx(case):
@@ -72,7 +76,10 @@ def tokacc_nnx(case):
   @functools.partial(jax.jit, donate_argnums=(0,))
   def step(state, batch):
     weights, optimizer = nnx.merge(graphdef, state)
-    loss_sum = lambda w: model.loss_sum(w.values(), batch)  # noqa: E731
+
+    def loss_sum(weights):
+      return model.loss_sum(weights.values(), batch)
+
     grads, num_tokens = nnx.grad(loss_sum, has_aux=True)(weights)
     optimizer.update(weights, grads, num_tokens=num_tokens)
     return nnx.state((weights, optimizer))
