@@ -339,6 +339,29 @@ INNER_OPTIMIZERS = {
 }
 
 
+# With ``loss=`` passed, the transform hands ``inner`` ``value=`` (the
+# window's loss), which optax.contrib.sam's update does not take.
+SAM_TAKES_NO_VALUE = pytest.mark.xfail(
+  strict=True,
+  raises=TypeError,
+  reason=(
+    'bug: value= is forwarded to inner whenever loss= is passed, and '
+    "optax.contrib.sam's update (optax 0.2.7, 0.2.8) takes no value: "
+    'TypeError: transparent_update_fn() got an unexpected keyword argument '
+    "'value'"
+  ),
+)
+# (name, whether the step passes loss=): sam without it, and with it as a
+# known failure.
+INNER_CASES = [
+  pytest.param(name, name != 'sam', id=name)
+  for name in sorted(INNER_OPTIMIZERS)
+]
+INNER_CASES.append(
+  pytest.param('sam', True, id='sam_with_loss', marks=SAM_TAKES_NO_VALUE)
+)
+
+
 def inner_stream():
   return [make_batch(i, n) for i, n in enumerate(INNER_TOKEN_COUNTS)]
 
@@ -368,15 +391,19 @@ def max_difference(tree, other):
   )
 
 
-@pytest.mark.parametrize('name', sorted(INNER_OPTIMIZERS))
-def test_inner_optimizer_equals_full_batch(name):
+@pytest.mark.parametrize(('name', 'with_loss'), INNER_CASES)
+def test_inner_optimizer_equals_full_batch(name, with_loss):
   tx = acc(INNER_OPTIMIZERS[name]())
 
   @jax.jit
   def step(params, state, batch):
     loss, grads = jax.value_and_grad(loss_sum)(params, batch)
     updates, state = tx.update(
-      grads, state, params, num_tokens=num_tokens(batch), loss=loss
+      grads,
+      state,
+      params,
+      num_tokens=num_tokens(batch),
+      loss=loss if with_loss else None,
     )
     return optax.apply_updates(params, updates), state
 
