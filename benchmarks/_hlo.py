@@ -68,7 +68,8 @@ _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRUE_FALSE = re.compile(r'\b(true|false)_computation=%?([\w.\-]+)')
 _GROUPS = re.compile(
   r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\]'
-  r'(?:T\([\d,]+\))?|mesh\[[^\]]*\] \{[^}]*\})'
+  r'(?:T\([\d,]+\))?|mesh\[[^\]]*\]'
+  r'(?:, device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))? \{[^}]*\})'
 )
 
 
@@ -194,7 +195,8 @@ def device_groups(text, num_devices):
   """The device groups of a ``replica_groups`` text, as lists of ids.
 
   Handles the explicit (``{{0,1},{2,3}}``), iota (``[2,4]<=[4,2]T(1,0)``)
-  and mesh (``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``) forms; ``{}`` or no
+  and mesh (``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``, optionally with
+  ``device_ids=([2,2]T(1,0))`` placing the devices) forms; ``{}`` or no
   groups means all devices. Returns None for a form it does not know.
   """
   import numpy as np  # noqa: PLC0415
@@ -214,12 +216,20 @@ def device_groups(text, num_devices):
     ids = np.arange(math.prod(dims)).reshape(dims)
     ids = ids.transpose(perm) if perm else ids
     return ids.reshape(shape[0], -1).tolist()
-  mesh = re.fullmatch(r'mesh\[([^\]]*)\] \{([^}]*)\}', text)
+  mesh = re.fullmatch(
+    r'mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?'
+    r' \{([^}]*)\}',
+    text,
+  )
   if mesh:
     axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-    grouped = set(re.findall(r"'(\w+)'", mesh.group(2)))
+    grouped = set(re.findall(r"'(\w+)'", mesh.group(4)))
     names = [name for name, _ in axes]
     ids = np.arange(math.prod(int(s) for _, s in axes))
+    if mesh.group(2):  # device_ids=([dims]T(perm)): devices in mesh order
+      ids = ids.reshape([int(d) for d in mesh.group(2).split(',')])
+      if mesh.group(3):
+        ids = ids.transpose([int(p) for p in mesh.group(3).split(',')])
     ids = ids.reshape([int(s) for _, s in axes])
     order = [i for i, n in enumerate(names) if n not in grouped]
     order += [i for i, n in enumerate(names) if n in grouped]

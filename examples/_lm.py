@@ -302,7 +302,10 @@ _CALLEE = re.compile(r'\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)')
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRUE_FALSE = re.compile(r'\b(false|true)_computation=%?([\w.\-]+)')
 _IOTA = r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?'
-_NAMED = r'mesh\[([^\]]*)\] \{([^}]*)\}'
+_DEVICE_IDS = r'\[[\d,]+\](?:T\([\d,]+\))?'
+_NAMED = (
+  r'mesh\[([^\]]*)\](?:, device_ids=\((' + _DEVICE_IDS + r')\))? \{([^}]*)\}'
+)
 _GROUPS = re.compile(
   r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|' + _IOTA + '|' + _NAMED + ')'
 )
@@ -338,7 +341,8 @@ def _first_group(text: str, num_devices: int) -> Optional[np.ndarray]:
 
   Knows the explicit (``{{0,2},{1,3}}``), iota (``[2,2]<=[4]``, with an
   optional transpose ``T(1,0)``) and named (``mesh['axis_0'=2,'axis_1'=2]
-  {'axis_1'}``) forms; ``{}`` is all devices. None for another form.
+  {'axis_1'}``, optionally with ``device_ids=([2,2]T(1,0))`` placing the
+  devices in the mesh) forms; ``{}`` is all devices. None for another form.
   """
   ids = np.arange(num_devices)
   if text == '{}':
@@ -355,7 +359,14 @@ def _first_group(text: str, num_devices: int) -> Optional[np.ndarray]:
   if not named:
     return None
   axes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", named[1])]
-  grouped = set(re.findall(r"'(\w+)'", named[2]))
+  grouped = set(re.findall(r"'(\w+)'", named[3]))
+  if named[2]:  # device_ids=([dims]T(perm)): the devices in mesh order
+    dims, perm = re.fullmatch(
+      r'\[([\d,]+)\](?:T\(([\d,]+)\))?', named[2]
+    ).groups()
+    ids = ids.reshape([int(d) for d in dims.split(',')])
+    if perm:
+      ids = ids.transpose([int(p) for p in perm.split(',')])
   ids = ids.reshape([n for _, n in axes])
   order = sorted(range(len(axes)), key=lambda i: axes[i][0] in grouped)
   size = math.prod(n for a, n in axes if a in grouped)

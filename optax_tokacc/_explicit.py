@@ -64,10 +64,44 @@ def partitions(found: P) -> tuple:
   return tuple(getattr(found, 'partitions', found._partitions))
 
 
+def _mesh_of(x: Any) -> Any:
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x.sharding.mesh
+  return jax.typeof(x).sharding.mesh
+
+
+def _deferred(x: Any, axes: Any) -> frozenset:
+  """``axes`` but those of size 1: partial sums over a single device are
+  already the sum (and JAX 0.10.2 cannot lower a ``shard_map`` with
+  unreduced specs over a size-1 axis)."""
+  if not axes:
+    return frozenset()
+  mesh = _mesh_of(x)
+  return frozenset(a for a in axes if mesh.shape[a] > 1)
+
+
 def unreduced(x: Any) -> frozenset:
-  """The mesh axes over which ``x`` holds per-device partial sums."""
+  """The mesh axes over which ``x`` holds per-device partial sums (axes of
+  size 1 aside: see :func:`reduce_trivial`)."""
   found = spec(x)
-  return frozenset(getattr(found, 'unreduced', ()) or ())
+  return _deferred(x, getattr(found, 'unreduced', None))
+
+
+def reduce_trivial(tree: Any) -> Any:
+  """``tree`` with every unreduced axis of size 1 reduced (no data moves):
+  a partial sum over one device is the sum."""
+
+  def reduce(x):
+    found = spec(x)
+    if found is None or not found.unreduced:
+      return x
+    kept = unreduced(x)
+    if kept == found.unreduced:
+      return x
+    parts = partitions(found)
+    return jax.reshard(x, P(*parts, reduced=found.reduced, unreduced=kept))
+
+  return jax.tree.map(reduce, tree)
 
 
 def reduced(x: Any) -> frozenset:
@@ -108,7 +142,7 @@ def data_axes(params: Any) -> frozenset:
   parameter is typed reduced."""
   axes = frozenset()
   for leaf in jax.tree.leaves(params):
-    axes |= reduced(leaf)
+    axes |= _deferred(leaf, reduced(leaf))
   return axes
 
 
@@ -117,7 +151,9 @@ def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
   turned unreduced (``jnp.zeros_like`` would keep them reduced)."""
   if not reduced(param):
     return jnp.zeros_like(param, dtype=dtype)
-  sharding = _retyped(param, spec(param).to_ct_spec())
+  found = spec(param)
+  gradient = P(*partitions(found), unreduced=_deferred(param, found.reduced))
+  sharding = _retyped(param, gradient)
   return jnp.zeros(jnp.shape(param), dtype, out_sharding=sharding)
 
 
@@ -366,11 +402,7 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
 
 
 def _num_devices(x: Any) -> int:
-  mesh = (
-    x.sharding.mesh
-    if isinstance(x, jax.ShapeDtypeStruct)
-    else (jax.typeof(x).sharding.mesh)
-  )
+  mesh = _mesh_of(x)
   size = 1
   for axis in unreduced(x):
     size *= mesh.shape[axis]

@@ -261,6 +261,7 @@ def _update(
   )
   _validation.grads(grads, params, state.acc_grads)
   _explicit.check_supported(grads, 'Gradients')
+  grads, num_tokens, loss = _explicit.reduce_trivial((grads, num_tokens, loss))
   _explicit.check_layout(grads, state, params)
   count = _count(config, state, num_tokens)
   loss = _validation.loss(loss)

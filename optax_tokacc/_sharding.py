@@ -99,13 +99,19 @@ def _partial_sum_specs(state_specs: Any, data_axes: frozenset) -> Any:
   axes turned unreduced), the window's count and loss unreduced over every
   axis some parameter is reduced over."""
 
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = {} if mesh.empty else dict(mesh.shape)
+
+  def deferred(axes):  # partial sums over one device are the sum
+    return frozenset(a for a in axes if sizes.get(a, 2) > 1)
+
   def like_gradient(spec):
-    return P(*_explicit.partitions(spec), unreduced=spec.reduced)
+    return P(*_explicit.partitions(spec), unreduced=deferred(spec.reduced))
 
   def gradient_specs(tree):
     return jax.tree.map(like_gradient, tree, is_leaf=_is_spec)
 
-  scalar = P(unreduced=data_axes)
+  scalar = P(unreduced=deferred(data_axes))
   return state_specs._replace(
     acc_grads=gradient_specs(state_specs.acc_grads),
     acc_compensation=gradient_specs(state_specs.acc_compensation),

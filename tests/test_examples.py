@@ -25,6 +25,8 @@ import chex
 import numpy as np
 import pytest
 
+from optax_tokacc import _explicit as tokacc_explicit
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / 'examples'
 EXAMPLE_SCRIPTS = sorted(
@@ -388,3 +390,53 @@ def test_empty_corpus_is_one_line_error(tmp_path):
   assert result.stderr.strip().splitlines() == [
     f'train_lm.py: error: --corpus {corpus}: the file is empty.'
   ]
+
+
+EXPLICIT_RUNS = {
+  # mesh: (what runs per micro-step, what the window adds)
+  'data=4': ('0', '1 (1 all-reduce over data)'),
+  'fsdp=4': ('over fsdp', 'over fsdp'),
+  'replica=2,fsdp=2': ('over fsdp', '1 all-reduce over replica'),
+}
+
+
+@pytest.mark.skipif(
+  not tokacc_explicit.SUPPORTED, reason='reduced/unreduced need jax >= 0.10'
+)
+@pytest.mark.parametrize('mesh', sorted(EXPLICIT_RUNS))
+def test_explicit_sharding_example(mesh):
+  """Plain jit on an explicit mesh: the printed collectives (no replica or
+  data collective per micro-step) and full-batch exactness."""
+  result = run_example(
+    'explicit_sharding.py', '--mesh', mesh, '--steps', '3', timeout=300
+  )
+  assert_ok(result)
+  per_micro_step, per_window = EXPLICIT_RUNS[mesh]
+  line = next(
+    x for x in result.stdout.splitlines() if x.startswith('collectives:')
+  )
+  micro, window = line.split(' per micro-step, ')
+  assert per_micro_step in micro and 'replica' not in micro
+  assert 'data' not in micro and per_window in window
+  difference = float(result.stdout.rsplit('one device: ', 1)[1].rstrip('.\n'))
+  assert difference < 1e-5
+
+
+def test_explicit_sharding_example_token_budget():
+  """``--tokens-per-update``: windows of varying size, one scalar
+  all-reduce per micro-step for the budget, still exact."""
+  if not tokacc_explicit.SUPPORTED:
+    pytest.skip('reduced/unreduced need jax >= 0.10')
+  result = run_example(
+    'explicit_sharding.py',
+    *('--tokens-per-update', '2000', '--k', '8', '--steps', '6'),
+    timeout=300,
+  )
+  assert_ok(result)
+  assert 'collectives: 1 (1 all-reduce over data) per micro-step' in (
+    result.stdout
+  )
+  sizes = re.search(r'updates of (\d+)-(\d+) micro-batches', result.stdout)
+  assert int(sizes[2]) < 8
+  difference = float(result.stdout.rsplit('one device: ', 1)[1].rstrip('.\n'))
+  assert difference < 1e-5

@@ -874,3 +874,27 @@ def test_token_cross_entropy_partial_sums_need_no_collective():
   assert int(totals[1]) == int(expected[1])
   sites = collectives.collective_sites(collectives.parse_hlo(text))
   assert sites == []
+
+
+def test_a_data_axis_of_one_device():
+  """On a mesh whose data axis has one device (the same code on one
+  accelerator), partial sums over it are the sum: the state holds no
+  unreduced type (JAX cannot lower those over a size-1 axis), and
+  training equals full-batch training."""
+  windows, expected, _ = reference(sgd(), num_devices=1)
+  tx = tokacc.token_weighted_multistep(
+    sgd(), K, should_skip_update_fn=tokacc.skip_not_finite, compensated=True
+  )
+  mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
+  with jax.set_mesh(mesh):
+    data = NamedSharding(mesh, P('data'))
+    params = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    state = tx.init(params)
+    assert str(jax.typeof(state.acc_grads['w'])) == 'float32[8,8]'
+    specs = tokacc.state_partition_specs(tx, params)
+    assert specs.acc_grads['w'] == P(None, None) and specs.acc_tokens == P()
+    step = make_step(tx, 'unreduced')
+    for batch, emit_now in micro_batches(windows):
+      batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
+      params, state = step(params, state, batch, jnp.asarray(emit_now))
+    chex.assert_trees_all_close(plain(params), expected, atol=TOLERANCE)

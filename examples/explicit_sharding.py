@@ -1,0 +1,278 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+r"""Explicit sharding under plain ``jax.jit``: one reduction per window.
+
+Trains a small byte-level model on the shipped corpus with plain ``jax.jit``
+on an explicit mesh (``jax.make_mesh``'s default since JAX 0.9; no
+``shard_map``, ``axis_name=None``), ``k`` micro-batches per window, then
+checks the parameters against full-batch training on one device:
+
+- ``--mesh data=N``, DDP: parameters typed reduced over ``data``
+  (``jax.P(reduced={'data'})``), so their gradients arrive unreduced; the
+  accumulator keeps each device's partial sums and one all-reduce closes the
+  window.
+- ``--mesh fsdp=N``, FSDP: parameters split over ``fsdp`` and gathered in
+  the forward pass; their gradients are reduced over ``fsdp`` on every
+  micro-step (FSDP needs it) and the accumulator is 1/N per device.
+- ``--mesh replica=R,fsdp=F``, HSDP: split over ``fsdp``, typed reduced over
+  ``replica``: collectives within ``fsdp`` on every micro-step, one
+  all-reduce over ``replica`` per window.
+
+The loss and the token count are per-device partial sums
+(``token_cross_entropy(..., out_sharding=jax.P(unreduced=...))``), so a
+micro-step issues no collective for them either. It prints the collectives
+of the compiled step, per micro-step and per window, e.g. for DDP::
+
+  collectives: 0 per micro-step, 1 (1 all-reduce over data) per window of 4
+  micro-steps
+
+The model is written for explicit meshes: a one-hot embedding (a matmul, as
+reduced parameters need), an MLP without biases and a tied output layer.
+(Flax linen's ``Embed`` gathers without ``out_sharding``, which explicit
+meshes refuse, so ``examples/train_lm.py`` keeps ``shard_map``.)
+
+  python examples/explicit_sharding.py                  # DDP on 4 devices
+  python examples/explicit_sharding.py --mesh replica=2,fsdp=2
+  python examples/explicit_sharding.py --tokens-per-update 2000
+"""
+
+import argparse
+import math
+import pathlib
+
+import _lm
+import jax
+import numpy as np
+import optax
+
+import optax_tokacc as tokacc
+
+VOCAB = 256
+MESHES = 'data=N (DDP), fsdp=N (FSDP) or replica=R,fsdp=F (HSDP)'
+
+
+def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+  parser = argparse.ArgumentParser(
+    description=__doc__.split('\n\n')[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument('--mesh', default='data=4', help=f'one of {MESHES}')
+  parser.add_argument('--k', type=int, default=4, help='micro-batches/window')
+  parser.add_argument('--steps', type=int, default=30, help='updates')
+  parser.add_argument(
+    '--micro-batch-size', type=int, default=2, help='sequences per device'
+  )
+  parser.add_argument(
+    '--tokens-per-update',
+    type=int,
+    default=None,
+    help='close a window once it holds this many counted tokens (all '
+    'devices), at most --k micro-batches',
+  )
+  parser.add_argument('--lr', type=float, default=3e-3, help='AdamW rate')
+  parser.add_argument(
+    '--corpus',
+    type=pathlib.Path,
+    default=_lm.DEFAULT_CORPUS,
+    help='plain-text training corpus',
+  )
+  parser.add_argument('--seq-len', type=int, default=128, help='in bytes')
+  parser.add_argument('--d-model', type=int, default=64, help='model width')
+  parser.add_argument('--seed', type=int, default=0, help='init and data')
+  args = parser.parse_args(argv)
+  args.layers = 1  # what _lm.load_data checks; this model has one block
+  _lm.check_positive(
+    parser, k=args.k, steps=args.steps, micro_batch_size=args.micro_batch_size
+  )
+  args.mesh_axes = parse_mesh(parser, args.mesh)
+  return parser, args
+
+
+def parse_mesh(parser, text: str) -> dict[str, int]:
+  """``{'replica': 2, 'fsdp': 2}`` from ``replica=2,fsdp=2``."""
+  axes = {}
+  for item in text.split(','):
+    name, _, size = item.partition('=')
+    if not size.isdigit() or int(size) < 1:
+      _lm.fail(parser, f'--mesh {text}: use {MESHES}.')
+    axes[name] = int(size)
+  if tuple(axes) not in (('data',), ('fsdp',), ('replica', 'fsdp')):
+    _lm.fail(parser, f'--mesh {text}: use {MESHES}.')
+  return axes
+
+
+def param_specs(params, mesh: jax.sharding.Mesh):
+  """DDP: reduced over ``data``; FSDP: split over ``fsdp`` along the first
+  dimension; HSDP: both, reduced over ``replica``."""
+  names = mesh.axis_names
+  reduced = {a for a in names if a in ('data', 'replica')}
+  split = 'fsdp' if 'fsdp' in names else None
+
+  def spec(p):
+    return jax.P(split, *(None,) * (p.ndim - 1), reduced=reduced)
+
+  return jax.tree.map(spec, params)
+
+
+def init_params(seed: int, d_model: int):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  normal = jax.random.normal
+  return {
+    'embed': normal(keys[0], (VOCAB, d_model)) * 0.02,
+    'w_in': normal(keys[1], (d_model, 4 * d_model)) / math.sqrt(d_model),
+    'w_out': normal(keys[2], (4 * d_model, d_model)) / math.sqrt(4 * d_model),
+  }
+
+
+def gathered(params):
+  """Each parameter whole on every device, typed reduced over the axes it
+  was split or reduced over: its gradient comes back unreduced there, and
+  JAX reduces it back onto the split axes only (FSDP's reduce-scatter)."""
+
+  def gather(p):
+    spec = jax.typeof(p).sharding.spec
+    split = {a for e in spec.partitions if e for a in jax.tree.leaves(e)}
+    if not split:
+      return p
+    return jax.reshard(p, jax.P(reduced=set(spec.reduced) | split))
+
+  return jax.tree.map(gather, params)
+
+
+def loss_sum(params, tokens, lengths, out_sharding=None):
+  """Token-summed next-byte cross-entropy and the counted tokens."""
+  inputs, labels, mask = _lm.inputs_and_labels(tokens, lengths)
+  p = gathered(params)
+  x = jax.nn.one_hot(inputs, VOCAB) @ p['embed']
+  x = x + jax.nn.gelu(x @ p['w_in']) @ p['w_out']
+  logits = x @ p['embed'].T
+  return tokacc.token_cross_entropy(
+    logits, labels, where=mask, out_sharding=out_sharding
+  )
+
+
+def make_step(tx, mesh):
+  partial = jax.P(unreduced=set(mesh.axis_names))
+
+  @jax.jit
+  def step(params, opt_state, tokens, lengths):
+    (loss, num_tokens), grads = jax.value_and_grad(
+      lambda p: loss_sum(p, tokens, lengths, partial), has_aux=True
+    )(params)
+    updates, opt_state = tx.update(
+      grads, opt_state, params, num_tokens=num_tokens, loss=loss
+    )
+    return optax.apply_updates(params, updates), opt_state
+
+  return step
+
+
+def reference(optimizer, params, windows):
+  """Full-batch training on one device: one step per window."""
+
+  @jax.jit
+  def step(params, opt_state, tokens, lengths):
+    (_, num_tokens), grads = jax.value_and_grad(loss_sum, has_aux=True)(
+      params, tokens, lengths
+    )
+    grads = jax.tree.map(lambda g: g / num_tokens, grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = optimizer.init(params)
+  for window in windows:
+    tokens = np.concatenate([t for t, _ in window])
+    lengths = np.concatenate([n for _, n in window])
+    params, opt_state = step(params, opt_state, tokens, lengths)
+  return params
+
+
+def train(args, mesh, tx, params, sequences):
+  """Streams micro-batches until ``args.steps`` windows closed; returns
+  the parameters, the windows (for the reference) and the window losses."""
+  step = make_step(tx, mesh)
+  batch = jax.NamedSharding(mesh, jax.P(mesh.axis_names))
+  rows = mesh.size * args.micro_batch_size
+  rng = np.random.default_rng(args.seed)
+  opt_state = tx.init(params)
+  windows, window, losses = [], [], []
+  while len(windows) < args.steps:
+    micro = _lm.sample_window(rng, sequences, 1, rows, False)
+    tokens, lengths = micro.tokens[0], micro.lengths[0]
+    if not windows and not window:
+      print_collectives(args, step, params, opt_state, tokens, lengths, batch)
+    params, opt_state = step(
+      params,
+      opt_state,
+      jax.device_put(tokens, batch),
+      jax.device_put(lengths, batch),
+    )
+    window.append((tokens, lengths))
+    if bool(tokacc.has_updated(opt_state)):
+      windows.append(window)
+      window = []
+      losses.append(float(tokacc.window_loss(opt_state)))
+  return params, windows, losses
+
+
+def print_collectives(args, step, params, opt_state, tokens, lengths, batch):
+  compiled = step.lower(
+    params,
+    opt_state,
+    jax.device_put(tokens, batch),
+    jax.device_put(lengths, batch),
+  ).compile()
+  every_call, emitting = _lm.collectives(compiled.as_text(), batch.mesh)
+  print(_lm.describe_collectives(every_call, emitting, args.k))
+
+
+def main(argv=None) -> None:
+  parser, args = parse_args(argv)
+  jax.config.update('jax_num_cpu_devices', math.prod(args.mesh_axes.values()))
+  mesh = jax.make_mesh(tuple(args.mesh_axes.values()), tuple(args.mesh_axes))
+  _, sequences, _ = _lm.load_data(
+    parser, args, args.k * mesh.size * args.micro_batch_size
+  )
+  inner = optax.adamw(args.lr, weight_decay=0.01)
+  tx = tokacc.token_weighted_multistep(
+    inner, args.k, tokens_per_update=args.tokens_per_update
+  )
+  params0 = init_params(args.seed, args.d_model)
+  with jax.set_mesh(mesh):
+    specs = param_specs(params0, mesh)
+    params = jax.device_put(params0, specs)
+    print(
+      f'{args.mesh}: parameters typed {specs["w_in"]}; accumulator typed '
+      f'{jax.typeof(tx.init(params).acc_grads["w_in"])}.'
+    )
+    params, windows, losses = train(args, mesh, tx, params, sequences)
+    params = tokacc.to_checkpoint(params)  # typed replicated, for the host
+  expected = reference(inner, params0, windows)
+  difference = max(
+    float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected))
+  )
+  sizes = [len(w) for w in windows]
+  tokens = [sum(int((n - 1).sum()) for _, n in w) for w in windows]
+  print(
+    f'{len(windows)} updates of {min(sizes)}-{max(sizes)} micro-batches, '
+    f'{sum(tokens) / len(tokens):,.0f} counted tokens per update; window '
+    f'loss {losses[0]:.3f} -> {losses[-1]:.3f}.\nLargest difference from '
+    f'full-batch training on one device: {difference:.1e}.'
+  )
+
+
+if __name__ == '__main__':
+  main()
