@@ -323,7 +323,8 @@ def close_if(config, emit, grads, window, inner_state, params, extra, dp):
   twice is copied on every micro-step.
   """
   acc_grads, _, acc_tokens, acc_loss = window
-  shapes = _update_shapes(config, grads, inner_state, params, extra)
+  shapes, with_value = _update_shapes(config, grads, inner_state, params, extra)
+  extra = (extra[0], with_value)
   in_buffer = _holds_exactly(acc_grads, shapes)
   hold = functools.partial(_held, shapes=shapes, in_buffer=in_buffer)
 
@@ -347,21 +348,33 @@ def close_if(config, emit, grads, window, inner_state, params, extra, dp):
 
 
 def _update_shapes(config, grads, inner_state, params, extra):
-  """The shapes, dtypes and types of ``inner``'s updates. Without ``loss``,
-  ``inner`` gets no ``value``; if it needs one, the error names ``loss``."""
-  extra_args, with_value = extra
-  if with_value:
-    extra_args = dict(extra_args, value=jnp.zeros([], config.loss_dtype))
-  try:
+  """The shapes, dtypes and types of ``inner``'s updates, and whether
+  ``inner`` takes ``value``: with ``loss`` passed it gets the window's
+  loss unless it accepts no ``value`` keyword (``optax.contrib.sam``).
+  Without ``loss``, if ``inner`` needs ``value``, the error names ``loss``.
+  """
+  extra_args, with_loss = extra
+
+  def shapes(extra_args):
     return jax.eval_shape(
       lambda g, s, p: inner_update(config, g, s, p, extra_args)[0],
       jax.tree.map(_explicit.reduce_now, grads),
       inner_state,
       params,
     )
+
+  if with_loss:
+    value = jnp.zeros([], config.loss_dtype)
+    try:
+      return shapes(dict(extra_args, value=value)), True
+    except TypeError as e:
+      if "unexpected keyword argument 'value'" not in str(e):
+        raise
+  try:
+    return shapes(extra_args), False
   except TypeError as e:
-    error = None if with_value else _validation.needs_value_error(e)
-    if error is None:
+    error = _validation.needs_value_error(e)
+    if error is None or with_loss:
       raise
     raise error from e
 

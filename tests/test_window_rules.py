@@ -448,3 +448,19 @@ def test_budget_survives_a_mid_window_checkpoint(tmp_path):
     resumed = step(*resumed, batch)
     train_state = step(*train_state, batch)
   chex.assert_trees_all_equal(resumed, train_state)
+
+
+def test_inner_that_takes_no_value_gets_none():
+  """``optax.contrib.sam``'s update takes no ``value``: with ``loss=``
+  passed it still runs (and equals full-batch training)."""
+
+  def sam():
+    return optax.contrib.sam(
+      optax.sgd(0.05), optax.sgd(0.05), sync_period=2, opaque_mode=False
+    )
+
+  windows = harness.make_windows((K,) * 4, NUM_DEVICES, seed=2)
+  expected, _ = harness.train_full_batch(sam(), harness.init_params(), windows)
+  tx = tokacc.token_weighted_multistep(sam(), K)
+  params, _ = single_device(tx, windows)  # passes loss= on every micro-step
+  chex.assert_trees_all_close(params, expected, atol=TOLERANCE)
