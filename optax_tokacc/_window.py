@@ -151,14 +151,16 @@ def _add_scalars(config, state, count, loss, keep, adds):
   if keep is not None:
     count = jnp.where(keep, count, jnp.zeros_like(count))
 
-  def add(acc_tokens, acc_loss, count, loss):
-    count = _tokens.as_count(count, config.token_dtype)
-    return _tokens.add(acc_tokens, count), acc_loss + loss
+  def add(acc_tokens, count):
+    return _tokens.add(acc_tokens, _tokens.as_count(count, config.token_dtype))
 
-  args = (state.acc_tokens, state.acc_loss, count, loss)
+  acc_loss = state.acc_loss + loss  # linear: partial sums add as they are
   if not axes:
-    return add(*args)
-  return _explicit.local(add, args, (_explicit.spec(state.acc_tokens),) * 2)
+    return add(state.acc_tokens, count), acc_loss
+  acc_tokens = _explicit.local(
+    add, (state.acc_tokens, count), _explicit.spec(state.acc_tokens)
+  )
+  return acc_tokens, acc_loss
 
 
 def window_tokens(acc_tokens, dp) -> jax.Array:
