@@ -42,6 +42,22 @@ def _compensated_add(
   return new_total, new_error.astype(total.dtype)
 
 
+def _restarted(trees, restart: jax.Array):
+  """``trees``, or zeros like them if ``restart``, in a ``lax.cond``.
+
+  Not a select fused into the add: a select on a scalar puts a broadcast in
+  the add's fusion, which XLA:CPU then gives to its loop emitter instead of
+  its tiled one, and the loop emitter reads a transposed operand with a
+  page-sized stride. Gradients of bfloat16 weights reach the add transposed
+  (rounded to bfloat16 after their dot), and the micro-step took about 2x
+  the ideal's. The zeros are written on a window's first micro-step only;
+  the other micro-steps pass the buffers through the ``cond`` uncopied.
+  """
+  return jax.lax.cond(
+    restart, lambda t: jax.tree.map(jnp.zeros_like, t), lambda t: t, trees
+  )
+
+
 def accumulate(
   acc_grads: optax.Updates,
   acc_compensation: optax.Updates,
@@ -51,26 +67,24 @@ def accumulate(
 ) -> tuple[optax.Updates, optax.Updates]:
   """Adds ``addends`` into the window's sums; ``restart`` starts a window.
 
-  A restart selects (never multiplies by zero), so what the buffer held
-  before, scratch or a NaN of a finished window, cannot leak into the new
-  window. ``acc_compensation`` is ``()`` when summation is not compensated.
+  A restart zeroes the sums first (never multiplies them by zero), so what
+  the buffer held before, scratch or a NaN of a finished window, cannot
+  leak into the new window. ``acc_compensation`` is ``()`` when summation
+  is not compensated.
   """
   if not compensated:
     acc_grads = jax.tree.map(
-      lambda total, value: jnp.where(
-        restart, value.astype(total.dtype), total + value.astype(total.dtype)
-      ),
-      acc_grads,
+      lambda total, value: total + value.astype(total.dtype),
+      _restarted(acc_grads, restart),
       addends,
     )
     return acc_grads, ()
+  acc_grads, acc_compensation = _restarted(
+    (acc_grads, acc_compensation), restart
+  )
   treedef = jax.tree.structure(acc_grads)
   sums = [
-    _compensated_add(
-      jnp.where(restart, jnp.zeros_like(total), total),
-      jnp.where(restart, jnp.zeros_like(error), error),
-      value,
-    )
+    _compensated_add(total, error, value)
     for total, error, value in zip(
       treedef.flatten_up_to(acc_grads),
       treedef.flatten_up_to(acc_compensation),

@@ -47,8 +47,10 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
   unreduced axes (the type of ``x`` once reduced)."""
   if isinstance(x, jax.ShapeDtypeStruct):
     sharding = x.sharding
-  else:
+  elif isinstance(x, jax.Array):  # Python and NumPy values carry no layout
     sharding = getattr(jax.typeof(x), 'sharding', None)
+  else:
+    return None
   found = getattr(sharding, 'spec', None)
   if not isinstance(found, P):
     return None

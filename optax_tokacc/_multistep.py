@@ -338,8 +338,8 @@ def _next_state(
   state, emit, mini_step, window, acc_grads, inner_state, closed, skip_state
 ):
   """The state after this call; a closed window starts afresh (its
-  parameter-sized buffers are restarted by the next micro-step's select,
-  not rewritten here)."""
+  parameter-sized buffers are zeroed by the next micro-step, before its
+  add, not rewritten here)."""
   emitted, valid, total, mean_loss = closed
   _, acc_compensation, acc_tokens, acc_loss = window
 

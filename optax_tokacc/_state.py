@@ -46,7 +46,7 @@ class TokenWeightedMultiStepState(NamedTuple):
       sharded) like the parameters. Right after an emitting step the buffer
       is scratch: it may hold the emitted updates (reusing it saves a
       parameter-sized write on every micro-step); the next micro-step
-      overwrites it with a select, never reads it.
+      zeroes it before adding (a ``lax.cond``), never reads it.
     acc_tokens: *per device*. Counted tokens of the current window; -1 once
       the window is invalid (a negative, NaN, fractional or out-of-range
       ``num_tokens``), and such a window is dropped when it closes.

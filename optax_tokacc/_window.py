@@ -344,7 +344,7 @@ def close_if(config, emit, grads, window, inner_state, params, extra, dp):
   if not in_buffer:
     return held, acc_grads, inner_state, closed
   updates = jax.tree.map(
-    lambda h, s: jnp.where(closed[0], h, 0).astype(s.dtype), held, shapes
+    lambda h, s: jnp.where(closed[0], h, -0.0).astype(s.dtype), held, shapes
   )
   return updates, held, inner_state, closed
 
@@ -397,9 +397,10 @@ def _holds_exactly(acc_grads: optax.Updates, updates: Any) -> bool:
 
 
 def _zeros(shapes: Any) -> Any:
-  """Zeros of the given shapes, dtypes and explicit shardings, varying over
-  no axis (``zeros_like`` of a gradient would inherit its per-device
-  variance and make the parameters vary)."""
+  """Zero updates of the given shapes, dtypes and explicit shardings,
+  varying over no axis (``zeros_like`` of a gradient would inherit its
+  per-device variance and make the parameters vary). They are -0.0, so that
+  adding them leaves every parameter bit-identical (-0.0 + 0.0 is +0.0)."""
 
   def zeros(shape):
     sharding = getattr(shape, 'sharding', None)
@@ -409,7 +410,12 @@ def _zeros(shapes: Any) -> Any:
       or spec.reduced
       or spec.unreduced
     ):
-      return jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding)
-    return jnp.zeros(shape.shape, shape.dtype)
+      return _signed(jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding))
+    return _signed(jnp.zeros(shape.shape, shape.dtype))
 
   return jax.tree.map(zeros, shapes)
+
+
+def _signed(zeros: jax.Array) -> jax.Array:
+  """-0.0 for floating zeros (other dtypes have one zero)."""
+  return -zeros if jnp.issubdtype(zeros.dtype, jnp.inexact) else zeros

@@ -250,3 +250,34 @@ def run(step, params, states, windows, grad_fn):
       trained[name][0].append(params[name])
       trained[name][1].append(states[name])
   return trained
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('in_buffer', [True, False])
+def test_micro_steps_keep_parameters_bit_identical_negative_zero(
+  dtype, in_buffer
+):
+  """Micro-steps leave every bit of the parameters as it was, -0.0
+  included: the zero updates are -0.0 (x + -0.0 == x for every x, while
+  -0.0 + 0.0 is +0.0). Both ways of producing them: held in the
+  accumulator's buffer, and fresh zeros (an inner whose updates the buffer
+  cannot hold)."""
+  params = {'w': jnp.array([-0.0, 0.0, 1.5, -2.0], dtype)}
+  # An accumulator dtype that cannot hold the updates' dtype exactly.
+  narrow = {jnp.float32: jnp.bfloat16, jnp.bfloat16: jnp.float16}[dtype]
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(0.1), 4, accumulator_dtype=None if in_buffer else narrow
+  )
+  state = tx.init(params)
+  step = jax.jit(
+    lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(
+      *tx.update({'w': jnp.ones(4, dtype)}, s, p, num_tokens=3)
+    )
+  )
+  new_params, _ = step(params, state)
+  unsigned = np.uint16 if dtype == jnp.bfloat16 else np.uint32
+
+  def bits(tree):
+    return np.asarray(tree['w']).view(unsigned)
+
+  np.testing.assert_array_equal(bits(new_params), bits(params))
