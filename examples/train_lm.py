@@ -53,6 +53,12 @@ loss, tokens/s) and writes an orbax checkpoint, a loss plot and
   python examples/train_lm.py --steps 50 --k 8 --devices 4
   python examples/train_lm.py --mesh fsdp=4   # FSDP on 4 devices
   python examples/train_lm.py --mesh replica=2,fsdp=2   # HSDP on 4 devices
+  python examples/train_lm.py --tokens-per-update 4096  # a token budget
+
+With ``--tokens-per-update N`` a window closes once it holds N counted
+tokens over all devices (or after ``--k`` micro-batches): the progress bar
+shows each update's tokens, and ``summary.json`` their mean, minimum and
+maximum, with the micro-batches per update.
 
 On 2 shared CPU cores: about 1 minute for DDP, 1.5 for FSDP and HSDP (4
 devices, twice the sequences per update).
@@ -121,6 +127,13 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     'fake devices are created',
   )
   parser.add_argument(
+    '--tokens-per-update',
+    type=int,
+    default=None,
+    help='close a window once it holds this many counted tokens over all '
+    'devices (at most --k micro-batches): updates of a token budget',
+  )
+  parser.add_argument(
     '--lr', type=float, default=3e-3, help='peak learning rate of AdamW'
   )
   parser.add_argument(
@@ -139,6 +152,8 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     micro_batch_size=args.micro_batch_size,
     devices=args.devices,
   )
+  if args.tokens_per_update is not None:
+    _lm.check_positive(parser, tokens_per_update=args.tokens_per_update)
   args.mesh_axes = parse_mesh(parser, args)
   return parser, args
 
@@ -342,16 +357,30 @@ def status_text(loss: float, tokens_per_s: float) -> str:
   return f'loss {loss:.3f}  {tokens_per_s:,.0f} tok/s'
 
 
+def micro_batches(args, sequences, rows):
+  """Micro-batches ``(tokens, lengths)``, window after window of ``k``."""
+  rng = np.random.default_rng(args.seed)
+  while True:
+    window = _lm.sample_window(
+      rng, sequences, args.k, rows, args.group_by_length
+    )
+    yield from zip(window.tokens, window.lengths)
+
+
 def train(args, state, train_step, sequences, batch_sharding):
-  """Runs ``args.steps`` windows with a progress bar.
+  """Feeds micro-batches until ``args.steps`` updates, with a progress bar.
+
+  A window closes after ``k`` micro-batches or, with ``--tokens-per-update``,
+  once it holds that many counted tokens.
 
   Returns:
-    ``(state, window_losses, window_tokens, tokens_per_s)``; tokens/s is
-    measured after the first window (warm-up), NaN with one window.
+    ``(state, window_losses, (window_tokens, window_sizes),
+    tokens_per_s)``: the counted tokens and micro-batches of each update;
+    tokens/s is measured after the first window (warm-up), NaN with one
+    window.
   """
-  rng = np.random.default_rng(args.seed)
   rows = batch_sharding.mesh.size * args.micro_batch_size
-  window_losses, window_tokens = [], []
+  window_losses, window_tokens, window_sizes = [], [], []
   columns = (
     *progress.Progress.get_default_columns()[:-1],
     progress.MofNCompleteColumn(),
@@ -360,29 +389,36 @@ def train(args, state, train_step, sequences, batch_sharding):
   )
   steady_start = steady_tokens = None  # throughput after the first window
   tokens_per_s = math.nan
+  batches = micro_batches(args, sequences, rows)
+  size = 0
   with progress.Progress(*columns) as bar:
     task = bar.add_task('training', total=args.steps, status='first window…')
-    for _ in range(args.steps):
-      window = _lm.sample_window(
-        rng, sequences, args.k, rows, args.group_by_length
+    while len(window_losses) < args.steps:
+      tokens, lengths = next(batches)
+      state = train_step(
+        state,
+        jax.device_put(tokens, batch_sharding),
+        jax.device_put(lengths, batch_sharding),
       )
-      for tokens, lengths in zip(window.tokens, window.lengths):
-        state = train_step(
-          state,
-          jax.device_put(tokens, batch_sharding),
-          jax.device_put(lengths, batch_sharding),
-        )
+      size += 1
+      if int(state.step) == len(window_losses):  # a micro-step
+        continue
+      window_sizes.append(size)
+      size = 0
       window_losses.append(float(state.window_loss))
-      window_tokens.append(int(window.lengths.sum() - window.lengths.size))
+      window_tokens.append(int(_window_state(state).last_tokens))
       if steady_start is None:
         steady_start, steady_tokens = time.perf_counter(), 0
       else:
         steady_tokens += window_tokens[-1]
         tokens_per_s = steady_tokens / (time.perf_counter() - steady_start)
-      bar.update(
-        task, advance=1, status=status_text(window_losses[-1], tokens_per_s)
-      )
-  return state, window_losses, window_tokens, tokens_per_s
+      status = status_text(window_losses[-1], tokens_per_s)
+      bar.update(task, advance=1, status=f'{status}  {window_tokens[-1]} tok')
+  return state, window_losses, (window_tokens, window_sizes), tokens_per_s
+
+
+def _window_state(state) -> tokacc.TokenWeightedMultiStepState:
+  return tokacc.find_state(state.opt_state)
 
 
 def compile_step(args, state, train_step, batch_sharding, seq_len):
@@ -435,6 +471,12 @@ def save(out, args, mesh, state, window_losses, window_tokens, extra):
   summary = {
     'updates': args.steps,
     'counted_tokens': int(sum(window_tokens)),
+    'tokens_per_update': {
+      'budget': args.tokens_per_update,
+      'mean': float(np.mean(window_tokens)),
+      'min': int(min(window_tokens)),
+      'max': int(max(window_tokens)),
+    },
     'first_window_loss': window_losses[0],
     'last_window_loss': window_losses[-1],
     **extra,
@@ -456,6 +498,7 @@ def optimizer(args, mesh: jax.sharding.Mesh):
     ),
     every_k_schedule=args.k,
     axis_name=data_axis(mesh),  # sum the window over this axis's devices
+    tokens_per_update=args.tokens_per_update,
   )
 
 
@@ -490,7 +533,7 @@ def main(argv=None) -> None:
   train_step = compile_step(
     args, state, train_step, batch_sharding, config.seq_len
   )
-  state, window_losses, window_tokens, tokens_per_s = train(
+  state, window_losses, (window_tokens, window_sizes), tokens_per_s = train(
     args, state, train_step, train_data, batch_sharding
   )
   state = jax.device_get(state)
@@ -509,12 +552,18 @@ def main(argv=None) -> None:
     window_tokens,
     {
       'heldout_loss': heldout_loss,
+      'micro_batches_per_update': {
+        'mean': float(np.mean(window_sizes)),
+        'min': int(min(window_sizes)),
+        'max': int(max(window_sizes)),
+      },
       'tokens_per_s': None if math.isnan(tokens_per_s) else tokens_per_s,
       'seconds': elapsed,
     },
   )
   print(
     f'Summary: {args.steps} updates on {sum(window_tokens):,} counted tokens '
+    f'({min(window_tokens):,} to {max(window_tokens):,} per update) '
     f'in {elapsed:.0f} s ({tokens_per_s:,.0f} tokens/s after the first '
     f'window); window loss {window_losses[0]:.3f} -> {window_losses[-1]:.3f}, '
     f'held-out loss {heldout_loss:.3f} nats/byte.\n'

@@ -440,3 +440,29 @@ def test_explicit_sharding_example_token_budget():
   assert int(sizes[2]) < 8
   difference = float(result.stdout.rsplit('one device: ', 1)[1].rstrip('.\n'))
   assert difference < 1e-5
+
+
+def test_train_lm_token_budget(tmp_path):
+  """``--tokens-per-update 1``: every micro-batch reaches the budget, so
+  every update is one micro-batch; summary.json reports the tokens and
+  micro-batches per update."""
+  out = tmp_path / 'budget'
+  result = run_example(
+    'train_lm.py',
+    *TINY,
+    *('--steps', '3', '--k', '4', '--tokens-per-update', '1'),
+    *('--out', str(out)),
+    timeout=300,
+  )
+  assert_ok(result)
+  summary = json.loads((out / 'summary.json').read_text())
+  assert summary['updates'] == 3
+  assert summary['micro_batches_per_update'] == {
+    'mean': 1.0,
+    'min': 1,
+    'max': 1,
+  }
+  per_update = summary['tokens_per_update']
+  assert per_update['budget'] == 1
+  assert 1 <= per_update['min'] <= per_update['mean'] <= per_update['max']
+  assert summary['counted_tokens'] == pytest.approx(3 * per_update['mean'])
