@@ -12,7 +12,17 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""optax_tokacc: exact, token-weighted gradient accumulation for optax."""
+"""optax_tokacc: exact, token-weighted gradient accumulation for optax.
+
+With token-level losses, micro-batches count different numbers of tokens,
+and averaging their mean losses is not the full-batch loss.
+:func:`token_weighted_multistep` wraps an optax optimizer so that it sees,
+once per window of micro-batches (on every device), the gradient of the
+window's token-mean loss: exactly what full-batch training computes. The
+flat namespace also holds the helpers that read its state, lay it out on a
+mesh, check its inputs, and compute token-summed losses; ``optax_tokacc.flax``
+holds the Flax train states.
+"""
 
 from optax_tokacc._checks import with_input_checks
 from optax_tokacc._explicit import from_checkpoint

@@ -12,7 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Opt-in run-time checks of the inputs, with ``jax.experimental.checkify``."""
+"""Opt-in run-time checks of the inputs, with ``jax.experimental.checkify``.
+
+What cannot be refused at trace time (a traced negative or fractional
+``num_tokens``, a non-finite ``loss``) is handled by the transform without a
+host round trip: an invalid count drops its window. :func:`with_input_checks`
+adds ``checkify`` checks that report such inputs with the micro-step where
+they occurred, for debugging, at the cost of the checks.
+"""
 
 from typing import Any, Optional
 

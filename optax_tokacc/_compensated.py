@@ -12,7 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Accumulation into the window's sums: plain, or Kahan-compensated."""
+"""Accumulation into the window's sums: plain, or Kahan-compensated.
+
+A window's first micro-step zeroes the sums before adding (never multiplies
+them by zero, so nothing of a finished window leaks into the next). With
+``compensated=True`` the rounding error of every addition is kept and added
+back (TwoSum in at least float32), so that a low-precision accumulator keeps
+about twice its precision over long windows.
+"""
 
 import jax
 import jax.numpy as jnp

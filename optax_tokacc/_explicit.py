@@ -350,10 +350,28 @@ def to_checkpoint(tree: Any) -> Any:
     and every reduced leaf typed replicated.
 
   Example:
-    Save mid-window with orbax and restore into ``tx.init``::
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2])
+    >>> tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2)
+    >>> with jax.set_mesh(mesh):
+    ...   params = jax.device_put(
+    ...       {'w': jnp.ones(3)}, jax.P(None, reduced={'data'}))
+    ...   state = tx.init(params)
+    ...   saved = tokacc.to_checkpoint(state)  # what orbax saves
+    ...   restored = tokacc.from_checkpoint(saved, like=state)
+    >>> print(jax.typeof(state.acc_grads['w']))  # partial sums
+    float32[3]{U:data}
+    >>> print(jax.typeof(saved.acc_grads['w']))  # one row per device
+    float32[2@data,3]
+    >>> print(jax.typeof(restored.acc_grads['w']))
+    float32[3]{U:data}
+
+    With orbax, restore into the structure of ``tx.init`` of parameters
+    placed as in training::
 
       ckptr.save(path, tokacc.to_checkpoint((params, opt_state)))
-      like = (params0, tx.init(params0))  # placed as in training
+      like = (params0, tx.init(params0))
       target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                             tokacc.to_checkpoint(like))
       params, opt_state = tokacc.from_checkpoint(

@@ -12,7 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Token-summed losses that report how many tokens they count."""
+"""Token-summed losses that report how many tokens they count.
+
+:func:`token_cross_entropy` returns ``(loss_sum, num_tokens)``: the
+cross-entropy summed over the counted (non-padding) tokens, in at least
+float32, and their count, which is exactly what
+:func:`optax_tokacc.token_weighted_multistep` takes. Built on
+``optax.losses``.
+"""
 
 from typing import Any, Optional
 

@@ -12,7 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Token-summed gradients of a large batch, one micro-batch at a time."""
+"""Token-summed gradients of a large batch, one micro-batch at a time.
+
+:func:`microbatched_value_and_grad` splits a batch inside one jitted step
+and sums the token-summed losses, token counts and gradients of its
+micro-batches in a loop, so that peak activation memory is that of one
+micro-batch. The sums feed :func:`optax_tokacc.token_weighted_multistep` or,
+divided by the count, a plain optimizer.
+"""
 
 from collections.abc import Callable
 from typing import Any

@@ -59,6 +59,18 @@ def skip_not_finite(
 
   Returns:
     ``(should_skip, {'should_skip': ..., 'num_not_finite': ...})``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> tx = tokacc.token_weighted_multistep(
+    ...     optax.sgd(0.1), 2, should_skip_update_fn=tokacc.skip_not_finite)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> bad = {'w': jnp.array([1.0, jnp.nan])}
+    >>> _, state = tx.update(bad, state, params, num_tokens=4)
+    >>> int(state.mini_step), int(state.acc_tokens)  # not added
+    (0, 0)
   """
   return optax.skip_not_finite(updates, gradient_step, params)
 
@@ -155,8 +167,8 @@ def token_weighted_multistep(
     >>> state = tx.init(params)
     >>> grads = {'w': jnp.array([3.0, 0.0])}  # of a loss summed over 3 tokens
     >>> updates, state = tx.update(grads, state, params, num_tokens=3)
-    >>> updates['w']
-    Array([0., 0.], dtype=float32)
+    >>> updates['w']  # -0.0: adding it leaves every parameter's bits as is
+    Array([-0., -0.], dtype=float32)
     >>> grads = {'w': jnp.array([0.0, 1.0])}  # of a loss summed over 1 token
     >>> updates, state = tx.update(grads, state, params, num_tokens=1)
     >>> updates['w']

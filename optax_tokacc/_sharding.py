@@ -242,6 +242,19 @@ def state_shardings(
   Returns:
     A tree of ``NamedSharding`` with the structure of the state: the full
     layout (every mesh axis), for ``jax.device_put`` or ``out_shardings``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> mesh = jax.make_mesh(
+    ...     (2,), ('fsdp',), axis_types=(jax.sharding.AxisType.Auto,),
+    ...     devices=jax.devices()[:2])
+    >>> tx = tokacc.token_weighted_multistep(optax.adam(0.1), 4)
+    >>> shardings = tokacc.state_shardings(
+    ...     tx, {'w': jnp.zeros((8, 2))}, mesh,
+    ...     param_specs={'w': jax.P('fsdp', None)})
+    >>> tuple(shardings.acc_grads['w'].spec)  # split like the parameter
+    ('fsdp', None)
   """
   specs = state_partition_specs(
     tx, params, param_specs=param_specs, axis_name=axis_name
@@ -274,6 +287,19 @@ def init_sharded(
   Returns:
     The optimizer state, global arrays sharded as
     :func:`state_partition_specs` says.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> mesh = jax.make_mesh(
+    ...     (2,), ('data',), axis_types=(jax.sharding.AxisType.Auto,),
+    ...     devices=jax.devices()[:2])
+    >>> tx = tokacc.token_weighted_multistep(
+    ...     optax.adam(0.1), 4, axis_name='data')
+    >>> state = tokacc.init_sharded(
+    ...     tx, {'w': jnp.zeros((8, 2))}, mesh, axis_name='data')
+    >>> state.acc_grads['w'].shape  # one accumulator slot per device
+    (2, 8, 2)
   """
   param_specs = _param_specs(params, param_specs)
   layout = dict(param_specs=param_specs, axis_name=axis_name)

@@ -12,7 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""The state of the transform, and helpers that read it."""
+"""The state of the transform, and helpers that read it.
+
+:class:`TokenWeightedMultiStepState` is a NamedTuple of arrays, saved and
+restored by orbax as a plain pytree. The helpers find it inside a chain's
+state (:func:`find_state`) and read what users log: whether the last call
+emitted an update (:func:`has_updated`) and the exact token-mean loss of the
+last window (:func:`window_loss`).
+"""
 
 from typing import Any, NamedTuple
 
@@ -141,6 +148,16 @@ def find_state(opt_state: optax.OptState) -> TokenWeightedMultiStepState:
 
   Raises:
     ValueError: if ``opt_state`` holds none, or more than one.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> tx = optax.chain(
+    ...     tokacc.token_weighted_multistep(optax.sgd(0.1), 2),
+    ...     optax.clip(1.0))
+    >>> state = tx.init({'w': jnp.zeros(2)})
+    >>> int(tokacc.find_state(state).gradient_step)
+    0
   """
   if _is_state(opt_state):
     return opt_state
@@ -169,6 +186,18 @@ def has_updated(opt_state: optax.OptState) -> jax.Array:
 
   Returns:
     A boolean scalar.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2)
+    >>> params, grads = {'w': jnp.zeros(2)}, {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...   _, state = tx.update(grads, state, params, num_tokens=1)
+    ...   print(bool(tokacc.has_updated(state)))
+    False
+    True
   """
   return jnp.asarray(find_state(opt_state).emitted, jnp.bool_)
 
@@ -229,6 +258,17 @@ def apply_if_updated(
 
   Returns:
     The new parameters.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> tx = tokacc.token_weighted_multistep(optax.sgd(1.0), 1)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(
+    ...     {'w': jnp.full(2, 4.0)}, state, params, num_tokens=2)
+    >>> tokacc.apply_if_updated(params, updates, state)['w']
+    Array([-1., -1.], dtype=float32)
   """
   find_state(opt_state)
   return optax.apply_updates(params, updates)

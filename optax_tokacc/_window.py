@@ -12,7 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""The window: adding a micro-batch, and closing it in one ``lax.cond``."""
+"""The window: adding a micro-batch, and closing it in one ``lax.cond``.
+
+A micro-step adds the micro-batch's gradients, token count and loss into the
+window's sums. The call that closes the window sums it over the devices in
+one reduction, divides by its token count and runs the wrapped optimizer
+once, inside one ``lax.cond`` whose other branch does nothing: micro-steps
+run no optimizer work and no collective.
+"""
 
 import functools
 from typing import Any

@@ -218,8 +218,9 @@ class TrainState(train_state.TrainState):
   def window_loss(self) -> jax.Array:
     """Token-mean loss of the last emitted window.
 
-    NaN before the first window and when ``loss`` was never passed (see
-    :func:`optax_tokacc.window_loss`).
+    Returns:
+      A floating scalar: NaN before the first window and when ``loss`` was
+      never passed (see :func:`optax_tokacc.window_loss`).
     """
     return _value(_find_state(self.opt_state, *_LINEN).last_loss)
 
@@ -341,14 +342,19 @@ class Optimizer(nnx.Optimizer):
 
   @property
   def has_updated(self) -> jax.Array:
-    """Whether the last :meth:`update` emitted an optimizer update."""
+    """Whether the last :meth:`update` emitted an optimizer update.
+
+    Returns:
+      A boolean scalar.
+    """
     return _value(self.emitted)
 
   @property
   def window_loss(self) -> jax.Array:
     """Token-mean loss of the last emitted window.
 
-    NaN before the first window and when ``loss`` was never passed (see
-    :func:`optax_tokacc.window_loss`).
+    Returns:
+      A floating scalar: NaN before the first window and when ``loss`` was
+      never passed (see :func:`optax_tokacc.window_loss`).
     """
     return _value(_find_state(self.opt_state, *_NNX).last_loss)
