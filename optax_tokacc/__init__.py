@@ -24,9 +24,9 @@ mesh, check its inputs, and compute token-summed losses; ``optax_tokacc.flax``
 holds the Flax train states.
 """
 
+from optax_tokacc._checkpoint import from_checkpoint
+from optax_tokacc._checkpoint import to_checkpoint
 from optax_tokacc._checks import with_input_checks
-from optax_tokacc._explicit import from_checkpoint
-from optax_tokacc._explicit import to_checkpoint
 from optax_tokacc._losses import token_cross_entropy
 from optax_tokacc._microbatch import microbatched_value_and_grad
 from optax_tokacc._multistep import skip_not_finite
@@ -40,7 +40,7 @@ from optax_tokacc._state import find_state
 from optax_tokacc._state import has_updated
 from optax_tokacc._state import window_loss
 
-__version__ = '0.2.0'
+__version__ = '0.3.0'
 
 __all__ = (
   'TokenWeightedMultiStepState',

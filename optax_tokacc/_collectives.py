@@ -20,6 +20,9 @@ A gradient is, in addition, never summed over an axis along which its
 parameter is sharded (the parameter varies there: each device holds a
 different shard). Under ``pmap`` or ``shard_map(check_vma=False)`` JAX does
 not track variance, and everything is summed over all of ``axis_name``.
+Under explicit sharding (plain ``jax.jit``) the window's unreduced partial
+sums are summed over the axes their type names, in the same single
+reduction.
 """
 
 from collections.abc import Callable, Sequence
@@ -28,9 +31,12 @@ import warnings
 
 import jax
 from jax import lax
+import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _compat
+from optax_tokacc import _explicit
+from optax_tokacc import _tokens
 from optax_tokacc._compat import varying_axes
 
 AxisName = Union[str, tuple[str, ...]]
@@ -248,3 +254,60 @@ def check_complete(
       f'{tuple(axes) + tuple(sorted(missing))!r} (every axis the batch is '
       'split over).'
     )
+
+
+def window_tokens(acc_tokens, dp) -> jax.Array:
+  """The window's counted tokens so far, over all devices (for
+  ``tokens_per_update``; an invalid count counts 0, a total beyond the
+  counter counts as its maximum). Where the window is split over devices,
+  a scalar all-reduce on every micro-step."""
+  axes = tuple(sorted(_explicit.unreduced(acc_tokens)))
+
+  def parts_over(acc_tokens, axes):
+    parts = _tokens.to_parts(jnp.maximum(acc_tokens, 0))
+    return lax.psum(parts, axes) if axes else parts
+
+  if axes:
+    parts = _explicit.local(
+      lambda acc: parts_over(acc, axes),
+      (acc_tokens,),
+      jax.sharding.PartitionSpec(),
+    )
+  else:
+    data_axes, tracked = dp
+    over = sum_axes(acc_tokens, data_axes, tracked)
+    parts = parts_over(acc_tokens, over)
+  total, fits = _tokens.from_parts(parts, acc_tokens.dtype)
+  if jnp.issubdtype(acc_tokens.dtype, jnp.integer):
+    top = jnp.iinfo(acc_tokens.dtype).max
+  else:
+    top = jnp.finfo(acc_tokens.dtype).max
+  return jnp.where(fits, total, jnp.asarray(top, acc_tokens.dtype))
+
+
+def reduce_partial_sums(sums, acc_tokens, acc_loss):
+  """Explicit sharding: the window's partial sums reduced on each device in
+  one ``psum`` per distinct set of axes (one all-reduce in data
+  parallelism), the count split into exact float32 parts first."""
+  leaves, treedef = jax.tree.flatten(sums)
+  partial = [i for i, leaf in enumerate(leaves) if _explicit.unreduced(leaf)]
+  leaf_axes = [tuple(sorted(_explicit.unreduced(leaves[i]))) for i in partial]
+  scalar_axes = tuple(sorted(_explicit.unreduced(acc_tokens)))
+
+  def reduce(partial_leaves, acc_tokens, acc_loss):
+    scalars = (_tokens.to_parts(acc_tokens), acc_loss)
+    return reduce_window(
+      partial_leaves, leaf_axes, scalars, scalar_axes, None, scalar_axes
+    )
+
+  partial_leaves = [leaves[i] for i in partial]
+  out_specs = (
+    [_explicit.spec(leaf, unreduced=False) for leaf in partial_leaves],
+    (jax.sharding.PartitionSpec(),) * 2,
+  )
+  reduced, scalars = _explicit.local(
+    reduce, (partial_leaves, acc_tokens, acc_loss), out_specs
+  )
+  for i, leaf in zip(partial, reduced):
+    leaves[i] = leaf
+  return treedef.unflatten(leaves), scalars

@@ -261,10 +261,10 @@ def _update(
   **extra_args: Any,
 ) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory)."""
-  _validation.is_state(state)
+  _state.check_is_state(state)
   if config.axis_name is not None:
     state = _state.without_device_slot(state)
-  _validation.state_matches(
+  _state.check_matches(
     state,
     [config.acc_dtype(g) for g in jax.tree.leaves(grads)],
     config.compensated,
@@ -339,7 +339,7 @@ def _should_emit(config, state, mini_step, acc_tokens, emit_now, dp):
   _validation.check_k(k)
   emit = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
   if config.tokens_per_update is not None:
-    tokens = _window.window_tokens(acc_tokens, dp)
+    tokens = _collectives.window_tokens(acc_tokens, dp)
     emit = jnp.logical_or(emit, tokens >= config.tokens_per_update)
   if emit_now is None:
     return emit

@@ -285,57 +285,6 @@ def grads(grads: Any, params: Any, accumulator: Any) -> None:
       )
 
 
-def is_state(state: Any) -> None:
-  """``state`` must be the transform's own state."""
-  if type(state).__name__ != 'TokenWeightedMultiStepState':
-    raise TypeError(
-      'state must be the TokenWeightedMultiStepState returned by tx.init '
-      f'of this transform; got {type(state).__name__}. Inside optax.chain, '
-      "pass the chain's state to the chain's update."
-    )
-
-
-def state_matches(
-  state: Any,
-  acc_dtypes: list,
-  compensated: bool,
-  token_dtype: jnp.dtype,
-  loss_dtype: jnp.dtype,
-) -> None:
-  """Refuses a state made (or restored) for another configuration."""
-  acc_leaves = jax.tree.leaves(state.acc_grads)
-  for leaf, expected in zip(acc_leaves, acc_dtypes):
-    if jnp.result_type(leaf) != expected:
-      _mismatch('acc_grads', jnp.result_type(leaf), expected)
-  has_compensation = bool(jax.tree.leaves(state.acc_compensation))
-  if acc_leaves and has_compensation != bool(compensated):
-    raise TypeError(
-      f'The state was made with compensated={has_compensation}, but this '
-      f'transform has compensated={bool(compensated)}. Restore into '
-      'tx.init(params) of this transform, or build it with '
-      f'compensated={has_compensation}.'
-    )
-  for name, expected in (
-    ('acc_tokens', token_dtype),
-    ('last_tokens', token_dtype),
-    ('acc_loss', loss_dtype),
-    ('last_loss', loss_dtype),
-  ):
-    found = jnp.result_type(getattr(state, name))
-    if found != expected:
-      _mismatch(name, found, expected)
-
-
-def _mismatch(field: str, found: Any, expected: Any) -> None:
-  raise TypeError(
-    f'state.{field} has dtype {found}, but this transform keeps it in '
-    f'{expected}: the state was made (or restored) for another '
-    'configuration. Restore into tx.init(params) of this transform as the '
-    'target, or build the transform with the dtypes of the state '
-    '(accumulator_dtype=..., token_dtype=...).'
-  )
-
-
 def call_skip_fn(
   should_skip_update_fn: Callable, grads: Any, gradient_step: Any, params: Any
 ) -> tuple[jax.Array, Any]:

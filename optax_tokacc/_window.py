@@ -26,7 +26,6 @@ from typing import Any
 import warnings
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import optax
 
@@ -170,41 +169,12 @@ def _add_scalars(config, state, count, loss, keep, adds):
   return acc_tokens, acc_loss
 
 
-def window_tokens(acc_tokens, dp) -> jax.Array:
-  """The window's counted tokens so far, over all devices (for
-  ``tokens_per_update``; an invalid count counts 0, a total beyond the
-  counter counts as its maximum). Where the window is split over devices,
-  a scalar all-reduce on every micro-step."""
-  axes = tuple(sorted(_explicit.unreduced(acc_tokens)))
-
-  def parts_over(acc_tokens, axes):
-    parts = _tokens.to_parts(jnp.maximum(acc_tokens, 0))
-    return lax.psum(parts, axes) if axes else parts
-
-  if axes:
-    parts = _explicit.local(
-      lambda acc: parts_over(acc, axes),
-      (acc_tokens,),
-      jax.sharding.PartitionSpec(),
-    )
-  else:
-    data_axes, tracked = dp
-    over = _collectives.sum_axes(acc_tokens, data_axes, tracked)
-    parts = parts_over(acc_tokens, over)
-  total, fits = _tokens.from_parts(parts, acc_tokens.dtype)
-  if jnp.issubdtype(acc_tokens.dtype, jnp.integer):
-    top = jnp.iinfo(acc_tokens.dtype).max
-  else:
-    top = jnp.finfo(acc_tokens.dtype).max
-  return jnp.where(fits, total, jnp.asarray(top, acc_tokens.dtype))
-
-
 def _sum_over_devices(grads, params, window, compensated, dp):
   """The window's sums, token parts and loss, summed over the data axes."""
   acc_grads, acc_compensation, acc_tokens, acc_loss = window
   sums = _compensated.window_sums(acc_grads, acc_compensation, compensated)
   if _explicit.unreduced(acc_tokens):
-    return _reduce_partial_sums(sums, acc_tokens, acc_loss)
+    return _collectives.reduce_partial_sums(sums, acc_tokens, acc_loss)
   scalars = (_tokens.to_parts(acc_tokens), acc_loss)
   axes, tracked = dp
   if not axes:
@@ -217,34 +187,6 @@ def _sum_over_devices(grads, params, window, compensated, dp):
     params,
     axes,
   )
-
-
-def _reduce_partial_sums(sums, acc_tokens, acc_loss):
-  """Explicit sharding: the window's partial sums reduced on each device in
-  one ``psum`` per distinct set of axes (one all-reduce in data
-  parallelism), the count split into exact float32 parts first."""
-  leaves, treedef = jax.tree.flatten(sums)
-  partial = [i for i, leaf in enumerate(leaves) if _explicit.unreduced(leaf)]
-  leaf_axes = [tuple(sorted(_explicit.unreduced(leaves[i]))) for i in partial]
-  scalar_axes = tuple(sorted(_explicit.unreduced(acc_tokens)))
-
-  def reduce(partial_leaves, acc_tokens, acc_loss):
-    scalars = (_tokens.to_parts(acc_tokens), acc_loss)
-    return _collectives.reduce_window(
-      partial_leaves, leaf_axes, scalars, scalar_axes, None, scalar_axes
-    )
-
-  partial_leaves = [leaves[i] for i in partial]
-  out_specs = (
-    [_explicit.spec(leaf, unreduced=False) for leaf in partial_leaves],
-    (jax.sharding.PartitionSpec(),) * 2,
-  )
-  reduced, scalars = _explicit.local(
-    reduce, (partial_leaves, acc_tokens, acc_loss), out_specs
-  )
-  for i, leaf in zip(partial, reduced):
-    leaves[i] = leaf
-  return treedef.unflatten(leaves), scalars
 
 
 def inner_update(config, grads, inner_state, params, extra_args):
