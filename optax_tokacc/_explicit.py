@@ -265,6 +265,33 @@ def same_type(a: Any, b: Any) -> bool:
   return reduced(a) == reduced(b) and unreduced(a) == unreduced(b)
 
 
+def same_layout(a: Any, b: Any) -> bool:
+  """Whether ``a`` and ``b`` split their dimensions alike (reduced and
+  unreduced axes aside); true where either carries no named sharding."""
+  spec_a, spec_b = spec(a), spec(b)
+  if spec_a is None or spec_b is None:
+    return True
+  return partitions(spec_a) == partitions(spec_b)
+
+
+def retype_same_values(x: Any, like: Any) -> Any:
+  """``x`` typed like ``like``, for a value held identically on every
+  device (no data moves).
+
+  JAX casts replicated values to reduced or unreduced, but not between
+  those two: an unreduced value is the sum of the devices' shares. For a
+  value that every device holds whole (an update on the step that emits
+  it, or -0.0), each share is the value itself, so the type is changed in
+  a manual region. The accumulator's buffer holds the updates this way
+  under explicit sharding, as it does elsewhere.
+  """
+  if same_type(x, like):
+    return x
+  if unreduced(x) or unreduced(like):
+    return local(lambda v: v, (x,), spec(like))
+  return to_type(x, spec(like))
+
+
 def psum_tree(tree: Any, axes: tuple) -> Any:
   """Sums a tree over ``axes`` in one ``psum`` (bools as any-device)."""
   leaves, treedef = jax.tree.flatten(tree)

@@ -211,7 +211,7 @@ def _close(config, grads, window, inner_state, params, extra, dp, hold):
   ``value=`` the window's token-mean loss when ``loss`` was passed.
 
   Returns ``(held, inner_state, (emitted, valid, tokens, mean_loss))``, with
-  ``held = hold(updates, acc_grads)``. A window without tokens or with an
+  ``held = hold(updates, acc_grads, params)``. A window without tokens or with an
   invalid count emits no updates and keeps the inner state: a nested
   ``cond``, since selecting between the new and the old inner state would
   keep both alive (temporaries the size of the inner state on every step).
@@ -252,15 +252,38 @@ def _close(config, grads, window, inner_state, params, extra, dp, hold):
   return held, new_inner, (emitted, valid, total, mean_loss)
 
 
-def _held(updates, acc_grads, *, shapes, in_buffer):
+def _held(updates, acc_grads, *, shapes, buffer):
   """What the closing branch returns in place of the updates (None: no
-  updates): written into the accumulator's buffer where it holds them
-  exactly, so that a micro-step writes no parameter-sized zeros."""
-  if in_buffer:
-    if updates is None:
-      return acc_grads
-    return optax.tree.cast_like(updates, acc_grads)
-  return _zeros(shapes) if updates is None else updates
+  updates): written into the accumulator's buffer where it can hold them
+  exactly (``buffer``), so that a micro-step writes no parameter-sized
+  zeros and copies nothing; fresh zeros otherwise. Under explicit sharding
+  the buffer holds the updates typed like itself (see :func:`_release`)."""
+  if not buffer:
+    return _zeros(shapes) if updates is None else updates
+  if updates is None:
+    return acc_grads
+  held = optax.tree.cast_like(updates, acc_grads)
+  return jax.tree.map(_explicit.retype_same_values, held, acc_grads)
+
+
+def _release(held, shapes, emitted):
+  """The updates from the buffer that held them: -0.0 unless ``emitted``
+  (the buffer holds the window's partial sums on a micro-step), typed and
+  cast like ``inner``'s updates. Where the buffer is typed otherwise (an
+  unreduced accumulator, updates typed reduced like the parameters), the
+  value is the same on every device, so the type is changed in place."""
+
+  def pick(h, emitted):
+    return jnp.where(emitted, h, _signed(jnp.zeros_like(h)))
+
+  def release(h, s):
+    if _explicit.unreduced(h):  # the same on every device once picked
+      picked = _explicit.local(pick, (h, emitted), _explicit.spec(s))
+    else:
+      picked = _explicit.retype_same_values(pick(h, emitted), s)
+    return picked.astype(s.dtype)
+
+  return jax.tree.map(release, held, shapes)
 
 
 def close_if(config, emit, grads, window, inner_state, params, extra, dp):
@@ -276,8 +299,8 @@ def close_if(config, emit, grads, window, inner_state, params, extra, dp):
   acc_grads, _, acc_tokens, acc_loss = window
   shapes, with_value = _update_shapes(config, grads, inner_state, params, extra)
   extra = (extra[0], with_value)
-  in_buffer = _holds_exactly(acc_grads, shapes)
-  hold = functools.partial(_held, shapes=shapes, in_buffer=in_buffer)
+  buffer = _holds_exactly(acc_grads, shapes)
+  hold = functools.partial(_held, shapes=shapes, buffer=buffer)
 
   def closing(window, inner_state, params):
     return _close(config, grads, window, inner_state, params, extra, dp, hold)
@@ -285,17 +308,15 @@ def close_if(config, emit, grads, window, inner_state, params, extra, dp):
   def accumulating(window, inner_state, params):
     closed = (False, True, jnp.zeros([], acc_tokens.dtype))
     closed += (jnp.zeros([], acc_loss.dtype),)
-    return hold(None, window[0]), inner_state, jax.tree.map(jnp.asarray, closed)
+    held = hold(None, window[0])
+    return held, inner_state, jax.tree.map(jnp.asarray, closed)
 
   held, inner_state, closed = _collectives.cond(
     emit, closing, accumulating, window, inner_state, params
   )
-  if not in_buffer:
+  if not buffer:
     return held, acc_grads, inner_state, closed
-  updates = jax.tree.map(
-    lambda h, s: jnp.where(closed[0], h, -0.0).astype(s.dtype), held, shapes
-  )
-  return updates, held, inner_state, closed
+  return _release(held, shapes, closed[0]), held, inner_state, closed
 
 
 def _update_shapes(config, grads, inner_state, params, extra):
@@ -331,7 +352,9 @@ def _update_shapes(config, grads, inner_state, params, extra):
 
 
 def _holds_exactly(acc_grads: optax.Updates, updates: Any) -> bool:
-  """Whether the accumulator's buffer can hold ``updates`` exactly."""
+  """Whether the accumulator's buffer can hold ``updates`` exactly: same
+  shapes, a dtype that holds theirs, and, where typed otherwise, the same
+  layout (an unreduced accumulator holds updates typed reduced)."""
   acc_leaves = jax.tree.leaves(acc_grads)
   update_leaves = jax.tree.leaves(updates)
   if jax.tree.structure(acc_grads) != jax.tree.structure(updates):
@@ -340,7 +363,7 @@ def _holds_exactly(acc_grads: optax.Updates, updates: Any) -> bool:
     a.shape == u.shape
     and jnp.promote_types(a.dtype, u.dtype) == a.dtype
     and not _collectives.varying_axes(a)
-    and _explicit.same_type(a, u)
+    and _explicit.same_layout(a, u)
     for a, u in zip(acc_leaves, update_leaves)
   )
 

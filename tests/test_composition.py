@@ -339,27 +339,12 @@ INNER_OPTIMIZERS = {
 }
 
 
-# With ``loss=`` passed, the transform hands ``inner`` ``value=`` (the
-# window's loss), which optax.contrib.sam's update does not take.
-SAM_TAKES_NO_VALUE = pytest.mark.xfail(
-  strict=True,
-  raises=TypeError,
-  reason=(
-    'bug: value= is forwarded to inner whenever loss= is passed, and '
-    "optax.contrib.sam's update (optax 0.2.7, 0.2.8) takes no value: "
-    'TypeError: transparent_update_fn() got an unexpected keyword argument '
-    "'value'"
-  ),
-)
-# (name, whether the step passes loss=): sam without it, and with it as a
-# known failure.
+# (name, whether the step passes loss=): every optimizer with it, sam also
+# without it (its update takes no value=, so inner is then given none).
 INNER_CASES = [
-  pytest.param(name, name != 'sam', id=name)
-  for name in sorted(INNER_OPTIMIZERS)
+  pytest.param(name, True, id=name) for name in sorted(INNER_OPTIMIZERS)
 ]
-INNER_CASES.append(
-  pytest.param('sam', True, id='sam_with_loss', marks=SAM_TAKES_NO_VALUE)
-)
+INNER_CASES.append(pytest.param('sam', False, id='sam_without_loss'))
 
 
 def inner_stream():

@@ -898,3 +898,41 @@ def test_a_data_axis_of_one_device():
       batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
       params, state = step(params, state, batch, jnp.asarray(emit_now))
     chex.assert_trees_all_close(plain(params), expected, atol=TOLERANCE)
+
+
+def test_ddp_micro_step_copies_nothing_parameter_sized():
+  """Under explicit DDP the updates are held in the accumulator's buffer
+  (typed unreduced, the updates reduced: the same bytes on every device),
+  so the branch a micro-step takes passes every buffer through: no
+  parameter-sized copy or fresh zeros, as without explicit sharding."""
+  make_mesh, specs = LAYOUTS['ddp']
+  mesh = make_mesh()
+  tx = tokacc.token_weighted_multistep(harness.adamw(), K)
+  with jax.set_mesh(mesh):
+    params = place_params(harness.init_params(), mesh, specs)
+    state = tx.init(params)
+    batch = harness.make_windows((1,), 4)[0][0]
+    batch = jax.device_put(batch, NamedSharding(mesh, P('data')))
+    text = (
+      make_step(tx, 'unreduced')
+      .lower(params, state, batch, jnp.asarray(False))
+      .compile()
+      .as_text()
+    )
+  module = collectives.parse_hlo(text)
+  closing = [
+    i
+    for instructions in module.computations.values()
+    for i in instructions
+    if i.branches and any(s == ('f32', (8, 8)) for s in i.shapes)
+  ]
+  accumulating = {c.branches[0] for c in closing}  # the false branch
+  assert accumulating
+  for name in accumulating:
+    big = [
+      i.opcode
+      for i in module.computations[name]
+      if i.opcode in ('copy', 'broadcast', 'fusion')
+      and ('f32', (8, 8)) in i.shapes
+    ]
+    assert not big, (name, big)
