@@ -245,8 +245,8 @@ def transformer(
   )
 
 
-# Sizes per setting: `full` and `quick` use the 33M-parameter MLP of the
-# targets; `tiny` is for the smoke test.
+# Sizes per setting: `full` and `short` use the 33M-parameter MLP of the
+# targets; `quick` is for the smoke test (CI).
 SIZES = {
   'full': {
     'mlp': dict(width=2048, depth=8, batch_size=32),
@@ -259,7 +259,7 @@ SIZES = {
       batch_size=8,
     ),
   },
-  'quick': {
+  'short': {
     'mlp': dict(width=2048, depth=8, batch_size=32),
     'transformer': dict(
       vocab=4096,
@@ -270,7 +270,7 @@ SIZES = {
       batch_size=8,
     ),
   },
-  'tiny': {
+  'quick': {
     'mlp': dict(width=32, depth=2, batch_size=4),
     'transformer': dict(
       vocab=64, d_model=16, num_layers=1, num_heads=2, seq_len=8, batch_size=2

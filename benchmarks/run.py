@@ -24,10 +24,10 @@ warm-up, their ratios to the method's hand-written ideal (per window also
 to ``optax.MultiSteps``), the compiled memory of each jitted function, and
 the collectives of ``collectives.py`` on fake CPU devices::
 
-  python benchmarks/run.py --quick            # the small settings
+  python benchmarks/run.py --short            # the full models, 4 windows
   python benchmarks/run.py --out results.json # the full run
   python benchmarks/run.py --models mlp_bf16 --methods ideal,multisteps,tokacc
-  python benchmarks/run.py --tiny             # smoke-test sizes (the tests)
+  python benchmarks/run.py --quick            # smoke-test sizes (CI runs it)
 
 Methods (``--methods``; the train steps are in ``_methods.py``,
 ``_flax_methods.py`` and ``_explicit_methods.py``):
@@ -99,8 +99,8 @@ MODEL_NAMES = tuple(_models.MODELS)
 SETTINGS = {
   # windows timed, warm-up windows, k values, models
   'full': dict(windows=10, warmup=2, ks=(4, 8), models=MODEL_NAMES),
-  'quick': dict(windows=4, warmup=1, ks=(4,), models=MODEL_NAMES),
-  'tiny': dict(windows=1, warmup=1, ks=(2,), models=MODEL_NAMES),
+  'short': dict(windows=4, warmup=1, ks=(4,), models=MODEL_NAMES),
+  'quick': dict(windows=1, warmup=1, ks=(2,), models=MODEL_NAMES),
 }
 
 
@@ -174,8 +174,12 @@ def parse_args(argv=None):
     description=__doc__.splitlines()[0],
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  parser.add_argument('--quick', action='store_true', help='small settings')
-  parser.add_argument('--tiny', action='store_true', help='smoke-test sizes')
+  parser.add_argument(
+    '--quick', action='store_true', help='smoke-test sizes (what CI runs)'
+  )
+  parser.add_argument(
+    '--short', action='store_true', help='the full models, fewer windows'
+  )
   parser.add_argument('--models', default=None, help=','.join(MODEL_NAMES))
   parser.add_argument('--methods', default=None, help=','.join(METHODS))
   parser.add_argument('--k', default=None, help='e.g. 4,8')
@@ -195,7 +199,7 @@ def parse_args(argv=None):
   )
   parser.add_argument('--out', help='write the results as JSON to this file')
   args = parser.parse_args(argv)
-  args.setting = 'tiny' if args.tiny else 'quick' if args.quick else 'full'
+  args.setting = 'quick' if args.quick else 'short' if args.short else 'full'
   defaults = SETTINGS[args.setting]
   try:
     args.named_methods = args.methods is not None

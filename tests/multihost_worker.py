@@ -15,7 +15,8 @@ the global mesh of all processes' CPU devices and writes the final parameters.
 ``--mode=hsdp`` trains on a ``('replica', 'fsdp') = (2, 2)`` mesh, each
 process one replica, partial-manual and fully manual; ``--mode=explicit``
 trains data-parallel under plain ``jax.jit`` with parameters typed reduced
-(explicit sharding).
+(explicit sharding); ``--mode=budget`` trains data-parallel with
+``tokens_per_update``.
 """
 
 import argparse
@@ -491,6 +492,7 @@ def train_hsdp(
 MULTIHOST_WINDOW_SIZES = (3, 3, 2)
 MULTIHOST_K = 3
 MULTIHOST_AXIS = 'data'
+MULTIHOST_BUDGET = 30  # tokens per update over all devices (tokens_per_update)
 
 
 def adamw():
@@ -627,12 +629,40 @@ def _explicit_results():
   return results
 
 
+def _budget_results():
+  """DDP under ``shard_map`` with ``tokens_per_update``: the transform finds
+  the windows in one stream of micro-batches (the last closed by
+  ``emit_now``)."""
+  mesh = jax.make_mesh(
+    (jax.device_count(),),
+    (MULTIHOST_AXIS,),
+    axis_types=(jax.sharding.AxisType.Auto,),
+  )
+  windows = make_windows(MULTIHOST_WINDOW_SIZES, jax.device_count())
+  stream = [[batch for window in windows for batch in window]]
+  tx = tokacc.token_weighted_multistep(
+    adamw(),
+    MULTIHOST_K,
+    axis_name=MULTIHOST_AXIS,
+    tokens_per_update=MULTIHOST_BUDGET,
+  )
+  params, state = train_shard_map(
+    tx, init_params(), stream, mesh, MULTIHOST_AXIS
+  )
+  results = {'budget_updates': fetch(tokacc.find_state(state).gradient_step)}
+  for name, value in fetch(params).items():
+    results[f'budget_{name}'] = value
+  return results
+
+
 def _run_worker(args):
   _join(args)
   if args.mode == 'hsdp':
     results = _hsdp_results()
   elif args.mode == 'explicit':
     results = _explicit_results()
+  elif args.mode == 'budget':
+    results = _budget_results()
   else:
     results = _data_parallel_results()
   results['num_devices'] = np.asarray(jax.device_count())
@@ -648,7 +678,7 @@ def main():
   parser.add_argument('--port', type=int, required=True)
   parser.add_argument('--local_devices', type=int, default=2)
   parser.add_argument(
-    '--mode', choices=('ddp', 'hsdp', 'explicit'), default='ddp'
+    '--mode', choices=('ddp', 'hsdp', 'explicit', 'budget'), default='ddp'
   )
   parser.add_argument('--out', required=True)
   _run_worker(parser.parse_args())

@@ -12,7 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""benchmarks/run.py runs end to end at tiny sizes (figures: its README).
+"""benchmarks/run.py runs end to end at its --quick (smoke-test) sizes (figures: its README).
 
 While the explicit-sharding methods and patterns are listed in ``MAY_FAIL``
 (run.py, collectives.py), they may report an error in their row instead of
@@ -90,9 +90,9 @@ def measured(rows, what):
 
 
 @pytest.fixture(scope='module')
-def tiny_results(tmp_path_factory):
+def quick_results(tmp_path_factory):
   out = tmp_path_factory.mktemp('benchmarks') / 'results.json'
-  result = run_benchmarks('--tiny', '--devices', 4, '--out', out)
+  result = run_benchmarks('--quick', '--devices', 4, '--out', out)
   assert result.returncode == 0, result.stdout + result.stderr
   return json.loads(out.read_text())
 
@@ -111,8 +111,8 @@ def run_module():
   return load_run_module()
 
 
-def test_tiny_run_writes_every_method_and_model(tiny_results, run_module):
-  rows = tiny_results['rows']
+def test_quick_run_writes_every_method_and_model(quick_results, run_module):
+  rows = quick_results['rows']
   assert {(row['model'], row['method']) for row in rows} == {
     (model, method)
     for model in MODELS
@@ -123,11 +123,11 @@ def test_tiny_run_writes_every_method_and_model(tiny_results, run_module):
   for row in rows:
     if 'error' in row:
       assert row['method'] in run_module.MAY_FAIL, row
-  assert tiny_results['machine']['commit']
+  assert quick_results['machine']['commit']
 
 
-def test_tiny_run_times_micro_steps_and_windows(tiny_results):
-  for row in measured(tiny_results['rows'], 'method'):
+def test_quick_run_times_micro_steps_and_windows(quick_results):
+  for row in measured(quick_results['rows'], 'method'):
     assert row['median_window_s'] > 0
     assert row['ratio_to_ideal'] is not None, row
     if row['method'] == 'microbatched':  # one call per window
@@ -139,8 +139,8 @@ def test_tiny_run_times_micro_steps_and_windows(tiny_results):
       assert row['reference'] == 'ideal_explicit_ddp'
 
 
-def test_tiny_run_reports_memory_and_matches_the_ideal(tiny_results):
-  for row in measured(tiny_results['rows'], 'method'):
+def test_quick_run_reports_memory_and_matches_the_ideal(quick_results):
+  for row in measured(quick_results['rows'], 'method'):
     assert row['memory'], row
     for analysis in row['memory'].values():
       assert analysis['argument_size_in_bytes'] > 0
@@ -160,9 +160,9 @@ def window_by_axes(row):
   }
 
 
-def test_tiny_run_counts_collectives(tiny_results, run_module):
+def test_quick_run_counts_collectives(quick_results, run_module):
   """What the compiled steps on 4 devices (k = 2) must show."""
-  all_rows = tiny_results['collectives']
+  all_rows = quick_results['collectives']
   assert {row['name']: row['pattern'] for row in all_rows} == PATTERNS
   may_fail = run_module.collectives.MAY_FAIL
   assert set(may_fail) <= set(EXPLICIT_PATTERNS)
@@ -230,7 +230,7 @@ def check_explicit(rows):
 )
 def test_bad_names_list_the_valid_ones(args, message, capsys, run_module):
   with pytest.raises(SystemExit) as exit_info:
-    run_module.parse_args(['--tiny', *args])
+    run_module.parse_args(['--quick', *args])
   assert exit_info.value.code == 2
   stderr = capsys.readouterr().err
   assert message in stderr

@@ -136,3 +136,30 @@ def test_two_processes_explicit_ddp_equal_full_batch(tmp_path):
   np.testing.assert_allclose(
     result['explicit_loss'], expected_losses[-1], rtol=1e-5
   )
+
+
+def test_two_processes_token_budget_equal_full_batch(tmp_path):
+  """``tokens_per_update`` counts the tokens of both processes' devices:
+  the windows close where the global counts say, as in full-batch
+  training on those windows."""
+  from test_window_rules import window_sizes  # noqa: PLC0415
+
+  out = tmp_path / 'result.npz'
+  run_workers(out, mode='budget')
+  result = dict(np.load(out))
+  num_devices = NUM_PROCESSES * LOCAL_DEVICES
+  windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  stream = [batch for window in windows for batch in window]
+  counts = [int(np.sum(batch['mask'])) for batch in stream]
+  sizes = window_sizes(counts, worker.MULTIHOST_BUDGET, worker.MULTIHOST_K)
+  assert len(set(sizes)) > 1, sizes  # the budget decides some windows
+  budget_windows, start = [], 0
+  for size in sizes:
+    budget_windows.append(stream[start : start + size])
+    start += size
+  expected_params, _ = worker.train_full_batch(
+    worker.adamw(), worker.init_params(), budget_windows
+  )
+  assert int(result['budget_updates']) == len(sizes)
+  params = {name: result[f'budget_{name}'] for name in expected_params}
+  chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-5)
