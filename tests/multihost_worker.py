@@ -232,16 +232,9 @@ def fsdp_shardings(mesh, axes):
   }
 
 
-def train_sharded_jit(tx, params, windows, mesh, axes, on_step=None):
-  """Trains with ``jax.jit`` over global arrays (GSPMD, no ``axis_name``).
-
-  The last window is closed early with ``emit_now``. ``on_step(params,
-  state)`` is called after ``tx.init`` and after every micro-step.
-  """
-  data = NamedSharding(mesh, P(axes))
-  shardings = fsdp_shardings(mesh, axes)
-  params = jax.tree.map(put, params, shardings)
-  state = tx.init(params)
+def global_step(tx):
+  """A jitted step over global arrays: ``(params, state, batch, emit_now)
+  -> (params, state)``, as a user writes it under ``jax.jit``."""
 
   @jax.jit
   def step(params, state, batch, emit_now):
@@ -256,6 +249,32 @@ def train_sharded_jit(tx, params, windows, mesh, axes, on_step=None):
     )
     return optax.apply_updates(params, updates), state
 
+  return step
+
+
+def load_collectives():
+  """``benchmarks/collectives.py`` (its HLO reader), loaded by path."""
+  import importlib.util  # noqa: PLC0415
+  import pathlib  # noqa: PLC0415
+
+  path = pathlib.Path(__file__).parents[1] / 'benchmarks' / 'collectives.py'
+  spec = importlib.util.spec_from_file_location('collectives', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def train_sharded_jit(tx, params, windows, mesh, axes, on_step=None):
+  """Trains with ``jax.jit`` over global arrays (GSPMD, no ``axis_name``).
+
+  The last window is closed early with ``emit_now``. ``on_step(params,
+  state)`` is called after ``tx.init`` and after every micro-step.
+  """
+  data = NamedSharding(mesh, P(axes))
+  shardings = fsdp_shardings(mesh, axes)
+  params = jax.tree.map(put, params, shardings)
+  state = tx.init(params)
+  step = global_step(tx)
   if on_step is not None:
     on_step(params, state)
   for w, window in enumerate(windows):
@@ -594,20 +613,7 @@ def train_explicit(tx, params, windows, mesh):
       for name, value in params.items()
     }
     state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, batch, emit_now):
-      loss, grads = jax.value_and_grad(loss_sum)(params, batch)
-      updates, state = tx.update(
-        grads,
-        state,
-        params,
-        num_tokens=token_count(batch),
-        loss=loss,
-        emit_now=emit_now,
-      )
-      return optax.apply_updates(params, updates), state
-
+    step = global_step(tx)
     data = NamedSharding(mesh, P(axis))
     for w, window in enumerate(windows):
       for m, batch in enumerate(window):

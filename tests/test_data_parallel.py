@@ -7,8 +7,6 @@ show one reduction of the gradients per window, none on micro-steps.
 """
 
 import collections
-import importlib.util
-import pathlib
 
 import chex
 import jax
@@ -28,15 +26,7 @@ WINDOW_SIZES = (3, 3, 2)  # the last window is closed early by emit_now
 AUTO = jax.sharding.AxisType.Auto
 
 
-def _load_collectives():
-  path = pathlib.Path(__file__).parents[1] / 'benchmarks' / 'collectives.py'
-  spec = importlib.util.spec_from_file_location('collectives', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-collectives = _load_collectives()
+collectives = harness.load_collectives()
 
 OPTIMIZERS = {
   'adamw': harness.adamw,
@@ -53,8 +43,9 @@ def mesh_and_axes(layout):
   return jax.make_mesh((jax.device_count(),), ('data',), (AUTO,)), 'data'
 
 
-def pmap_step(tx, with_emit_now=True):
-  """A ``jax.pmap`` training step: ``(params, state, batch[, emit_now])``."""
+def pmap_step(tx, with_emit_now=True, devices=None):
+  """A ``jax.pmap`` training step: ``(params, state, batch[, emit_now])``
+  over ``devices`` (all by default)."""
 
   def step(params, state, batch, *emit_now):
     local_loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
@@ -68,7 +59,7 @@ def pmap_step(tx, with_emit_now=True):
     )
     return optax.apply_updates(params, updates), state
 
-  return jax.pmap(step, axis_name='data')
+  return jax.pmap(step, axis_name='data', devices=devices)
 
 
 def per_device(x):

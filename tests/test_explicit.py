@@ -7,7 +7,6 @@ unequal token counts per device and micro-step and devices without tokens.
 The compiled step is inspected for the collectives each path runs.
 """
 
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -35,14 +34,6 @@ WINDOW_SIZES = (3, 3, 2)  # the last window is closed early by emit_now
 TOLERANCE = 1e-5
 DDP = P(None, None, reduced={'data'})
 U_DATA = P(unreduced={'data'})
-
-
-def _load_collectives():
-  path = pathlib.Path(__file__).parents[1] / 'benchmarks' / 'collectives.py'
-  spec = importlib.util.spec_from_file_location('collectives', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def ddp_mesh():
@@ -306,7 +297,7 @@ def test_accumulator_bytes_per_device():
 
 # Collectives in the compiled step.
 
-collectives = _load_collectives()
+collectives = harness.load_collectives()
 
 
 def compiled_sites(layout, spelling, inner=None):

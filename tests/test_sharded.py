@@ -20,8 +20,6 @@ wrapped optimizer sees.
 """
 
 import functools
-import importlib.util
-import pathlib
 import re
 
 import chex
@@ -91,15 +89,7 @@ LAYOUTS = {
 }
 
 
-def _load_collectives():
-  path = pathlib.Path(__file__).parents[1] / 'benchmarks' / 'collectives.py'
-  spec = importlib.util.spec_from_file_location('collectives', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-collectives = _load_collectives()
+collectives = harness.load_collectives()
 
 
 def windows_and_params():

@@ -72,7 +72,8 @@ def full_batch_with_value(optimizer, windows):
 
 def single_device(tx, windows, on_window=None):
   """Trains on one device, every micro-batch whole; returns final params
-  and state. ``on_window(params, state)`` after each emitted update."""
+  and state. ``on_window(params, state, micro_steps)`` after each emitted
+  update, with the number of micro-steps taken so far."""
 
   @jax.jit
   def step(params, state, batch):
@@ -84,11 +85,11 @@ def single_device(tx, windows, on_window=None):
 
   params = jax.tree.map(jnp.asarray, harness.init_params())
   state = tx.init(params)
-  for window in windows:
-    for batch in window:
-      params, state = step(params, state, batch)
-      if on_window is not None and bool(tokacc.has_updated(state)):
-        on_window(params, state)
+  micro_batches = [batch for window in windows for batch in window]
+  for micro_steps, batch in enumerate(micro_batches, start=1):
+    params, state = step(params, state, batch)
+    if on_window is not None and bool(tokacc.has_updated(state)):
+      on_window(params, state, micro_steps)
   return params, state
 
 
@@ -107,7 +108,7 @@ def test_reduce_on_plateau_sees_the_window_loss():
   tx = tokacc.token_weighted_multistep(plateau_inner(), K)
   seen = []
 
-  def record(params, state):
+  def record(params, state, _):
     seen.append((params, plateau_scale(state.inner_state)))
 
   single_device(tx, windows, record)
@@ -122,7 +123,7 @@ def test_window_loss_is_what_inner_sees():
   tx = tokacc.token_weighted_multistep(plateau_inner(), K)
   losses = []
 
-  def record(params, state):
+  def record(params, state, _):
     del params
     losses.append((float(tokacc.window_loss(state)), state.inner_state))
 
@@ -305,21 +306,11 @@ def test_budget_closes_windows_where_the_tokens_reach_it():
     harness.adamw(), k, tokens_per_update=BUDGET
   )
   closed_after = []
-
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=harness.token_count(batch), loss=loss
-    )
-    return optax.apply_updates(params, updates), state
-
-  params = jax.tree.map(jnp.asarray, harness.init_params())
-  state = tx.init(params)
-  for micro, batch in enumerate([b for w in windows[:-1] for b in w]):
-    params, state = step(params, state, batch)
-    if bool(tokacc.has_updated(state)):
-      closed_after.append(micro + 1)
+  params, _ = single_device(
+    tx,
+    windows[:-1],
+    lambda params, state, micro_steps: closed_after.append(micro_steps),
+  )
   assert closed_after == list(np.cumsum(sizes[:-1]))
   chex.assert_trees_all_close(params, expected, atol=TOLERANCE)
 
@@ -353,24 +344,14 @@ def test_budget_over_all_devices(mode):
 
 
 def pmap_training(k, windows):
+  import test_data_parallel as dp  # noqa: PLC0415
+
   devices = jax.devices()[:NUM_DEVICES]
   tx = tokacc.token_weighted_multistep(
     harness.adamw(), k, axis_name='data', tokens_per_update=BUDGET
   )
 
-  def step(params, state, batch, emit_now):
-    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=harness.token_count(batch),
-      loss=loss,
-      emit_now=emit_now,
-    )
-    return optax.apply_updates(params, updates), state
-
-  step = jax.pmap(step, axis_name='data', devices=devices)
+  step = dp.pmap_step(tx, devices=devices)
   params = jax.tree.map(
     lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
     harness.init_params(),
