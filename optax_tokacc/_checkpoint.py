@@ -31,7 +31,7 @@ from optax_tokacc import _explicit
 
 
 def _mesh_order(x: Any, axes: frozenset) -> tuple:
-  names = jax.typeof(x).sharding.mesh.axis_names
+  names = _explicit.mesh_of(x).axis_names
   return tuple(a for a in names if a in axes)
 
 

@@ -72,14 +72,21 @@ def mesh_of(x: Any) -> Any:
   return jax.typeof(x).sharding.mesh
 
 
-def _deferred(x: Any, axes: Any) -> frozenset:
-  """``axes`` but those of size 1: partial sums over a single device are
-  already the sum (and JAX 0.10.2 cannot lower a ``shard_map`` with
-  unreduced specs over a size-1 axis)."""
+def deferred(axes: Any, mesh: Any) -> frozenset:
+  """``axes`` but those of size 1 on ``mesh`` (all of them where no mesh is
+  known): partial sums over a single device are already the sum (and JAX
+  0.10.2 cannot lower a ``shard_map`` with unreduced specs over a size-1
+  axis)."""
   if not axes:
     return frozenset()
-  mesh = mesh_of(x)
-  return frozenset(a for a in axes if mesh.shape[a] > 1)
+  if mesh is None or mesh.empty:
+    return frozenset(axes)
+  sizes = dict(mesh.shape)
+  return frozenset(a for a in axes if sizes.get(a, 2) > 1)
+
+
+def _deferred(x: Any, axes: Any) -> frozenset:
+  return deferred(axes, mesh_of(x)) if axes else frozenset()
 
 
 def unreduced(x: Any) -> frozenset:
@@ -180,7 +187,7 @@ def to_type(x: Any, new_spec: P) -> jax.Array:
 def partial_sums(x: Any, axes: frozenset) -> jax.Array:
   """A scalar as partial sums over ``axes``: replicated values are put on
   one device (free), values unreduced over other axes are summed there."""
-  return to_type(x, P(unreduced=axes)) if axes else to_type(x, P())
+  return to_type(x, P(unreduced=axes))
 
 
 def without_reduced(tree: Any) -> Any:
@@ -225,10 +232,13 @@ def local(fn: Callable, args: tuple, out_specs: Any) -> Any:
   whose partial sums (or replicated values) ``out_specs`` describes. Entering
   and leaving move no data.
   """
-  leaves = [x for x in jax.tree.leaves(args) if spec(x) is not None]
-  mesh = jax.typeof(leaves[0]).sharding.mesh
+  typed = next(x for x in jax.tree.leaves(args) if spec(x) is not None)
   return jax.shard_map(
-    fn, mesh=mesh, in_specs=specs(args), out_specs=out_specs, check_vma=False
+    fn,
+    mesh=mesh_of(typed),
+    in_specs=specs(args),
+    out_specs=out_specs,
+    check_vma=False,
   )(*args)
 
 

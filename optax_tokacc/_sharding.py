@@ -100,10 +100,9 @@ def _partial_sum_specs(state_specs: Any, data_axes: frozenset) -> Any:
   axis some parameter is reduced over."""
 
   mesh = jax.sharding.get_abstract_mesh()
-  sizes = {} if mesh.empty else dict(mesh.shape)
 
   def deferred(axes):  # partial sums over one device are the sum
-    return frozenset(a for a in axes if sizes.get(a, 2) > 1)
+    return _explicit.deferred(axes, mesh)
 
   def like_gradient(spec):
     return P(*_explicit.partitions(spec), unreduced=deferred(spec.reduced))

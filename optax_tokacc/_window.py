@@ -151,7 +151,9 @@ def _add_scalars(config, state, count, loss, keep, adds):
   count = jnp.asarray(count)
   if axes:
     count = _explicit.partial_sums(count, axes)
-  loss = _explicit.partial_sums(loss, axes)
+    loss = _explicit.partial_sums(loss, axes)
+  else:  # a loss of partial sums meets a replicated window: sum it
+    loss = _explicit.reduce_now(loss)
   if adds is not None:
     loss = jnp.where(adds, loss, jnp.zeros_like(loss))
   if keep is not None:
@@ -211,7 +213,7 @@ def _close(config, grads, window, inner_state, params, extra, dp, hold):
   ``value=`` the window's token-mean loss when ``loss`` was passed.
 
   Returns ``(held, inner_state, (emitted, valid, tokens, mean_loss))``, with
-  ``held = hold(updates, acc_grads, params)``. A window without tokens or with an
+  ``held = hold(updates, acc_grads)``. A window without tokens or with an
   invalid count emits no updates and keeps the inner state: a nested
   ``cond``, since selecting between the new and the old inner state would
   keep both alive (temporaries the size of the inner state on every step).
