@@ -139,12 +139,7 @@ def ideal_explicit_ddp(case):
   """The hand-written reference of explicit DDP: AdamW runs on the plain
   (not reduced) mean and parameters; its updates are typed back reduced."""
   model, adamw = case.model, case.adamw
-
-  @functools.partial(jax.jit, donate_argnums=(1, 2))
-  def micro_step(params, acc, acc_tokens, batch):
-    grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
-    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
-    return acc, acc_tokens + num_tokens
+  micro_step = _methods.ideal_micro_step(model)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
   def window_update(params, opt_state, acc, acc_tokens):

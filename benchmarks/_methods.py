@@ -193,18 +193,25 @@ def tokacc_chain(case):
   return _optax(case, optax.chain(accumulate, optax.clip(1.0)))
 
 
-def ideal(case):
-  """The reference: a jitted micro-step ``acc + grad`` (accumulator
-  donated) and, once per window, a jitted AdamW update of the token mean
-  (in the float32 accumulator's dtype, handed to AdamW in the gradients'
-  dtype, as ``token_weighted_multistep`` does)."""
-  model, adamw = case.model, case.adamw
+def ideal_micro_step(model):
+  """The ideal's jitted micro-step: ``acc + grad`` (accumulator donated)."""
 
   @functools.partial(jax.jit, donate_argnums=(1, 2))
   def micro_step(params, acc, acc_tokens, batch):
     grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
     acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
     return acc, acc_tokens + num_tokens
+
+  return micro_step
+
+
+def ideal(case):
+  """The reference: a jitted micro-step ``acc + grad`` (accumulator
+  donated) and, once per window, a jitted AdamW update of the token mean
+  (in the float32 accumulator's dtype, handed to AdamW in the gradients'
+  dtype, as ``token_weighted_multistep`` does)."""
+  model, adamw = case.model, case.adamw
+  micro_step = ideal_micro_step(model)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
   def window_update(params, opt_state, acc, acc_tokens):
