@@ -1,0 +1,208 @@
+"""Explicit sharding with ``loss=``: a micro-step issues no collective.
+
+DDP under plain ``jax.jit`` on a 4-device ``('data',)`` mesh with explicit
+axes: the parameters are typed ``P(reduced={'data'})``, so their gradients
+come unreduced (each device's partial sum). The loss is a partial sum
+written as issue 22 writes it, the squared error summed over the outputs
+with ``jnp.sum(..., -1)`` and then an einsum with the mask into
+``P(unreduced={'data'})``; the token count is a partial sum too. With
+partial sums everywhere, the promise is that a micro-step issues no
+collective, whatever reductions the user writes inside the loss.
+
+The compiled step (k = 4, so that a step from ``tx.init`` does not close
+the window) is read with the harness's HLO reader: a collective on the
+micro-step's path is one outside the closing branch (branch 1 of the
+transform's conditional), i.e. on every call or in the branch a micro-step
+takes. Controls: the user's loss and gradient compiled alone have no
+collective at all, and the step without ``loss=`` has none on the
+micro-step's path. The configuration also trains exactly as full-batch SGD
+(``test_reduction_modes.reference_and_bound``).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import multihost_worker as harness
+import numpy as np
+import optax
+import pytest
+import test_explicit
+import test_reduction_modes as reference
+
+import optax_tokacc as tokacc
+from optax_tokacc import _explicit
+
+pytestmark = pytest.mark.skipif(
+  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+)
+
+K = 4
+WINDOW_SIZES = (K, K, K)
+NUM_DEVICES = 4
+OUTPUTS = 2
+LEARNING_RATE = 0.05
+PARTIAL = test_explicit.U_DATA  # P(unreduced={'data'}): per-device sums
+
+
+def init_params():
+  """A linear model with two outputs per token: ``x @ w``."""
+  rng = np.random.default_rng(11)
+  return {'w': rng.normal(size=(harness.FEATURES, OUTPUTS)).astype(np.float32)}
+
+
+def loss_sum(params, batch):
+  """Squared error summed over the outputs, then over the counted tokens
+  into a partial sum per device (issue 22's spelling)."""
+  error = batch['x'] @ params['w'] - batch['y']
+  per_token = jnp.sum(error**2, axis=-1)
+  return jnp.einsum('bt,bt->', per_token, batch['mask'], out_sharding=PARTIAL)
+
+
+def token_count(batch):
+  return jnp.einsum('bt->', batch['mask'], out_sharding=PARTIAL)
+
+
+def make_step(tx, with_loss):
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+    updates, state = tx.update(
+      grads,
+      state,
+      params,
+      num_tokens=token_count(batch),
+      **({'loss': loss} if with_loss else {}),
+    )
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def make_windows(window_sizes):
+  """The harness's windows (unequal counts per device and micro-step,
+  devices without tokens) with two targets per token."""
+  rng = np.random.default_rng(12)
+  windows = harness.make_windows(window_sizes, NUM_DEVICES, seed=3)
+  return [
+    [
+      dict(
+        batch,
+        y=rng.normal(size=batch['y'].shape + (OUTPUTS,)).astype(np.float32),
+      )
+      for batch in window
+    ]
+    for window in windows
+  ]
+
+
+def placed(mesh):
+  """The parameters typed reduced over 'data', a placer of batches."""
+  data = NamedSharding(mesh, P('data'))
+  params = jax.device_put(init_params(), test_explicit.DDP)
+  return params, lambda batch: jax.device_put(batch, data)
+
+
+def sites_of(compiled_text):
+  collectives = test_explicit.collectives
+  return collectives.collective_sites(collectives.parse_hlo(compiled_text))
+
+
+def closing_only(path):
+  """Whether a collective at ``path`` runs only on the closing step: in
+  branch 1 (``lax.cond``'s true branch) of every conditional leading to it,
+  as ``benchmarks/_hlo.py`` counts it."""
+  return bool(path) and all(index == 1 for _, index in path)
+
+
+def on_micro_step_path(sites):
+  """The collectives a micro-step runs: on every call, or in a branch
+  other than the closing one."""
+  return [site for site, path in sites if not closing_only(path)]
+
+
+def compiled_step_sites(with_loss):
+  tx = tokacc.token_weighted_multistep(optax.sgd(LEARNING_RATE), K)
+  mesh = test_explicit.ddp_mesh()
+  with jax.set_mesh(mesh):
+    params, place = placed(mesh)
+    batch = place(make_windows((1,))[0][0])
+    step = make_step(tx, with_loss)
+    text = step.lower(params, tx.init(params), batch).compile().as_text()
+  return sites_of(text)
+
+
+def assert_one_reduction_when_closing(sites):
+  """The closing branch holds the window's one all-reduce: the gradient,
+  with the count (and loss) beside it (so the reader does see the step's
+  collectives)."""
+  closing = [site for site, path in sites if closing_only(path)]
+  assert [site.collective for site in closing] == ['all-reduce'], closing
+  assert ('f32', (harness.FEATURES, OUTPUTS)) in closing[0].shapes
+
+
+def test_user_loss_and_grad_alone_issue_no_collective():
+  """Control: the loss, its gradient and the count, without the transform,
+  are partial sums computed with no collective."""
+  mesh = test_explicit.ddp_mesh()
+  with jax.set_mesh(mesh):
+    params, place = placed(mesh)
+    batch = place(make_windows((1,))[0][0])
+
+    @jax.jit
+    def loss_grad_count(params, batch):
+      loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+      return loss, grads, token_count(batch)
+
+    loss, grads, _ = loss_grad_count(params, batch)
+    assert str(jax.typeof(loss)) == 'float32[]{U:data}'
+    assert str(jax.typeof(grads['w'])).endswith('{U:data}')
+    text = loss_grad_count.lower(params, batch).compile().as_text()
+  assert sites_of(text) == []
+
+
+def test_micro_step_without_loss_issues_no_collective():
+  """Control: without ``loss=``, the micro-step's path holds no
+  collective."""
+  sites = compiled_step_sites(with_loss=False)
+  assert on_micro_step_path(sites) == []
+  assert_one_reduction_when_closing(sites)
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason='defect 2 (issue 22): reset_if_emit select on unreduced scalars',
+)
+def test_micro_step_with_loss_issues_no_collective():
+  """With ``loss=`` a partial sum, the micro-step's path holds no collective
+  either (today: an all-reduce of a float32 scalar on every call, from the
+  select that resets the window's loss)."""
+  sites = compiled_step_sites(with_loss=True)
+  assert on_micro_step_path(sites) == []
+  assert_one_reduction_when_closing(sites)
+
+
+def test_with_loss_equals_full_batch_sgd():
+  """The same configuration trains as full-batch SGD on each window's
+  token-mean loss, window after window, within the float32 round-off bound
+  of ``reference_and_bound``; the window loss too."""
+  windows = make_windows(WINDOW_SIZES)
+  tx = tokacc.token_weighted_multistep(optax.sgd(LEARNING_RATE), K)
+  mesh = test_explicit.ddp_mesh()
+  trajectory = []
+  with jax.set_mesh(mesh):
+    params, place = placed(mesh)
+    state = tx.init(params)
+    step = make_step(tx, with_loss=True)
+    for window in windows:
+      for batch in window:
+        params, state = step(params, state, place(batch))
+      assert bool(tokacc.has_updated(state))
+      w = test_explicit.plain(params)['w'].astype(np.float64)
+      trajectory.append(([w], np.asarray(tokacc.window_loss(state))))
+  expected = reference.reference_and_bound(
+    init_params()['w'].astype(np.float64),
+    [reference.counted_tokens(window, OUTPUTS) for window in windows],
+    LEARNING_RATE,
+  )
+  reference.check_trajectory(trajectory, expected)
