@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -300,15 +299,6 @@ def retype_same_values(x: Any, like: Any) -> Any:
   if unreduced(x) or unreduced(like):
     return local(lambda v: v, (x,), spec(like))
   return to_type(x, spec(like))
-
-
-def psum_tree(tree: Any, axes: tuple) -> Any:
-  """Sums a tree over ``axes`` in one ``psum`` (bools as any-device)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  wide = [x.astype(jnp.int32) if x.dtype == jnp.bool_ else x for x in leaves]
-  summed = lax.psum(wide, axes)
-  out = [s > 0 if x.dtype == jnp.bool_ else s for s, x in zip(summed, leaves)]
-  return treedef.unflatten(out)
 
 
 def check_layout(grads: Any, state: Any, params: Any) -> None:

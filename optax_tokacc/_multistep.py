@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_tokacc import _collectives
 from optax_tokacc import _explicit
+from optax_tokacc import _manual
+from optax_tokacc import _partial_sums
+from optax_tokacc import _placement
 from optax_tokacc import _state
-from optax_tokacc import _tokens
 from optax_tokacc import _validation
 from optax_tokacc import _window
 from optax_tokacc._state import TokenWeightedMultiStepState
@@ -211,42 +212,68 @@ def token_weighted_multistep(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def placement(config, params, state=None, grads=None, num_tokens=None):
+  """The placement of this trace (``_placement``): from ``axis_name``, and
+  the types of the parameters (``init``) or of the state's window."""
+  if config.axis_name is not None:
+    return _manual.Manual.of(config, params, grads, num_tokens)
+  if state is None:
+    axes = _explicit.data_axes(params)
+  else:
+    axes = _explicit.unreduced(state.acc_tokens)
+  if axes:
+    return _partial_sums.PartialSums.of(axes, params, state)
+  return _placement.Single()
+
+
 def _init(
   config: _validation.Config, params: optax.Params
 ) -> TokenWeightedMultiStepState:
   _explicit.check_supported(params, 'Parameters')
-  axes = _explicit.data_axes(params)
+  place = placement(config, params)
 
   def zeros_like_gradients():
     return jax.tree.map(
-      lambda p: _explicit.gradient_zeros(p, config.acc_dtype(p)), params
+      lambda p: place.gradient_zeros(p, config.acc_dtype(p)), params
     )
 
-  acc_grads = zeros_like_gradients()
   skip_state = ()
   if config.should_skip_update_fn is not None:
     zero_grads = jax.tree.map(
-      lambda p: _explicit.gradient_zeros(p, jnp.result_type(p)), params
+      lambda p: place.gradient_zeros(p, jnp.result_type(p)), params
     )
-    _, skip_state = _window.keep(
-      config, zero_grads, jnp.zeros([], jnp.int32), params, ()
+    _, skip_state = _judge(
+      config, place, zero_grads, jnp.zeros([], jnp.int32), params
     )
-  no_loss = jnp.full([], jnp.nan, config.loss_dtype)
   state = TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
-    acc_grads=acc_grads,
-    acc_tokens=_explicit.scalar_zeros(config.token_dtype, axes, params),
-    acc_loss=_explicit.scalar_zeros(config.loss_dtype, axes, params),
+    acc_grads=zeros_like_gradients(),
+    acc_tokens=place.scalar_zeros(config.token_dtype),
+    acc_loss=place.scalar_zeros(config.loss_dtype),
     inner_state=config.inner.init(params),
-    last_loss=no_loss,
+    last_loss=jnp.full([], jnp.nan, config.loss_dtype),
     last_tokens=jnp.zeros([], config.token_dtype),
     skip_state=skip_state,
     emitted=jnp.zeros([], jnp.bool_),
     acc_compensation=zeros_like_gradients() if config.compensated else (),
     dropped_windows=jnp.zeros([], jnp.int32),
   )
-  return state if config.axis_name is None else _state.with_device_slot(state)
+  return place.leave(state)
+
+
+def _judge(config, place, grads, gradient_step, params):
+  """Whether to keep the micro-batch (None: always), and the skip state."""
+  if config.should_skip_update_fn is None:
+    return None, ()
+  skip, skip_state = place.judge(
+    config.should_skip_update_fn,
+    grads,
+    gradient_step,
+    params,
+    config.skip_on_partial_sums,
+  )
+  return jnp.logical_not(skip), skip_state
 
 
 def _update(
@@ -262,8 +289,12 @@ def _update(
 ) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory)."""
   _state.check_is_state(state)
-  if config.axis_name is not None:
-    state = _state.without_device_slot(state)
+  _validation.grads(grads, params, None)
+  _explicit.check_supported(grads, 'Gradients')
+  grads, num_tokens, loss = _explicit.reduce_trivial((grads, num_tokens, loss))
+  num_tokens = _validation.num_tokens(num_tokens, config.token_dtype)
+  place = placement(config, params, state, grads, num_tokens)
+  state = place.enter(state)
   _state.check_matches(
     state,
     [config.acc_dtype(g) for g in jax.tree.leaves(grads)],
@@ -272,108 +303,51 @@ def _update(
     config.loss_dtype,
   )
   _validation.grads(grads, params, state.acc_grads)
-  _explicit.check_supported(grads, 'Gradients')
-  grads, num_tokens, loss = _explicit.reduce_trivial((grads, num_tokens, loss))
   _explicit.check_layout(grads, state, params)
-  count = _count(config, state, num_tokens)
   loss = _validation.loss(loss)
   emit_now = _validation.emit_now(emit_now)
   _validation.extra_args(extra_args)
-  dp = _data_parallel(config)
-  if dp[1]:
-    _collectives.check_complete(count, grads, params, dp[0])
 
-  keep, skip_state = _window.keep(
-    config, grads, state.gradient_step, params, state.skip_state
+  keep, skip_state = _judge(config, place, grads, state.gradient_step, params)
+  micro = _window.micro_batch(config, place, grads, num_tokens, loss, keep)
+  window = _window.Window(
+    state.acc_grads, state.acc_compensation, state.acc_tokens, state.acc_loss
   )
-  window = _window.add_micro_batch(config, state, grads, count, loss, keep)
+  window = _window.add(config, place, window, micro, state.mini_step == 0)
   mini_step = optax.safe_increment(state.mini_step)
-  if keep is not None and not dp[0]:
+  if keep is not None and not place.advances_rejected:
     mini_step = jnp.where(keep, mini_step, state.mini_step)
-  emit = _should_emit(config, state, mini_step, window[2], emit_now, dp)
-  updates, acc_grads, inner_state, closed = _window.close_if(
+  close = _window.should_close(
+    config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now
+  )
+  updates, window, inner_state, closed = _window.close_if(
     config,
-    emit,
+    place,
+    close,
     grads,
     window,
     state.inner_state,
     params,
     (extra_args, loss is not None),
-    dp,
   )
-  new_state = _next_state(
-    state, emit, mini_step, window, acc_grads, inner_state, closed, skip_state
-  )
-  if config.axis_name is not None:
-    new_state = _state.with_device_slot(new_state)
-  return updates, new_state
-
-
-def _count(config, state, num_tokens) -> jax.Array:
-  """The micro-batch's validated count (``_tokens.as_count``). A count of
-  partial sums (explicit sharding) is validated on each device when added,
-  unless a mean loss needs the whole count now (a scalar all-reduce)."""
-  count = _validation.num_tokens(num_tokens, config.token_dtype)
-  if _explicit.unreduced(state.acc_tokens) and not config.mean_loss:
-    return count
-  count = _explicit.reduce_now(jnp.asarray(count))
-  return _tokens.as_count(count, config.token_dtype)
-
-
-def _data_parallel(config: _validation.Config) -> tuple[tuple[str, ...], bool]:
-  """The data axes (none without ``axis_name``), and whether JAX tracks
-  which values vary over them."""
-  if config.axis_name is None:
-    return (), False
-  _collectives.check_bound(config.axis_name)
-  axes = _collectives.as_tuple(config.axis_name)
-  tracked = _collectives.tracks_variance(axes)
-  if not tracked:
-    _collectives.check_untracked(axes)
-  return axes, tracked
-
-
-def _should_emit(config, state, mini_step, acc_tokens, emit_now, dp):
-  """Whether this call closes the window: the same on every device."""
-  k = config.schedule(state.gradient_step)
-  _validation.check_k(k)
-  emit = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
-  if config.tokens_per_update is not None:
-    tokens = _collectives.window_tokens(acc_tokens, dp)
-    emit = jnp.logical_or(emit, tokens >= config.tokens_per_update)
-  if emit_now is None:
-    return emit
-  return jnp.logical_or(emit, _collectives.any_device(emit_now, *dp))
-
-
-def _next_state(
-  state, emit, mini_step, window, acc_grads, inner_state, closed, skip_state
-):
-  """The state after this call; a closed window starts afresh (its
-  parameter-sized buffers are zeroed by the next micro-step, before its
-  add, not rewritten here)."""
-  emitted, valid, total, mean_loss = closed
-  _, acc_compensation, acc_tokens, acc_loss = window
-
-  def reset_if_emit(x):
-    return jnp.where(emit, jnp.zeros_like(x), x)
-
-  return TokenWeightedMultiStepState(
-    mini_step=reset_if_emit(mini_step),
-    gradient_step=_increment_if(emitted, state.gradient_step),
-    acc_grads=acc_grads,
-    acc_tokens=reset_if_emit(acc_tokens),
-    acc_loss=reset_if_emit(acc_loss),
+  new_state = TokenWeightedMultiStepState(
+    mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
+    gradient_step=_increment_if(closed.emitted, state.gradient_step),
+    acc_grads=window.acc_grads,
+    acc_tokens=window.acc_tokens,
+    acc_loss=window.acc_loss,
     inner_state=inner_state,
-    last_loss=jnp.where(emitted, mean_loss, state.last_loss),
-    last_tokens=jnp.where(emitted, total, state.last_tokens),
+    last_loss=jnp.where(closed.emitted, closed.mean_loss, state.last_loss),
+    last_tokens=jnp.where(closed.emitted, closed.tokens, state.last_tokens),
     skip_state=skip_state,
-    emitted=emitted,
-    acc_compensation=acc_compensation,
+    emitted=closed.emitted,
+    acc_compensation=window.acc_compensation,
     dropped_windows=_increment_if(
-      jnp.logical_and(emit, jnp.logical_not(valid)), state.dropped_windows
+      jnp.logical_and(close, jnp.logical_not(closed.valid)),
+      state.dropped_windows,
     ),
   )
+  return updates, place.leave(new_state)
 
 
 def _increment_if(condition: jax.Array, counter: jax.Array) -> jax.Array:

@@ -29,8 +29,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
 
-from optax_tokacc import _collectives
 from optax_tokacc import _explicit
+from optax_tokacc import _manual
 from optax_tokacc import _state
 
 
@@ -124,7 +124,7 @@ def state_partition_specs(
   params: optax.Params,
   *,
   param_specs: Optional[Any] = None,
-  axis_name: Optional[_collectives.AxisName] = None,
+  axis_name: Optional[_manual.AxisName] = None,
   manual_axes: Optional[Any] = None,
 ) -> Any:
   """The ``PartitionSpec`` of every leaf of ``tx.init(params)``.
@@ -175,7 +175,7 @@ def state_partition_specs(
     is_leaf=_is_spec,
   )
   if axis_name is not None:
-    axes = _collectives.as_tuple(axis_name)
+    axes = _manual.as_tuple(axis_name)
 
     def fix(node):
       if isinstance(node, _state.TokenWeightedMultiStepState):
@@ -200,11 +200,8 @@ def state_partition_specs(
 
 def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
   """``specs`` with the axes outside ``manual_axes`` dropped."""
-  manual = set(_collectives.as_tuple(manual_axes))
-  if (
-    axis_name is not None
-    and not set(_collectives.as_tuple(axis_name)) <= manual
-  ):
+  manual = set(_manual.as_tuple(manual_axes))
+  if axis_name is not None and not set(_manual.as_tuple(axis_name)) <= manual:
     raise ValueError(
       f'axis_name={axis_name!r} must be among the manual axes of shard_map '
       f'(manual_axes={manual_axes!r}): the transform sums over manual axes.'
@@ -226,7 +223,7 @@ def state_shardings(
   mesh: jax.sharding.Mesh,
   *,
   param_specs: Optional[Any] = None,
-  axis_name: Optional[_collectives.AxisName] = None,
+  axis_name: Optional[_manual.AxisName] = None,
 ) -> Any:
   """:func:`state_partition_specs` as ``NamedSharding``'s on ``mesh``.
 
@@ -267,7 +264,7 @@ def init_sharded(
   mesh: jax.sharding.Mesh,
   *,
   param_specs: Optional[Any] = None,
-  axis_name: Optional[_collectives.AxisName] = None,
+  axis_name: Optional[_manual.AxisName] = None,
 ) -> optax.OptState:
   """``tx.init(params)`` laid out on ``mesh`` (global arrays).
 

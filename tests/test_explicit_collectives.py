@@ -169,14 +169,10 @@ def test_micro_step_without_loss_issues_no_collective():
   assert_one_reduction_when_closing(sites)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason='defect 2 (issue 22): reset_if_emit select on unreduced scalars',
-)
 def test_micro_step_with_loss_issues_no_collective():
   """With ``loss=`` a partial sum, the micro-step's path holds no collective
-  either (today: an all-reduce of a float32 scalar on every call, from the
-  select that resets the window's loss)."""
+  either (0.3 issued an all-reduce of a float32 scalar on every call, from
+  the select that reset the window's loss on unreduced values)."""
   sites = compiled_step_sites(with_loss=True)
   assert on_micro_step_path(sites) == []
   assert_one_reduction_when_closing(sites)

@@ -319,9 +319,6 @@ def test_smallest_case_equals_full_batch_sgd(reduction, variant):
   check_against_full_batch(reduction, variant, 1, smallest_case())
 
 
-@pytest.mark.xfail(
-  strict=True, reason='defect 3 (issue 22): silently wrong today'
-)
 def test_mean_loss_with_autodiff_summed_grads_is_refused():
   """Without ``pcast``, autodiff sums the devices' mean-loss gradients on
   every micro-step: no scaling by the counts gives the token-weighted mean

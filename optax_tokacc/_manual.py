@@ -12,34 +12,133 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Collectives and sharding rules under ``pmap`` and ``shard_map``.
+"""The placement under ``pmap`` and ``shard_map`` with ``axis_name``.
 
-One rule decides what is summed over the data axes (``axis_name``) when a
-window closes: a per-device value is summed over the axes it varies over.
-A gradient is, in addition, never summed over an axis along which its
-parameter is sharded (the parameter varies there: each device holds a
-different shard). Under ``pmap`` or ``shard_map(check_vma=False)`` JAX does
-not track variance, and everything is summed over all of ``axis_name``.
-Under explicit sharding (plain ``jax.jit``) the window's unreduced partial
-sums are summed over the axes their type names, in the same single
-reduction.
+Each device holds its share of the window; the state's per-device fields
+carry a leading slot axis (``_state.with_device_slot``). One rule decides
+what is summed over the data axes when a window closes: a per-device value
+is summed over the axes it varies over, and a gradient never over an axis
+along which its parameter is sharded (each device holds a different shard).
+Under ``pmap`` or ``shard_map(check_vma=False)`` JAX does not track
+variance, and everything is summed over all of ``axis_name``.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+import dataclasses
 from typing import Any, Optional, Union
 import warnings
 
 import jax
 from jax import lax
-import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _compat
-from optax_tokacc import _explicit
+from optax_tokacc import _placement
+from optax_tokacc import _state
 from optax_tokacc import _tokens
 from optax_tokacc._compat import varying_axes
 
 AxisName = Union[str, tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Manual(_placement.Single):
+  """Shares held per device, summed with collectives over ``axes``."""
+
+  axes: tuple[str, ...]
+  tracked: bool = False  # whether JAX tracks what varies (check_vma)
+  grad_axes: tuple = ()  # per gradient leaf, the axes to sum it over
+  param_axes: Optional[tuple] = None  # per parameter, the axes it varies
+
+  advances_rejected = True
+
+  @classmethod
+  def of(cls, config, params, grads, num_tokens) -> 'Manual':
+    """The placement of ``update`` (of ``init`` without ``grads``): checks
+    that the window can be summed exactly, or raises at trace time."""
+    axes = as_tuple(config.axis_name)
+    if grads is None:
+      return cls(axes)
+    check_bound(config.axis_name)
+    tracked = tracks_variance(axes)
+    if tracked:
+      check_complete(num_tokens, grads, params, axes)
+    else:
+      check_untracked(axes)
+    grad_axes = grad_sum_axes(grads, params, axes, tracked, config.mean_loss)
+    param_axes = None
+    if params is not None:
+      param_axes = tuple(varying_axes(p) for p in jax.tree.leaves(params))
+    return cls(axes, tracked, tuple(grad_axes), param_axes)
+
+  def enter(self, state):
+    return _state.without_device_slot(state)
+
+  def leave(self, state):
+    return _state.with_device_slot(state)
+
+  def total(self, fn, x):
+    over = sum_axes(x, self.axes, self.tracked)
+    return lax.psum(fn(x), over) if over else fn(x)
+
+  def any(self, flag):
+    over = sum_axes(flag, self.axes, self.tracked)
+    if not over:
+      return flag
+    return lax.pmax(flag.astype('int32'), over) > 0
+
+  def reduce(self, sums, acc_tokens, acc_loss):
+    """One ``psum`` per distinct set of axes: in data parallelism every
+    leaf and the scalars share them, a single all-reduce per window."""
+    leaves, treedef = jax.tree.flatten(sums)
+    scalars = (_tokens.to_parts(acc_tokens), acc_loss)
+    scalar_axes = sum_axes(acc_tokens, self.axes, self.tracked)
+    groups: dict[tuple[str, ...], list[int]] = {scalar_axes: []}
+    for index, leaf_axes in enumerate(self.grad_axes):
+      groups.setdefault(leaf_axes, []).append(index)
+    for group_axes, indices in groups.items():
+      if not group_axes:
+        continue
+      with_scalars = group_axes == scalar_axes
+      summed, summed_scalars = lax.psum(
+        ([leaves[i] for i in indices], scalars if with_scalars else ()),
+        group_axes,
+      )
+      scalars = summed_scalars if with_scalars else scalars
+      for i, leaf in zip(indices, summed):
+        leaves[i] = leaf
+    if self.param_axes is not None:
+      leaves = [self._invariant(x, s) for x, s in zip(leaves, self.param_axes)]
+    return (treedef.unflatten(leaves), *scalars)
+
+  def _invariant(self, x: jax.Array, sharded: frozenset) -> jax.Array:
+    """``x``, equal on the devices of ``axes`` it is not sharded over, made
+    invariant there (a gradient summed by autodiff, held per device)."""
+    same = tuple(
+      a for a in self.axes if a in varying_axes(x) and a not in sharded
+    )
+    return lax.pmean(x, same) if same else x
+
+  def can_hold(self, acc, update):
+    return not varying_axes(acc) and super().can_hold(acc, update)
+
+  def cond(self, pred, true_fn, false_fn, *ops):
+    """``lax.cond`` whose branches may differ in the axes their outputs
+    vary over: each output is marked varying over the union of what the
+    two branches give, as ``lax.cond`` requires."""
+    true_out = jax.eval_shape(true_fn, *ops)
+    false_out = jax.eval_shape(false_fn, *ops)
+    target = jax.tree.map(
+      lambda a, b: varying_axes(a) | varying_axes(b), true_out, false_out
+    )
+
+    def matched(fn):
+      def fn_with_vma(*args):
+        return jax.tree.map(make_varying, fn(*args), target)
+
+      return fn_with_vma
+
+    return lax.cond(pred, matched(true_fn), matched(false_fn), *ops)
 
 
 def as_tuple(axis_name: AxisName) -> tuple[str, ...]:
@@ -107,12 +206,15 @@ def grad_sum_axes(
   params: Optional[optax.Params],
   axes: Sequence[str],
   tracked: bool,
+  mean_loss: bool = False,
 ) -> list[tuple[str, ...]]:
   """Per gradient leaf, the axes to sum it over when the window closes.
 
   Never an axis along which the parameter is sharded. A gradient that is
   already invariant over an axis (``shard_map`` autodiff summed it on this
   micro-step) is not summed again; a warning says how to avoid that cost.
+  Under a mean loss such a gradient is the sum of the devices' means,
+  which no scaling makes token-weighted: refused.
   """
   grad_leaves = jax.tree.leaves(grads)
   if params is None:
@@ -131,6 +233,15 @@ def grad_sum_axes(
     for a in axes
     if a not in varying_axes(g) and a not in sharded
   }
+  if summed and mean_loss:
+    raise ValueError(
+      "loss_reduction='mean' cannot be exact here: the gradients arrive "
+      f'already summed over {sorted(summed)} (shard_map autodiff reduced '
+      'them, since the parameters are invariant there), and a sum of the '
+      "devices' mean gradients cannot be token-weighted. Differentiate with "
+      f'respect to jax.lax.pcast(params, {tuple(axes)!r}, to="varying"), or '
+      "pass loss_reduction='sum' with a token-summed loss."
+    )
   if summed:
     warnings.warn(
       f'token_weighted_multistep: gradients arrive already summed over '
@@ -142,78 +253,6 @@ def grad_sum_axes(
       stacklevel=5,
     )
   return per_leaf
-
-
-def reduce_window(
-  sums: optax.Updates,
-  grad_axes: list[tuple[str, ...]],
-  scalars: Any,
-  scalar_axes: tuple[str, ...],
-  params: Optional[optax.Params],
-  axes: Sequence[str],
-) -> tuple[optax.Updates, Any]:
-  """Sums the window over devices: one ``psum`` per distinct set of axes.
-
-  In data parallelism every leaf and the scalars (token parts, loss) share
-  the same axes, so this is a single all-reduce per window.
-  """
-  leaves, treedef = jax.tree.flatten(sums)
-  groups: dict[tuple[str, ...], list[Any]] = {}
-  for index, leaf_axes in enumerate(grad_axes):
-    groups.setdefault(leaf_axes, []).append(index)
-  groups.setdefault(scalar_axes, [])
-  for group_axes, indices in groups.items():
-    operands = [leaves[i] for i in indices]
-    with_scalars = group_axes == scalar_axes
-    if group_axes:
-      operands, summed_scalars = lax.psum(
-        (operands, scalars if with_scalars else ()), group_axes
-      )
-      scalars = summed_scalars if with_scalars else scalars
-    for i, leaf in zip(indices, operands):
-      leaves[i] = leaf
-  if params is not None:
-    sharded = [varying_axes(p) for p in jax.tree.leaves(params)]
-    leaves = [_invariant(x, s, axes) for x, s in zip(leaves, sharded)]
-  return treedef.unflatten(leaves), scalars
-
-
-def _invariant(x: jax.Array, sharded: frozenset, axes: Sequence[str]):
-  """``x``, equal on the devices of ``axes`` it is not sharded over, made
-  invariant there (a gradient summed by autodiff, held per device)."""
-  same = tuple(a for a in axes if a in varying_axes(x) and a not in sharded)
-  return lax.pmean(x, same) if same else x
-
-
-def any_device(flag: jax.Array, axes: Sequence[str], tracked: bool):
-  """Whether ``flag`` is true on any device of ``axes``."""
-  over = sum_axes(flag, axes, tracked)
-  if not over:
-    return flag
-  return lax.pmax(flag.astype('int32'), over) > 0
-
-
-def cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands):
-  """``lax.cond`` whose branches may differ in the axes their outputs vary.
-
-  Inside ``shard_map`` the accumulators vary over the data axes while the
-  summed window does not; each output is marked varying over the union of
-  what the two branches give, as ``lax.cond`` requires. Elsewhere this is
-  ``lax.cond``.
-  """
-  true_out = jax.eval_shape(true_fn, *operands)
-  false_out = jax.eval_shape(false_fn, *operands)
-  target = jax.tree.map(
-    lambda a, b: varying_axes(a) | varying_axes(b), true_out, false_out
-  )
-
-  def matched(fn):
-    def fn_with_vma(*args):
-      return jax.tree.map(make_varying, fn(*args), target)
-
-    return fn_with_vma
-
-  return lax.cond(pred, matched(true_fn), matched(false_fn), *operands)
 
 
 def check_complete(
@@ -254,60 +293,3 @@ def check_complete(
       f'{tuple(axes) + tuple(sorted(missing))!r} (every axis the batch is '
       'split over).'
     )
-
-
-def window_tokens(acc_tokens, dp) -> jax.Array:
-  """The window's counted tokens so far, over all devices (for
-  ``tokens_per_update``; an invalid count counts 0, a total beyond the
-  counter counts as its maximum). Where the window is split over devices,
-  a scalar all-reduce on every micro-step."""
-  axes = tuple(sorted(_explicit.unreduced(acc_tokens)))
-
-  def parts_over(acc_tokens, axes):
-    parts = _tokens.to_parts(jnp.maximum(acc_tokens, 0))
-    return lax.psum(parts, axes) if axes else parts
-
-  if axes:
-    parts = _explicit.local(
-      lambda acc: parts_over(acc, axes),
-      (acc_tokens,),
-      jax.sharding.PartitionSpec(),
-    )
-  else:
-    data_axes, tracked = dp
-    over = sum_axes(acc_tokens, data_axes, tracked)
-    parts = parts_over(acc_tokens, over)
-  total, fits = _tokens.from_parts(parts, acc_tokens.dtype)
-  if jnp.issubdtype(acc_tokens.dtype, jnp.integer):
-    top = jnp.iinfo(acc_tokens.dtype).max
-  else:
-    top = jnp.finfo(acc_tokens.dtype).max
-  return jnp.where(fits, total, jnp.asarray(top, acc_tokens.dtype))
-
-
-def reduce_partial_sums(sums, acc_tokens, acc_loss):
-  """Explicit sharding: the window's partial sums reduced on each device in
-  one ``psum`` per distinct set of axes (one all-reduce in data
-  parallelism), the count split into exact float32 parts first."""
-  leaves, treedef = jax.tree.flatten(sums)
-  partial = [i for i, leaf in enumerate(leaves) if _explicit.unreduced(leaf)]
-  leaf_axes = [tuple(sorted(_explicit.unreduced(leaves[i]))) for i in partial]
-  scalar_axes = tuple(sorted(_explicit.unreduced(acc_tokens)))
-
-  def reduce(partial_leaves, acc_tokens, acc_loss):
-    scalars = (_tokens.to_parts(acc_tokens), acc_loss)
-    return reduce_window(
-      partial_leaves, leaf_axes, scalars, scalar_axes, None, scalar_axes
-    )
-
-  partial_leaves = [leaves[i] for i in partial]
-  out_specs = (
-    [_explicit.spec(leaf, unreduced=False) for leaf in partial_leaves],
-    (jax.sharding.PartitionSpec(),) * 2,
-  )
-  reduced, scalars = _explicit.local(
-    reduce, (partial_leaves, acc_tokens, acc_loss), out_specs
-  )
-  for i, leaf in zip(partial, reduced):
-    leaves[i] = leaf
-  return treedef.unflatten(leaves), scalars

@@ -1,0 +1,146 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The placement under explicit sharding: the window as partial sums.
+
+Under ``jax.jit`` on an explicit mesh, parameters typed reduced over the
+data axes (``jax.P(reduced={'data'})``) get *unreduced* gradients: each
+device's partial sum, which no collective has summed yet. The window keeps
+them so: its sums, count and loss are typed unreduced across micro-steps and
+reduced once, when it closes. JAX defines only linear operations on
+unreduced values, so what is not linear (validating a count, Kahan
+summation, a skip decision, splitting a count into exact parts) runs on each
+device's share in a fully manual ``shard_map`` (``_explicit.local``), which
+moves no data.
+"""
+
+import dataclasses
+from typing import Any
+import warnings
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_tokacc import _explicit
+from optax_tokacc import _manual
+from optax_tokacc import _placement
+from optax_tokacc import _validation
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialSums(_placement.Single):
+  """Shares typed unreduced over ``axes``; one reduction per window."""
+
+  axes: frozenset
+  mesh: Any
+
+  @classmethod
+  def of(cls, axes, params, state) -> 'PartialSums':
+    if state is not None:
+      return cls(axes, _explicit.mesh_of(state.acc_tokens))
+    like = next(p for p in jax.tree.leaves(params) if _explicit.reduced(p))
+    return cls(axes, _explicit.mesh_of(like))
+
+  def scalar_zeros(self, dtype):
+    sharding = NamedSharding(self.mesh, P(unreduced=self.axes))
+    return jnp.zeros([], dtype, out_sharding=sharding)
+
+  def share(self, x):
+    """A replicated value is put on one device (free); one unreduced over
+    other axes is summed there."""
+    return _explicit.partial_sums(x, self.axes)
+
+  def scale(self, grad, factor):
+    return _explicit.scale(grad, factor)
+
+  def per_device(self, fn, args, like):
+    return _explicit.local(fn, args, _explicit.specs(like))
+
+  def judge(self, skip_fn, grads, step, params, exact):
+    """Gradients kept as partial sums are judged on every device's share
+    and rejected everywhere if any device rejects them: a scalar
+    all-reduce per micro-step. That is exact for ``skip_not_finite`` (a sum
+    is not finite when a partial sum is not); any other function sees the
+    reduced gradients, at the cost of their all-reduce per micro-step."""
+    if not _explicit.any_unreduced(grads):
+      return super().judge(skip_fn, grads, step, params, exact)
+    params = _explicit.without_reduced(params)
+    if not exact:
+      _warn_reduced_skip()
+      grads = jax.tree.map(_explicit.reduce_now, grads)
+      return super().judge(skip_fn, grads, step, params, exact)
+    axes = tuple(sorted(self.axes))
+
+    def decide(grads, step, params):
+      result = _validation.call_skip_fn(skip_fn, grads, step, params)
+      return _psum_tree(result, axes)
+
+    out_shape = jax.eval_shape(
+      lambda *args: _validation.call_skip_fn(skip_fn, *args),
+      *_explicit.unsharded_shapes((grads, step, params)),
+    )
+    return _explicit.local(
+      decide, (grads, step, params), _explicit.replicated(out_shape)
+    )
+
+  def total(self, fn, x):
+    axes = tuple(sorted(self.axes))
+    return _explicit.local(lambda v: lax.psum(fn(v), axes), (x,), P())
+
+  def reduce(self, sums, acc_tokens, acc_loss):
+    """The partial sums reduced on each device in one ``psum`` per distinct
+    set of axes (one all-reduce in data parallelism)."""
+    leaves, treedef = jax.tree.flatten(sums)
+    partial = [i for i, leaf in enumerate(leaves) if _explicit.unreduced(leaf)]
+    sum_over = _manual.Manual(
+      axes=tuple(sorted(self.axes)),
+      grad_axes=tuple(
+        tuple(sorted(_explicit.unreduced(leaves[i]))) for i in partial
+      ),
+    )
+    partial_leaves = [leaves[i] for i in partial]
+    out_specs = (
+      [_explicit.spec(leaf, unreduced=False) for leaf in partial_leaves],
+      P(),
+      P(),
+    )
+    reduced, parts, loss = _explicit.local(
+      sum_over.reduce, (partial_leaves, acc_tokens, acc_loss), out_specs
+    )
+    for i, leaf in zip(partial, reduced):
+      leaves[i] = leaf
+    return treedef.unflatten(leaves), parts, loss
+
+
+def _warn_reduced_skip():
+  warnings.warn(
+    'token_weighted_multistep: should_skip_update_fn sees the reduced '
+    'gradients, which are unreduced partial sums here (explicit sharding): '
+    'this costs an all-reduce of the gradients on every micro-step. '
+    'tokacc.skip_not_finite decides on the partial sums instead (a scalar '
+    'all-reduce).',
+    stacklevel=5,
+  )
+
+
+def _psum_tree(tree: Any, axes: tuple) -> Any:
+  """Sums a tree over ``axes`` in one ``psum`` (bools as any-device)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  wide = [x.astype(jnp.int32) if x.dtype == jnp.bool_ else x for x in leaves]
+  summed = lax.psum(wide, axes)
+  out = [s > 0 if x.dtype == jnp.bool_ else s for s, x in zip(summed, leaves)]
+  return treedef.unflatten(out)

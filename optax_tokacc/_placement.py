@@ -1,0 +1,134 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Where the window's sums live and how they are reduced: one strategy.
+
+The window algebra (``_window``) is written once and calls only the small
+interface of :class:`Single`; a placement is chosen once per trace, at the
+top of ``init`` and ``update`` (``_multistep.placement``):
+
+- :class:`Single`: one device, or global arrays under ``jax.jit`` (the
+  compiler reduces the gradients before they arrive): every value is whole.
+- ``_manual.Manual``: ``pmap`` / ``shard_map`` with ``axis_name``: each
+  device holds its share, summed with collectives when the window closes.
+- ``_partial_sums.PartialSums``: explicit sharding under ``jax.jit``
+  (parameters typed reduced): the shares are typed unreduced, and what is
+  not linear runs on each device's share in a manual region.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from optax_tokacc import _explicit
+from optax_tokacc import _tokens
+from optax_tokacc import _validation
+
+
+class Single:
+  """Every value is whole: nothing to reduce, no device to ask.
+
+  The methods are the whole interface the window algebra calls; the other
+  placements override some of them. Values may still carry types of
+  sharding (global arrays on a mesh); they are kept as they come.
+  """
+
+  # Whether a rejected micro-batch still counts as a micro-step, so that
+  # devices that may decide differently close their windows together.
+  advances_rejected = False
+
+  def enter(self, state: Any) -> Any:
+    """The state as the algebra reads it (this device's share)."""
+    return state
+
+  def leave(self, state: Any) -> Any:
+    """The inverse of :meth:`enter`."""
+    return state
+
+  def gradient_zeros(self, param: Any, dtype: Any) -> jax.Array:
+    """The accumulator's zeros for ``param``'s gradient, typed like it."""
+    return _explicit.gradient_zeros(param, dtype)
+
+  def scalar_zeros(self, dtype: Any) -> jax.Array:
+    """A zero count or loss of the window."""
+    return jnp.zeros([], dtype)
+
+  def whole(self, x: Any) -> Any:
+    """``x`` summed over the devices that hold parts of it, now (a value
+    typed unreduced is reduced; any other is already whole)."""
+    return _explicit.reduce_now(x)
+
+  def share(self, x: Any) -> Any:
+    """A micro-batch's count or loss as this device's share of it."""
+    return self.whole(x)
+
+  def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
+    """``grad * factor`` for a scalar ``factor`` the same on all devices."""
+    return grad * factor
+
+  def per_device(self, fn: Callable, args: tuple, like: Any) -> Any:
+    """``fn(*args)`` on each device's share; its outputs are typed like
+    ``like`` (a tree of values, or of their shapes)."""
+    return jax.tree.map(self.same_values, fn(*args), like)
+
+  def same_values(self, x: Any, like: Any) -> Any:
+    """``x``, held whole and alike on every device, typed like ``like``."""
+    return _explicit.retype_same_values(x, like)
+
+  def judge(
+    self, skip_fn: Callable, grads: Any, step: Any, params: Any, exact: bool
+  ) -> tuple[jax.Array, Any]:
+    """``skip_fn``'s decision on the micro-batch, and its skip state.
+
+    ``exact``: whether ``skip_fn`` decides on partial sums as on their sum
+    (``skip_not_finite``).
+    """
+    del exact
+    return _validation.call_skip_fn(skip_fn, grads, step, params)
+
+  def total(self, fn: Callable, x: jax.Array) -> jax.Array:
+    """``fn`` of each device's share of ``x``, summed over the devices."""
+    return fn(x)
+
+  def any(self, flag: jax.Array) -> jax.Array:
+    """Whether ``flag`` is true on any device."""
+    return flag
+
+  def reduce(
+    self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
+  ) -> tuple[Any, jax.Array, jax.Array]:
+    """The window's one reduction: its sums, its count as exact parts
+    (``_tokens.to_parts``) and its loss, summed over the devices."""
+    return sums, _tokens.to_parts(acc_tokens), acc_loss
+
+  def for_inner(self, tree: Any) -> Any:
+    """A tree in the types that optax's nonlinear updates take (reduced
+    types dropped, free)."""
+    return _explicit.without_reduced(tree)
+
+  def like(self, tree: Any, reference: Any) -> Any:
+    """``tree`` (whole values) typed like ``reference`` again."""
+    return _explicit.like(tree, reference)
+
+  def can_hold(self, acc: Any, update: Any) -> bool:
+    """Whether an accumulator leaf's buffer may hold an update's value:
+    where typed, it splits its dimensions alike."""
+    return _explicit.same_layout(acc, update)
+
+  def cond(self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops):
+    """``lax.cond``, where the branches' outputs may differ in type."""
+    return lax.cond(pred, true_fn, false_fn, *ops)
