@@ -49,7 +49,7 @@ def _compensated_add(
   return new_total, new_error.astype(total.dtype)
 
 
-def _restarted(trees, restart: jax.Array):
+def _restarted(trees, restart: jax.Array, select: bool = False):
   """``trees``, or zeros like them if ``restart``, in a ``lax.cond``.
 
   Not a select fused into the add: a select on a scalar puts a broadcast in
@@ -59,7 +59,12 @@ def _restarted(trees, restart: jax.Array):
   (rounded to bfloat16 after their dot), and the micro-step took about 2x
   the ideal's. The zeros are written on a window's first micro-step only;
   the other micro-steps pass the buffers through the ``cond`` uncopied.
+  ``select``: a select instead, for programs that hold no conditional.
   """
+  if select:
+    return jax.tree.map(
+      lambda x: jnp.where(restart, jnp.zeros_like(x), x), trees
+    )
   return jax.lax.cond(
     restart, lambda t: jax.tree.map(jnp.zeros_like, t), lambda t: t, trees
   )
@@ -71,6 +76,7 @@ def accumulate(
   addends: optax.Updates,
   restart: jax.Array,
   compensated: bool,
+  select: bool = False,
 ) -> tuple[optax.Updates, optax.Updates]:
   """Adds ``addends`` into the window's sums; ``restart`` starts a window.
 
@@ -82,12 +88,12 @@ def accumulate(
   if not compensated:
     acc_grads = jax.tree.map(
       lambda total, value: total + value.astype(total.dtype),
-      _restarted(acc_grads, restart),
+      _restarted(acc_grads, restart, select),
       addends,
     )
     return acc_grads, ()
   acc_grads, acc_compensation = _restarted(
-    (acc_grads, acc_compensation), restart
+    (acc_grads, acc_compensation), restart, select
   )
   treedef = jax.tree.structure(acc_grads)
   sums = [

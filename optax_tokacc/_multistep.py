@@ -285,6 +285,7 @@ def _update(
   num_tokens: Optional[jax.typing.ArrayLike] = None,
   loss: Optional[jax.typing.ArrayLike] = None,
   emit_now: Union[bool, jax.typing.ArrayLike] = False,
+  close: Optional[bool] = None,
   **extra_args: Any,
 ) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory)."""
@@ -306,6 +307,7 @@ def _update(
   _explicit.check_layout(grads, state, params)
   loss = _validation.loss(loss)
   emit_now = _validation.emit_now(emit_now)
+  _validation.close(close, emit_now, config.tokens_per_update)
   _validation.extra_args(extra_args)
 
   keep, skip_state = _judge(config, place, grads, state.gradient_step, params)
@@ -313,23 +315,28 @@ def _update(
   window = _window.Window(
     state.acc_grads, state.acc_compensation, state.acc_tokens, state.acc_loss
   )
-  window = _window.add(config, place, window, micro, state.mini_step == 0)
+  restart = state.mini_step == 0
+  window = _window.add(config, place, window, micro, restart, close is not None)
   mini_step = optax.safe_increment(state.mini_step)
   if keep is not None and not place.advances_rejected:
     mini_step = jnp.where(keep, mini_step, state.mini_step)
-  close = _window.should_close(
-    config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now
-  )
-  updates, window, inner_state, closed = _window.close_if(
-    config,
-    place,
-    close,
+  args = (
     grads,
     window,
     state.inner_state,
     params,
     (extra_args, loss is not None),
   )
+  if close is None:
+    close = _window.should_close(
+      config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now
+    )
+    closing = _window.close_if(config, place, close, *args)
+  elif close:
+    closing = _window.close_now(config, place, *args)
+  else:
+    closing = _window.keep_open(config, place, *args)
+  updates, window, inner_state, closed = closing
   new_state = TokenWeightedMultiStepState(
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
     gradient_step=_increment_if(closed.emitted, state.gradient_step),

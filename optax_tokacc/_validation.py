@@ -241,6 +241,35 @@ def emit_now(value: Any) -> Optional[jax.Array]:
   return jnp.asarray(value, jnp.bool_)
 
 
+def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
+  """``close``: None (the device decides), or a Python bool (the host)."""
+  if value is None:
+    return
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+      'close must be None or a Python bool, known when the step is traced '
+      '(jax.jit(step, static_argnames="close")); got a traced value. To '
+      'close the window on a decision made on the device, pass emit_now.'
+    )
+  if not isinstance(value, bool):
+    raise TypeError(
+      'close must be None (the schedule decides) or a Python bool (the '
+      f'host decides); got close={value!r} of type {type(value).__name__}.'
+    )
+  if tokens_per_update is not None:
+    raise ValueError(
+      f'close={value} decides on the host, but tokens_per_update='
+      f"{tokens_per_update} decides on the device (it needs the window's "
+      'tokens over all devices): pass close=None, or build the transform '
+      'without tokens_per_update.'
+    )
+  if emit_now is not None:
+    raise ValueError(
+      f'close={value} decides on the host; emit_now decides on the device. '
+      'Pass one of them.'
+    )
+
+
 def loss(value: Any) -> Any:
   """Checks ``loss``: None, or a real scalar."""
   if value is None:

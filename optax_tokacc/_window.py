@@ -89,8 +89,11 @@ def _adds(config, micro: MicroBatch) -> Optional[jax.Array]:
   return jnp.logical_and(micro.keep, has_tokens)
 
 
-def add(config, place, window: Window, micro: MicroBatch, restart) -> Window:
-  """The window with the micro-batch added; ``restart`` starts a window.
+def add(
+  config, place, window: Window, micro: MicroBatch, restart, select=False
+) -> Window:
+  """The window with the micro-batch added; ``restart`` starts a window
+  (in a ``cond``, or a select where the program has no conditional).
   Contributions are selected, never multiplied by zero."""
   adds = _adds(config, micro)
 
@@ -105,7 +108,7 @@ def add(config, place, window: Window, micro: MicroBatch, restart) -> Window:
 
   def accumulate(acc_grads, acc_compensation, addends, restart):
     return _compensated.accumulate(
-      acc_grads, acc_compensation, addends, restart, config.compensated
+      acc_grads, acc_compensation, addends, restart, config.compensated, select
     )
 
   args = (
@@ -114,7 +117,7 @@ def add(config, place, window: Window, micro: MicroBatch, restart) -> Window:
     jax.tree.map(addend, window.acc_grads, micro.grads),
     restart,
   )
-  if config.compensated:  # not linear: on each device's share
+  if config.compensated or select:  # not linear: on each device's share
     like = (window.acc_grads, window.acc_compensation)
     acc_grads, acc_compensation = place.per_device(accumulate, args, like)
   else:
@@ -185,36 +188,39 @@ def reset_if(place, close, window: Window) -> Window:
     )
 
   scalars = (window.acc_tokens, window.acc_loss)
-  acc_tokens, acc_loss = place.per_device(reset, (*scalars, close), scalars)
+  args = (*scalars, jnp.asarray(close))
+  acc_tokens, acc_loss = place.per_device(reset, args, scalars)
   return window._replace(acc_tokens=acc_tokens, acc_loss=acc_loss)
 
 
-def inner_update(config, place, grads, inner_state, params, extra_args):
+def inner_update(
+  config, place, grads, inner_state, params, extra_args, emitted=None
+):
   """``inner.update``, its state's dtypes kept, in the types optax's
   nonlinear updates take; the updates come typed like the parameters, so
-  that ``optax.apply_updates`` keeps their type."""
+  that ``optax.apply_updates`` keeps their type. With ``emitted`` (a
+  window closed by the host), the updates are -0.0 and the state is kept
+  unless ``emitted``: selects, where the device uses a ``cond``."""
+  plain_inner = place.for_inner(inner_state)
   updates, new_inner = config.inner.update(
-    grads,
-    place.for_inner(inner_state),
-    place.for_inner(params),
-    **extra_args,
+    grads, plain_inner, place.for_inner(params), **extra_args
   )
+  new_inner = optax.tree.cast_like(new_inner, inner_state)
+  if emitted is not None:
+    updates = jax.tree.map(
+      lambda u: jnp.where(emitted, u, _signed(jnp.zeros_like(u))), updates
+    )
+    new_inner = jax.tree.map(
+      lambda new, old: jnp.where(emitted, new, old), new_inner, plain_inner
+    )
   if params is not None:
     updates = place.like(updates, params)
-  new_inner = optax.tree.cast_like(new_inner, inner_state)
   return updates, place.like(new_inner, inner_state)
 
 
-def _close(config, place, grads, window, inner_state, params, extra, hold):
-  """Runs ``inner`` once on the window's token-mean gradient, with
-  ``value=`` the window's token-mean loss when ``loss`` was passed.
-
-  Returns ``(held, inner_state, closed)``, with ``held = hold(updates,
-  acc_grads)``. A window without tokens or with an invalid count emits no
-  updates and keeps the inner state: a nested ``cond``, since selecting
-  between the new and the old inner state would keep both alive
-  (temporaries the size of the inner state on every step).
-  """
+def _reduce(config, place, window: Window):
+  """The window summed over the devices (its one reduction): its sums, the
+  divisor of its mean, and what closing it gives."""
   sums = _compensated.window_sums(
     window.acc_grads, window.acc_compensation, config.compensated
   )
@@ -223,21 +229,59 @@ def _close(config, place, grads, window, inner_state, params, extra, hold):
   emitted = jnp.logical_and(valid, total > 0)
   divisor = jnp.maximum(total, 1)
   mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
+  return sums, divisor, Closed(emitted, valid, total, mean_loss)
+
+
+def _step(
+  config,
+  place,
+  grads,
+  extra,
+  sums,
+  divisor,
+  inner_state,
+  params,
+  mean_loss,
+  emitted=None,
+):
+  """``inner`` run once on the window's token-mean gradient, with
+  ``value=`` the window's token-mean loss when ``loss`` was passed."""
+
+  def mean(s):
+    wide = jnp.promote_types(s.dtype, jnp.float32)
+    return s.astype(wide) / divisor.astype(wide)
+
   extra_args, with_value = extra
+  if with_value:
+    extra_args = dict(extra_args, value=mean_loss)
+  mean_grads = optax.tree.cast_like(jax.tree.map(mean, sums), grads)
+  return inner_update(
+    config, place, mean_grads, inner_state, params, extra_args, emitted
+  )
+
+
+def _close(config, place, grads, window, inner_state, params, extra, hold):
+  """Closes the window on the device, inside the outer ``cond``.
+
+  Returns ``(held, inner_state, closed)``, with ``held = hold(updates,
+  acc_grads)``. A window without tokens or with an invalid count emits no
+  updates and keeps the inner state: a nested ``cond``, since selecting
+  between the new and the old inner state would keep both alive
+  (temporaries the size of the inner state on every step).
+  """
+  sums, divisor, closed = _reduce(config, place, window)
 
   def step(acc_grads, sums, divisor, inner_state, params, mean_loss):
-    def mean(s):
-      wide = jnp.promote_types(s.dtype, jnp.float32)
-      return s.astype(wide) / divisor.astype(wide)
-
-    mean_grads = optax.tree.cast_like(jax.tree.map(mean, sums), grads)
-    updates, new_inner = inner_update(
+    updates, new_inner = _step(
       config,
       place,
-      mean_grads,
+      grads,
+      extra,
+      sums,
+      divisor,
       inner_state,
       params,
-      dict(extra_args, value=mean_loss) if with_value else extra_args,
+      mean_loss,
     )
     return hold(updates, acc_grads), new_inner
 
@@ -245,9 +289,43 @@ def _close(config, place, grads, window, inner_state, params, extra, hold):
     del sums, divisor, params, mean_loss
     return hold(None, acc_grads), inner_state
 
-  operands = (window.acc_grads, sums, divisor, inner_state, params, mean_loss)
-  held, new_inner = place.cond(emitted, step, no_step, *operands)
-  return held, new_inner, Closed(emitted, valid, total, mean_loss)
+  operands = (window.acc_grads, sums, divisor, inner_state, params)
+  operands += (closed.mean_loss,)
+  held, new_inner = place.cond(closed.emitted, step, no_step, *operands)
+  return held, new_inner, closed
+
+
+def close_now(config, place, grads, window, inner_state, params, extra):
+  """Closes the window without a conditional (the host decided: ``close=
+  True``): the reduction sits in the program beside the backward pass.
+  Returns ``(updates, window, inner_state, closed)`` as :func:`close_if`."""
+  _, with_value = _update_shapes(
+    config, place, grads, inner_state, params, extra
+  )
+  sums, divisor, closed = _reduce(config, place, window)
+  updates, inner_state = _step(
+    config,
+    place,
+    grads,
+    (extra[0], with_value),
+    sums,
+    divisor,
+    inner_state,
+    params,
+    closed.mean_loss,
+    closed.emitted,
+  )
+  return updates, reset_if(place, True, window), inner_state, closed
+
+
+def keep_open(config, place, grads, window, inner_state, params, extra):
+  """The window left open (the host decided: ``close=False``): -0.0
+  updates shaped like ``inner``'s, and no ``inner`` work."""
+  shapes, _ = _update_shapes(config, place, grads, inner_state, params, extra)
+  zero = jnp.zeros([], window.acc_tokens.dtype)
+  no_loss = jnp.zeros([], window.acc_loss.dtype)
+  closed = Closed(jnp.asarray(False), jnp.asarray(True), zero, no_loss)
+  return _zeros(shapes), window, inner_state, closed
 
 
 def _held(place, updates, acc_grads, *, shapes, buffer):
