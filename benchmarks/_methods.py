@@ -24,8 +24,10 @@ ones in ``_explicit_methods.py``.
 """
 
 from collections.abc import Callable
+import contextlib
 import dataclasses
 import functools
+import time
 from typing import Any, NamedTuple
 
 import _models
@@ -74,6 +76,7 @@ class Trainer:
     windows: the :class:`Window` s it trains on, reused cyclically.
     compiled: label -> compiled function (for its memory analysis).
     reference: the method whose times its ratios divide by.
+    compile_s: label -> seconds to lower and compile that program.
   """
 
   micro_step: Callable[[Any, Any], Any] | None
@@ -83,6 +86,7 @@ class Trainer:
   windows: list
   compiled: dict
   reference: str = 'ideal'
+  compile_s: dict = dataclasses.field(default_factory=dict)
 
   def run_micro_steps(self, index):
     """Feeds the first ``k - 1`` micro-batches of window ``index``."""
@@ -185,6 +189,106 @@ def multisteps(case):
 def tokacc_apply_updates(case):
   """``token_weighted_multistep(adamw, k)``, ``optax.apply_updates``."""
   return _optax(case, tokacc.token_weighted_multistep(case.adamw, case.k))
+
+
+def compile_timed(jitted, *args, **static):
+  """``jitted`` lowered and compiled for ``args``, and the seconds taken."""
+  start = time.perf_counter()
+  compiled = jitted.lower(*args, **static).compile()
+  return compiled, time.perf_counter() - start
+
+
+def _tokacc_compiled(case, close, patch=contextlib.nullcontext):
+  """``token_weighted_multistep(adamw, k)`` as compiled programs: one step
+  (``close=None``), or the host's two (``close`` False and True). ``patch``
+  is entered while tracing (the ablations of ``ABLATIONS``)."""
+  model = case.model
+  tx = tokacc.token_weighted_multistep(case.adamw, case.k)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames='close')
+  def step(params, opt_state, batch, close=None):
+    grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
+    updates, opt_state = tx.update(
+      grads, opt_state, params, num_tokens=num_tokens, close=close
+    )
+    return optax.apply_updates(params, updates), opt_state
+
+  params = copy(model.params)
+  opt_state = tx.init(params)
+  batch = model.windows[0][0]
+  with patch():
+    programs = {
+      label: compile_timed(step, params, opt_state, batch, close=c)
+      for label, c in close.items()
+    }
+  compiled = {label: program for label, (program, _) in programs.items()}
+  micro, closing = compiled[next(iter(close))], compiled[list(close)[-1]]
+  return Trainer(
+    lambda carry, batch: micro(*carry, batch),
+    lambda carry, window: closing(*carry, window.micro_batches[-1]),
+    (params, opt_state),
+    lambda carry: carry[0],
+    windows_of(model),
+    compiled,
+    compile_s={label: seconds for label, (_, seconds) in programs.items()},
+  )
+
+
+def tokacc_device(case):
+  """``tokacc``, compiled once: the device decides (``close=None``)."""
+  return _tokacc_compiled(case, {'step': None})
+
+
+def tokacc_host(case):
+  """``close=False`` on the micro-steps, ``close=True`` on the k-th: two
+  programs, no conditional."""
+  return _tokacc_compiled(case, {'micro': False, 'close': True})
+
+
+@contextlib.contextmanager
+def _patched(module, name, replacement):
+  """``module.name`` replaced while tracing (ablations only)."""
+  original = getattr(module, name)
+  setattr(module, name, replacement)
+  try:
+    yield
+  finally:
+    setattr(module, name, original)
+
+
+def _ablation(patch):
+  def method(case):
+    return _tokacc_compiled(case, {'step': None}, patch)
+
+  return method
+
+
+def _no_buffer():
+  """The updates written to fresh -0.0 zeros, not held in the
+  accumulator's buffer (a parameter-sized write on every micro-step)."""
+  from optax_tokacc import _window  # noqa: PLC0415
+
+  return _patched(_window, '_holds_exactly', lambda *args: False)
+
+
+def _select_restart():
+  """A window's restart as a select fused into the add, not a ``cond``."""
+  from optax_tokacc import _compensated  # noqa: PLC0415
+
+  original = _compensated._restarted
+
+  def select(trees, restart, select=False):
+    del select
+    return original(trees, restart, True)
+
+  return _patched(_compensated, '_restarted', select)
+
+
+# Each performance trick, undone: the rows that show what it pays.
+ABLATIONS = {
+  'tokacc_no_buffer': _ablation(_no_buffer),
+  'tokacc_select_restart': _ablation(_select_restart),
+}
 
 
 def tokacc_chain(case):
@@ -294,7 +398,10 @@ METHODS = {
   'multisteps': multisteps,
   'tokacc': tokacc_apply_updates,
   'tokacc_chain': tokacc_chain,
+  'tokacc_device': tokacc_device,
+  'tokacc_host': tokacc_host,
   'microbatched': microbatched,
+  **ABLATIONS,
 }
 # Methods that are not the same computation as the ideal (no max|dp| check).
 INEXACT = ('plain', 'multisteps')

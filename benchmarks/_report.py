@@ -89,6 +89,7 @@ def rows(case, trainers, times, differences, errors):
       label: _common.memory(compiled, case.model.param_bytes)
       for label, compiled in trainer.compiled.items()
     }
+    row['compile_s'] = dict(trainer.compile_s)
     row['max_abs_diff_to_ideal_after_one_window'] = differences.get(name)
     out.append(row)
   for name, error in errors.items():
@@ -137,3 +138,11 @@ def print_table(rows, file=None):
       print(f'{start}not measured: {row["error"]}', file=file)
     else:
       print(_line(row), file=file)
+  timed = [row for row in rows if row.get('compile_s')]
+  for row in timed:
+    seconds = ' '.join(f'{k}={v:.2f}' for k, v in row['compile_s'].items())
+    print(
+      f'compile s: {row["model"]:<12}{row["k"]:>2} {row["method"]:<22}'
+      f'{seconds}',
+      file=file,
+    )

@@ -41,6 +41,14 @@ Methods (``--methods``; the train steps are in ``_methods.py``,
   ``optax.apply_updates``.
 - ``tokacc_chain``: ``optax.chain(token_weighted_multistep(adamw, k),
   optax.clip(1.0))``: a transform chained after the accumulator.
+- ``tokacc_device`` / ``tokacc_host``: ``tokacc`` as compiled programs:
+  one (the device decides, ``close=None``), or the host's two
+  (``close=False`` on the micro-steps, ``close=True`` on the k-th; no
+  conditional). Their compile times are printed below the table.
+- ``tokacc_no_buffer`` / ``tokacc_select_restart`` (``ABLATIONS``):
+  ``tokacc_device`` with one performance trick undone: the updates in fresh
+  zeros instead of the accumulator's buffer, and the window's restart as a
+  select instead of a ``lax.cond``.
 - ``tokacc_flax``: ``optax_tokacc.flax.TrainState.apply_gradients`` (linen).
 - ``tokacc_nnx``: ``optax_tokacc.flax.Optimizer.update`` (nnx).
 - ``microbatched``: one jitted step per window on the whole window's batch,
@@ -88,9 +96,12 @@ METHODS = (
   'multisteps',
   'tokacc',
   'tokacc_chain',
+  'tokacc_device',
+  'tokacc_host',
   *FLAX_METHODS,
   'microbatched',
   *EXPLICIT_METHODS,
+  *_methods.ABLATIONS,
 )
 # Methods whose failure a run that did not name them reports in the row
 # instead of raising. Empty it once the library supports explicit sharding.

@@ -165,15 +165,6 @@ def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
   return jnp.zeros(jnp.shape(param), dtype, out_sharding=sharding)
 
 
-def scalar_zeros(dtype: Any, axes: frozenset, params: Any) -> jax.Array:
-  """A zero scalar, unreduced over ``axes`` (replicated when empty)."""
-  if not axes:
-    return jnp.zeros([], dtype)
-  like = next(p for p in jax.tree.leaves(params) if reduced(p))
-  sharding = _retyped(like, P(unreduced=axes))
-  return jnp.zeros([], dtype, out_sharding=sharding)
-
-
 def to_type(x: Any, new_spec: P) -> jax.Array:
   """``x`` resharded to ``new_spec`` (no work when it already has it; free
   from replicated to reduced or unreduced, and from reduced to replicated)."""
