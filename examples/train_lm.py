@@ -70,7 +70,7 @@ import math
 import pathlib
 import sys
 import time
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import _lm
 import jax
@@ -143,6 +143,13 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     help='sort each window by sequence length before cutting micro-batches '
     '(makes token counts per micro-batch vary even more)',
   )
+  parser.add_argument(
+    '--host-closes',
+    action=argparse.BooleanOptionalAction,
+    default=False,
+    help='the host closes each window of k micro-batches (close=True on the '
+    'k-th, close=False before): two programs, no conditional',
+  )
   _lm.add_data_args(parser, out=pathlib.Path('runs/train_lm'))
   args = parser.parse_args(argv)
   _lm.check_positive(
@@ -154,6 +161,11 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
   )
   if args.tokens_per_update is not None:
     _lm.check_positive(parser, tokens_per_update=args.tokens_per_update)
+    if args.host_closes:
+      parser.error(
+        '--host-closes and --tokens-per-update: the token budget is '
+        'decided on the device; pass one of them'
+      )
   args.mesh_axes = parse_mesh(parser, args)
   return parser, args
 
@@ -268,8 +280,10 @@ def param_specs(params, mesh: jax.sharding.Mesh):
   return jax.tree.map(spec, params)
 
 
-def micro_step_fn(model, axis_name: Optional[str]):
-  """``micro_step(state, tokens, lengths) -> state``: one micro-batch."""
+def micro_step_fn(model, axis_name: Optional[str], close: Optional[bool]):
+  """``micro_step(state, tokens, lengths) -> state``: one micro-batch.
+  ``close``: None, the transform closes the window on the device (every
+  ``k`` micro-batches, or the token budget); a bool, the host decides."""
   loss_fn = _lm.loss_sum_fn(model)
 
   def micro_step(state, tokens, lengths):
@@ -283,7 +297,9 @@ def micro_step_fn(model, axis_name: Optional[str]):
     (loss, num_tokens), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       params, tokens, lengths
     )
-    return state.apply_gradients(grads=grads, num_tokens=num_tokens, loss=loss)
+    return state.apply_gradients(
+      grads=grads, num_tokens=num_tokens, loss=loss, close=close
+    )
 
   return micro_step
 
@@ -313,7 +329,19 @@ def placed_state(model, params, tx, mesh, layout):
   )
 
 
-def sharded_training(model, params, tx, mesh):
+class HostClosed(NamedTuple):
+  """The two programs of a loop whose host closes the windows: no
+  conditional in either, and the closing step's reduction beside its
+  backward pass, where XLA's scheduler can overlap them."""
+
+  keep_open: Callable  # close=False: add the micro-batch
+  close: Callable  # close=True: add it and run the optimizer
+
+  def __call__(self, state, tokens, lengths, *, close: bool):
+    return (self.close if close else self.keep_open)(state, tokens, lengths)
+
+
+def sharded_training(model, params, tx, mesh, host_closes=False):
   """The train state laid out on ``mesh``, and a jitted micro-step over it.
 
   DDP and HSDP run the micro-step in ``jax.shard_map``, manual over the data
@@ -324,14 +352,13 @@ def sharded_training(model, params, tx, mesh):
 
   Returns:
     ``(state, train_step, batch_sharding)``; a batch is split over every
-    mesh axis.
+    mesh axis. With ``host_closes``, ``train_step`` is :class:`HostClosed`.
   """
   axis_name = data_axis(mesh)
   layout = dict(param_specs=param_specs(params, mesh), axis_name=axis_name)
   state, shardings = placed_state(model, params, tx, mesh, layout)
   if 'fsdp' in mesh.axis_names:  # GSPMD gathers parameters, not activations
     model = model.clone(constrain=_lm.batch_sharded(mesh, 'fsdp'))
-  step = micro_step_fn(model, axis_name)
   if axis_name is not None:
     specs = jax.tree.map(lambda _: jax.P(), state.replace(opt_state=None))
     specs = specs.replace(
@@ -339,15 +366,27 @@ def sharded_training(model, params, tx, mesh):
         tx, state.params, manual_axes={axis_name}, **layout
       )
     )
-    step = jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(specs, jax.P(axis_name), jax.P(axis_name)),
-      out_specs=specs,
-      axis_names={axis_name},
+
+  def compiled_step(close):
+    step = micro_step_fn(model, axis_name, close)
+    if axis_name is not None:
+      step = jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(specs, jax.P(axis_name), jax.P(axis_name)),
+        out_specs=specs,
+        axis_names={axis_name},
+      )
+    return jax.jit(step, out_shardings=shardings, donate_argnums=0)
+
+  sharding = jax.NamedSharding(mesh, jax.P(mesh.axis_names))
+  if host_closes:
+    return (
+      state,
+      HostClosed(compiled_step(False), compiled_step(True)),
+      sharding,
     )
-  train_step = jax.jit(step, out_shardings=shardings, donate_argnums=0)
-  return state, train_step, jax.NamedSharding(mesh, jax.P(mesh.axis_names))
+  return state, compiled_step(None), sharding
 
 
 def status_text(loss: float, tokens_per_s: float) -> str:
@@ -395,11 +434,14 @@ def train(args, state, train_step, sequences, batch_sharding):
     task = bar.add_task('training', total=args.steps, status='first window…')
     while len(window_losses) < args.steps:
       tokens, lengths = next(batches)
-      state = train_step(
-        state,
+      batch = (
         jax.device_put(tokens, batch_sharding),
         jax.device_put(lengths, batch_sharding),
       )
+      if isinstance(train_step, HostClosed):  # the host decides
+        state = train_step(state, *batch, close=size + 1 == args.k)
+      else:  # the transform decides, on the device
+        state = train_step(state, *batch)
       size += 1
       if int(state.step) == len(window_losses):  # a micro-step
         continue
@@ -429,12 +471,19 @@ def compile_step(args, state, train_step, batch_sharding, seq_len):
     (rows, seq_len + 1), np.int32, sharding=batch_sharding
   )
   lengths = jax.ShapeDtypeStruct((rows,), np.int32, sharding=batch_sharding)
-  compiled = train_step.lower(state, tokens, lengths).compile()
-  every_call, emitting = _lm.collectives(
-    compiled.as_text(), batch_sharding.mesh
+  mesh = batch_sharding.mesh
+  if not isinstance(train_step, HostClosed):
+    compiled = train_step.lower(state, tokens, lengths).compile()
+    every_call, emitting = _lm.collectives(compiled.as_text(), mesh)
+    print(_lm.describe_collectives(every_call, emitting, args.k))
+    return compiled
+  keep_open, close = (
+    step.lower(state, tokens, lengths).compile() for step in train_step
   )
-  print(_lm.describe_collectives(every_call, emitting, args.k))
-  return compiled
+  every_call, _ = _lm.collectives(keep_open.as_text(), mesh)
+  closing, _ = _lm.collectives(close.as_text(), mesh)
+  print(_lm.describe_collectives(every_call, closing - every_call, args.k))
+  return HostClosed(keep_open, close)
 
 
 def save_plot(path, args, mesh, window_losses, heldout_loss) -> None:
@@ -518,7 +567,7 @@ def main(argv=None) -> None:
   model = _lm.CausalLM(config)
   params = _lm.init_params(model, args.seed)
   state, train_step, batch_sharding = sharded_training(
-    model, params, optimizer(args, mesh), mesh
+    model, params, optimizer(args, mesh), mesh, args.host_closes
   )
   mesh_text = ','.join(f'{n}={s}' for n, s in mesh.shape.items())
   print(
