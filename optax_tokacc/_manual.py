@@ -109,7 +109,7 @@ class Manual(_placement.Single):
         leaves[i] = leaf
     if self.param_axes is not None:
       leaves = [self._invariant(x, s) for x, s in zip(leaves, self.param_axes)]
-    return (treedef.unflatten(leaves), *scalars)
+    return _placement.Reduced(treedef.unflatten(leaves), *scalars)
 
   def _invariant(self, x: jax.Array, sharded: frozenset) -> jax.Array:
     """``x``, equal on the devices of ``axes`` it is not sharded over, made

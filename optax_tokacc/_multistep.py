@@ -336,14 +336,14 @@ def _update(
     closing = _window.close_now(config, place, *args)
   else:
     closing = _window.keep_open(config, place, *args)
-  updates, window, inner_state, closed = closing
+  window, closed = closing.window, closing.closed
   new_state = TokenWeightedMultiStepState(
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
     gradient_step=_increment_if(closed.emitted, state.gradient_step),
     acc_grads=window.acc_grads,
     acc_tokens=window.acc_tokens,
     acc_loss=window.acc_loss,
-    inner_state=inner_state,
+    inner_state=closing.inner_state,
     last_loss=jnp.where(closed.emitted, closed.mean_loss, state.last_loss),
     last_tokens=jnp.where(closed.emitted, closed.tokens, state.last_tokens),
     skip_state=skip_state,
@@ -354,7 +354,7 @@ def _update(
       state.dropped_windows,
     ),
   )
-  return updates, place.leave(new_state)
+  return closing.updates, place.leave(new_state)
 
 
 def _increment_if(condition: jax.Array, counter: jax.Array) -> jax.Array:

@@ -113,7 +113,7 @@ class PartialSums(_placement.Single):
       ),
     )
     partial_leaves = [leaves[i] for i in partial]
-    out_specs = (
+    out_specs = _placement.Reduced(
       [_explicit.spec(leaf, unreduced=False) for leaf in partial_leaves],
       P(),
       P(),
@@ -123,7 +123,7 @@ class PartialSums(_placement.Single):
     )
     for i, leaf in zip(partial, reduced):
       leaves[i] = leaf
-    return treedef.unflatten(leaves), parts, loss
+    return _placement.Reduced(treedef.unflatten(leaves), parts, loss)
 
 
 def _warn_reduced_skip():

@@ -28,7 +28,7 @@ top of ``init`` and ``update`` (``_multistep.placement``):
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -37,6 +37,14 @@ import jax.numpy as jnp
 from optax_tokacc import _explicit
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
+
+
+class Reduced(NamedTuple):
+  """The window summed over the devices: what its one reduction gives."""
+
+  sums: Any  # the gradients' sums (a tree)
+  token_parts: jax.Array  # the count as exact parts (``_tokens.to_parts``)
+  loss: jax.Array  # the token-summed loss
 
 
 class Single:
@@ -110,10 +118,10 @@ class Single:
 
   def reduce(
     self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
-  ) -> tuple[Any, jax.Array, jax.Array]:
+  ) -> Reduced:
     """The window's one reduction: its sums, its count as exact parts
     (``_tokens.to_parts``) and its loss, summed over the devices."""
-    return sums, _tokens.to_parts(acc_tokens), acc_loss
+    return Reduced(sums, _tokens.to_parts(acc_tokens), acc_loss)
 
   def for_inner(self, tree: Any) -> Any:
     """A tree in the types that optax's nonlinear updates take (reduced

@@ -54,6 +54,15 @@ class MicroBatch(NamedTuple):
   keep: Optional[jax.Array]
 
 
+class Closing(NamedTuple):
+  """What a call gives back once the window is closed or left open."""
+
+  updates: optax.Updates
+  window: Window
+  inner_state: optax.OptState
+  closed: 'Closed'
+
+
 class Closed(NamedTuple):
   """What closing the window gave (all False or zero on a micro-step)."""
 
@@ -298,7 +307,7 @@ def _close(config, place, grads, window, inner_state, params, extra, hold):
 def close_now(config, place, grads, window, inner_state, params, extra):
   """Closes the window without a conditional (the host decided: ``close=
   True``): the reduction sits in the program beside the backward pass.
-  Returns ``(updates, window, inner_state, closed)`` as :func:`close_if`."""
+  Returns a :class:`Closing`, as :func:`close_if`."""
   _, with_value = _update_shapes(
     config, place, grads, inner_state, params, extra
   )
@@ -315,7 +324,7 @@ def close_now(config, place, grads, window, inner_state, params, extra):
     closed.mean_loss,
     closed.emitted,
   )
-  return updates, reset_if(place, True, window), inner_state, closed
+  return Closing(updates, reset_if(place, True, window), inner_state, closed)
 
 
 def keep_open(config, place, grads, window, inner_state, params, extra):
@@ -325,7 +334,7 @@ def keep_open(config, place, grads, window, inner_state, params, extra):
   zero = jnp.zeros([], window.acc_tokens.dtype)
   no_loss = jnp.zeros([], window.acc_loss.dtype)
   closed = Closed(jnp.asarray(False), jnp.asarray(True), zero, no_loss)
-  return _zeros(shapes), window, inner_state, closed
+  return Closing(_zeros(shapes), window, inner_state, closed)
 
 
 def _held(place, updates, acc_grads, *, shapes, buffer):
@@ -360,7 +369,7 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
   """Closes the window if ``close``, in one ``lax.cond``; ``extra`` is
   ``(extra_args, whether loss was passed)``.
 
-  Returns ``(updates, window, inner_state, closed)``. The updates have the
+  Returns a :class:`Closing`. The updates have the
   shapes and dtypes of ``inner``'s (``jax.eval_shape``, as in
   ``optax.MultiSteps``). Everything the branches read is an operand, never
   a closure: a buffer that reaches the ``cond`` twice is copied on every
@@ -391,9 +400,9 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
   )
   window = reset_if(place, close, window)
   if not buffer:
-    return held, window, inner_state, closed
+    return Closing(held, window, inner_state, closed)
   updates = _release(place, held, shapes, closed.emitted)
-  return updates, window._replace(acc_grads=held), inner_state, closed
+  return Closing(updates, window._replace(acc_grads=held), inner_state, closed)
 
 
 def _update_shapes(config, place, grads, inner_state, params, extra):
