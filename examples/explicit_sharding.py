@@ -17,7 +17,9 @@ r"""Explicit sharding under plain ``jax.jit``: one reduction per window.
 Trains a small byte-level model on the shipped corpus with plain ``jax.jit``
 on an explicit mesh (``jax.make_mesh``'s default since JAX 0.9; no
 ``shard_map``, ``axis_name=None``), ``k`` micro-batches per window, then
-checks the parameters against full-batch training on one device:
+checks the parameters against full-batch training on one device
+(``--optimizer sgd`` checks them against a bound on float32 round-off, see
+:func:`sgd_round_off_bound`):
 
 - ``--mesh data=N``, DDP: parameters typed reduced over ``data``
   (``jax.P(reduced={'data'})``), so their gradients arrive unreduced; the
@@ -46,6 +48,7 @@ meshes refuse, so ``examples/train_lm.py`` keeps ``shard_map``.)
   python examples/explicit_sharding.py                  # DDP on 4 devices
   python examples/explicit_sharding.py --mesh replica=2,fsdp=2
   python examples/explicit_sharding.py --tokens-per-update 2000
+  python examples/explicit_sharding.py --optimizer sgd  # bounded round-off
 """
 
 import argparse
@@ -54,12 +57,15 @@ import pathlib
 
 import _lm
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 import optax_tokacc as tokacc
 
 VOCAB = 256
+LEARNING_RATES = {'adamw': 3e-3, 'sgd': 1.0}
+UNIT_ROUND_OFF = 2.0**-24  # float32
 MESHES = 'data=N (DDP), fsdp=N (FSDP) or replica=R,fsdp=F (HSDP)'
 
 
@@ -81,7 +87,19 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     help='close a window once it holds this many counted tokens (all '
     'devices), at most --k micro-batches',
   )
-  parser.add_argument('--lr', type=float, default=3e-3, help='AdamW rate')
+  parser.add_argument(
+    '--optimizer',
+    choices=sorted(LEARNING_RATES),
+    default='adamw',
+    help='sgd: the check against one device has a round-off bound',
+  )
+  parser.add_argument(
+    '--lr',
+    type=float,
+    default=None,
+    help='learning rate; None: '
+    + ', '.join(f'{lr:g} for {name}' for name, lr in LEARNING_RATES.items()),
+  )
   parser.add_argument(
     '--corpus',
     type=pathlib.Path,
@@ -97,6 +115,8 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser, k=args.k, steps=args.steps, micro_batch_size=args.micro_batch_size
   )
   args.mesh_axes = parse_mesh(parser, args.mesh)
+  if args.lr is None:
+    args.lr = LEARNING_RATES[args.optimizer]
   return parser, args
 
 
@@ -180,7 +200,8 @@ def make_step(tx, mesh):
 
 
 def reference(optimizer, params, windows):
-  """Full-batch training on one device: one step per window."""
+  """Full-batch training on one device: one step per window. Returns the
+  parameters and the largest change of a parameter at each step."""
 
   @jax.jit
   def step(params, opt_state, tokens, lengths):
@@ -189,14 +210,51 @@ def reference(optimizer, params, windows):
     )
     grads = jax.tree.map(lambda g: g / num_tokens, grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    largest = jnp.max(
+      jnp.stack([jnp.max(jnp.abs(u)) for u in jax.tree.leaves(updates)])
+    )
+    return optax.apply_updates(params, updates), opt_state, largest
 
   opt_state = optimizer.init(params)
+  largest_updates = []
   for window in windows:
     tokens = np.concatenate([t for t, _ in window])
     lengths = np.concatenate([n for _, n in window])
-    params, opt_state = step(params, opt_state, tokens, lengths)
-  return params
+    params, opt_state, largest = step(params, opt_state, tokens, lengths)
+    largest_updates.append(float(largest))
+  return params, largest_updates
+
+
+def sgd_round_off_bound(args, window_tokens, largest_updates, params):
+  """How far float32 round-off can take SGD from full-batch training.
+
+  SGD's update is linear in the gradient, so the two runs differ only by
+  the round-off of their gradients and of adding the updates (u = 2**-24):
+
+  - A window's gradient sums the terms of its n counted tokens, each
+    computed through sums of at most m = 2 VOCAB + 11 d_model terms (the
+    dot products and the softmax on a token's path, forward and backward).
+    Two float32 evaluations in different orders (per device and micro-step,
+    then over the devices, against one batch on one device) differ by at
+    most 2 (n + m) u times the size of the terms (Higham, Accuracy and
+    Stability of Numerical Algorithms, 2002, sections 3.1 and 4.2). Taken
+    relative to the step's largest update: this worst case (errors of one
+    sign, n u) exceeds the typical one (random signs, sqrt(n) u) by
+    sqrt(n) > 40, which covers a gradient whose terms cancel.
+  - Adding an update rounds a parameter by at most u |p| in each run.
+  - A later step carries an earlier difference multiplied by at most 1 + lr
+    times the loss's curvature (about 1.2 at the start here), which the
+    margin above covers over the few updates the tests run (3 to 6).
+
+  AdamW has no such bound: it divides each gradient by its own size, so
+  where a gradient is near zero (about eps, e.g. 1e-8 where the median is
+  2e-5) its round-off moves the parameter by up to the learning rate.
+  """
+  m = 2 * VOCAB + 11 * args.d_model
+  relative = 2 * (max(window_tokens) + m) * UNIT_ROUND_OFF
+  largest_param = max(float(np.max(np.abs(p))) for p in jax.tree.leaves(params))
+  rounding = 2 * UNIT_ROUND_OFF * largest_param
+  return sum(relative * update + rounding for update in largest_updates)
 
 
 def train(args, mesh, tx, params, sequences):
@@ -245,7 +303,10 @@ def main(argv=None) -> None:
   _, sequences, _ = _lm.load_data(
     parser, args, args.k * mesh.size * args.micro_batch_size
   )
-  inner = optax.adamw(args.lr, weight_decay=0.01)
+  if args.optimizer == 'sgd':
+    inner = optax.sgd(args.lr)
+  else:
+    inner = optax.adamw(args.lr, weight_decay=0.01)
   tx = tokacc.token_weighted_multistep(
     inner, args.k, tokens_per_update=args.tokens_per_update
   )
@@ -259,7 +320,7 @@ def main(argv=None) -> None:
     )
     params, windows, losses = train(args, mesh, tx, params, sequences)
     params = tokacc.to_checkpoint(params)  # typed replicated, for the host
-  expected = reference(inner, params0, windows)
+  expected, largest_updates = reference(inner, params0, windows)
   difference = max(
     float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected))
@@ -272,6 +333,12 @@ def main(argv=None) -> None:
     f'loss {losses[0]:.3f} -> {losses[-1]:.3f}.\nLargest difference from '
     f'full-batch training on one device: {difference:.1e}.'
   )
+  if args.optimizer == 'sgd':
+    bound = sgd_round_off_bound(args, tokens, largest_updates, expected)
+    within = 'within' if difference <= bound else 'BEYOND'
+    print(f'{within} the float32 round-off bound for SGD: {bound:.1e}.')
+    if difference > bound:
+      raise SystemExit(1)
 
 
 if __name__ == '__main__':

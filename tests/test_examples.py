@@ -442,7 +442,9 @@ def test_explicit_sharding_example(mesh):
   """Plain jit on an explicit mesh: the printed collectives (no replica or
   data collective per micro-step) and full-batch exactness."""
   result = run_example(
-    'explicit_sharding.py', '--mesh', mesh, '--steps', '3', timeout=300
+    'explicit_sharding.py',
+    *('--mesh', mesh, '--steps', '3', '--optimizer', 'sgd'),
+    timeout=300,
   )
   assert_ok(result)
   per_micro_step, per_window = EXPLICIT_RUNS[mesh]
@@ -452,8 +454,34 @@ def test_explicit_sharding_example(mesh):
   micro, window = line.split(' per micro-step, ')
   assert per_micro_step in micro and 'replica' not in micro
   assert 'data' not in micro and per_window in window
-  difference = float(result.stdout.rsplit('one device: ', 1)[1].rstrip('.\n'))
-  assert difference < 1e-5
+  assert_within_round_off(result.stdout)
+
+
+def assert_within_round_off(stdout: str) -> None:
+  """The example's check against full-batch training on one device, under
+  SGD: within the float32 round-off bound the example derives and prints
+  (``sgd_round_off_bound``: 2 (n + m) 2**-24 of each step's largest update,
+  n the window's tokens, m the lengths of a token's sums, plus a rounding
+  of the parameters per step).
+
+  Under AdamW no such bound exists: where a gradient is near zero (about
+  eps), AdamW turns its round-off into a change of up to the learning rate,
+  which differs from one CPU to another (a fixed 1e-5 failed on AMD EPYC,
+  issue 22). The bound is far below a real error: a window's gradient
+  off by 1% (the token count off by one in a hundred) gives 4.1e-4 with
+  ``--tokens-per-update 2000 --k 8 --steps 6``, 27 times the bound.
+  """
+  difference = re.search(r'one device: (\S+)\.$', stdout, re.M)
+  bound = re.search(
+    r'^within the float32 round-off bound for SGD: (\S+)\.$', stdout, re.M
+  )
+  assert difference and bound, stdout
+  assert float(difference[1]) <= float(bound[1]), stdout
+  # The bound is a formula of the data and the step sizes, nearly the same
+  # on every CPU (6.9e-6 for 3 updates, 1.5e-5 for the budget's 6): kept
+  # below the 4.1e-4 that a 1% error of the gradient gives, so that the
+  # check cannot pass by a bound grown vacuous.
+  assert float(bound[1]) < 1e-4, stdout
 
 
 def test_explicit_sharding_example_token_budget():
@@ -464,6 +492,7 @@ def test_explicit_sharding_example_token_budget():
   result = run_example(
     'explicit_sharding.py',
     *('--tokens-per-update', '2000', '--k', '8', '--steps', '6'),
+    *('--optimizer', 'sgd'),
     timeout=300,
   )
   assert_ok(result)
@@ -472,8 +501,7 @@ def test_explicit_sharding_example_token_budget():
   )
   sizes = re.search(r'updates of (\d+)-(\d+) micro-batches', result.stdout)
   assert int(sizes[2]) < 8
-  difference = float(result.stdout.rsplit('one device: ', 1)[1].rstrip('.\n'))
-  assert difference < 1e-5
+  assert_within_round_off(result.stdout)
 
 
 def test_train_lm_token_budget(tmp_path):

@@ -1,0 +1,503 @@
+"""The thresholds of the window, each tested on both sides of its boundary.
+
+- ``tokens_per_update``: a window whose tokens reach the budget exactly
+  closes on that micro-step; one token less and it stays open.
+- ``every_k_schedule``: a window closes after exactly k micro-steps, not
+  k - 1 or k + 1, also when k comes from a schedule.
+- A zero count: under ``'sum'`` its micro-batch adds what it brings; under
+  ``'mean'`` nothing. A window of no tokens emits nothing and keeps the
+  inner state.
+- The int32 counter: a window of exactly 2**31 - 1 tokens is valid and
+  exact; 2**31 is not, and the window is dropped.
+
+The budget and the counter are also tested over devices (``shard_map``,
+``pmap`` and explicit sharding), where the tokens of the window are summed
+over all of them.
+
+References are written plainly here: which micro-steps close a window, and
+the SGD update ``-sum(grads) / sum(tokens)``. Gradients are given directly
+(small integers, whose float32 sums are exact), so an update differs from
+its float64 reference only by the one float32 rounding of the division.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import multihost_worker as harness
+import numpy as np
+import optax
+import pytest
+
+import optax_tokacc as tokacc
+from optax_tokacc import _explicit
+
+# The float32 sums of small integers are exact; the division by the count
+# is rounded once (relative error <= 2**-24), and a count above 2**24 once
+# more when cast to float32 (2**-24 again). Two roundings, and room for the
+# float64 reference's own (2**-53): 3 * 2**-24.
+DIVISION_RTOL = 3 * 2.0**-24
+NUM_DEVICES = 4
+PARAMS = {'w': jnp.zeros(2)}
+
+
+def grads_of(i):
+  """The token-summed gradients of micro-batch ``i``: small integers."""
+  return {'w': jnp.array([i + 1.0, 2.0 * i - 3.0])}
+
+
+def closing_steps(counts, k_of, budget=None):
+  """Reference: the micro-steps (from 1) at which windows close.
+
+  A window closes after ``k_of(window index)`` micro-steps, or at the first
+  micro-step at which its tokens reach ``budget``.
+  """
+  closes, size, total, window = [], 0, 0, 0
+  for step, count in enumerate(counts, start=1):
+    size, total = size + 1, total + count
+    if size == k_of(window) or (budget is not None and total >= budget):
+      closes.append(step)
+      size, total, window = 0, 0, window + 1
+  return closes
+
+
+def reference_update(counts, start, stop):
+  """Reference: SGD(1) on the window of micro-batches ``[start, stop)``."""
+  total = sum(counts[start:stop])
+  grads = sum(
+    np.asarray(grads_of(i)['w'], np.float64) for i in range(start, stop)
+  )
+  return -grads / total
+
+
+def run(tx, counts, params=PARAMS):
+  """Feeds micro-batch ``i`` (``grads_of(i)``, ``counts[i]`` traced) to
+  ``tx``; returns the updates and states after every call."""
+  step = jax.jit(lambda g, s, n: tx.update(g, s, params, num_tokens=n))
+  state = tx.init(params)
+  history = []
+  for i, count in enumerate(counts):
+    updates, state = step(grads_of(i), state, jnp.asarray(count, jnp.int32))
+    history.append((updates, state))
+  return history
+
+
+def closed_at(history):
+  return [
+    step
+    for step, (_, state) in enumerate(history, start=1)
+    if bool(tokacc.has_updated(state))
+  ]
+
+
+def assert_updates_match(history, counts):
+  """Every emitted update equals SGD(1) on its window's micro-batches."""
+  start = 0
+  for stop in closed_at(history):
+    updates, _ = history[stop - 1]
+    expected = reference_update(counts, start, stop)
+    np.testing.assert_allclose(updates['w'], expected, rtol=DIVISION_RTOL)
+    start = stop
+
+
+# tokens_per_update: the budget reached exactly, and missed by one token.
+
+BUDGET = 12
+BUDGET_COUNTS = {
+  # cumulative 3, 7, 12: the window holds exactly the budget at step 3;
+  # then 2, 12: exactly again at step 5.
+  'exactly': [3, 4, 5, 2, 10, 0, 2],
+  # cumulative 3, 7, 11: one token short at step 3, over it at step 4;
+  # then 10, 10, 12: the next window holds exactly the budget at step 7.
+  'one_less': [3, 4, 4, 2, 10, 0, 2],
+}
+
+
+@pytest.mark.parametrize('case', sorted(BUDGET_COUNTS))
+def test_budget_boundary(case):
+  """Closes on the micro-step whose tokens reach the budget exactly (k is
+  never reached), and not one micro-step earlier."""
+  counts = BUDGET_COUNTS[case]
+  k = 8
+  expected = closing_steps(counts, lambda _: k, BUDGET)
+  assert expected == ([3, 5] if case == 'exactly' else [4, 7])
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(1.0), k, tokens_per_update=BUDGET
+  )
+  history = run(tx, counts)
+  assert closed_at(history) == expected
+  assert int(history[expected[0] - 1][1].last_tokens) == sum(
+    counts[: expected[0]]
+  )
+  assert_updates_match(history, counts)
+
+
+def test_budget_reached_on_the_kth_micro_step_closes_once():
+  """Budget and k on the same micro-step: one window, not two."""
+  counts = [4, 4, 4, 4, 4, 4]
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(1.0), 3, tokens_per_update=BUDGET
+  )
+  history = run(tx, counts)
+  assert closed_at(history) == closing_steps(counts, lambda _: 3, BUDGET)
+  assert closed_at(history) == [3, 6]
+  assert int(history[-1][1].gradient_step) == 2
+  assert_updates_match(history, counts)
+
+
+# every_k_schedule: exactly k micro-steps.
+
+SCHEDULES = {
+  'k=3': (3, lambda window: 3),
+  'schedule': (
+    lambda step: jnp.where(step < 1, 2, jnp.where(step < 2, 4, 3)),
+    lambda window: 2 if window < 1 else 4 if window < 2 else 3,
+  ),
+}
+
+
+@pytest.mark.parametrize('name', sorted(SCHEDULES))
+def test_k_boundary(name):
+  """A window closes after exactly k micro-steps: 3, 6, 9, 12 with k = 3;
+  2, 6, 9, 12 with k = 2, then 4, then 3 (k is read at the window's
+  optimizer step, as in ``optax.MultiSteps``)."""
+  schedule, k_of = SCHEDULES[name]
+  counts = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3]
+  expected = closing_steps(counts, k_of)
+  assert expected == ([3, 6, 9, 12] if name == 'k=3' else [2, 6, 9, 12])
+  history = run(
+    tokacc.token_weighted_multistep(optax.sgd(1.0), schedule), counts
+  )
+  assert closed_at(history) == expected
+  assert_updates_match(history, counts)
+
+
+def test_k_boundary_matches_optax_multisteps():
+  """The same closing steps as ``optax.MultiSteps`` with a schedule."""
+  schedule = SCHEDULES['schedule'][0]
+  counts = [1] * 12
+  multi = optax.MultiSteps(optax.sgd(1.0), schedule)
+  state = multi.init(PARAMS)
+  multi_update = jax.jit(multi.update)
+  multi_closes = []
+  for i in range(len(counts)):
+    _, state = multi_update(grads_of(i), state, PARAMS)
+    if int(state.mini_step) == 0:
+      multi_closes.append(i + 1)
+  history = run(
+    tokacc.token_weighted_multistep(optax.sgd(1.0), schedule), counts
+  )
+  assert closed_at(history) == multi_closes
+
+
+# A zero count.
+
+
+def test_zero_count_under_sum_adds_its_gradients():
+  """``'sum'``: a micro-batch of no tokens adds what it brings (its
+  gradients, a token-summed loss); the window still counts it as a
+  micro-step."""
+  counts = [2, 0, 3]
+  history = run(tokacc.token_weighted_multistep(optax.sgd(1.0), 3), counts)
+  assert closed_at(history) == [3]
+  assert_updates_match(history, counts)
+
+
+def test_zero_count_under_mean_adds_nothing():
+  """``'mean'``: a micro-batch of no tokens adds nothing, even a NaN mean
+  (0/0); the others are weighted by their counts. It still counts as a
+  micro-step."""
+  counts = [2, 0, 3]
+  means = [
+    jnp.array([1.0, -2.0]),
+    jnp.array([jnp.nan, jnp.nan]),  # the 0/0 of a mean over no tokens
+    jnp.array([3.0, 4.0]),
+  ]
+  tx = tokacc.token_weighted_multistep(optax.sgd(1.0), 3, loss_reduction='mean')
+  state = tx.init(PARAMS)
+  step = jax.jit(lambda g, s, n: tx.update(g, s, PARAMS, num_tokens=n))
+  for mean, count in zip(means, counts):
+    updates, state = step({'w': mean}, state, jnp.int32(count))
+  assert bool(tokacc.has_updated(state))
+  expected = -(2 * np.asarray(means[0]) + 3 * np.asarray(means[2])) / 5
+  np.testing.assert_allclose(updates['w'], expected, rtol=DIVISION_RTOL)
+
+
+@pytest.mark.parametrize('loss_reduction', ['sum', 'mean'])
+def test_window_of_no_tokens(loss_reduction):
+  """A window of no tokens emits zero updates (-0.0), keeps the inner state
+  (the momentum of the window before), is neither a step nor dropped; the
+  next window's update is as if it had not been."""
+  inner = optax.sgd(1.0, momentum=0.5)
+  tx = tokacc.token_weighted_multistep(inner, 2, loss_reduction=loss_reduction)
+  grads = {'w': jnp.array([4.0, -2.0])}
+  step = jax.jit(lambda g, s, n: tx.update(g, s, PARAMS, num_tokens=n))
+  state = tx.init(PARAMS)
+  for count in (1, 1):  # a window of 2 tokens: its mean gradient is g
+    _, state = step(grads, state, jnp.int32(count))
+  before = state
+  for count in (0, 0):
+    updates, state = step(grads, state, jnp.int32(count))
+  assert not bool(tokacc.has_updated(state))
+  chex.assert_trees_all_equal(updates, {'w': -jnp.zeros(2)})
+  assert np.all(np.signbit(updates['w']))
+  chex.assert_trees_all_equal(state.inner_state, before.inner_state)
+  assert int(state.gradient_step) == int(before.gradient_step) == 1
+  assert int(state.dropped_windows) == 0
+  assert int(state.last_tokens) == 2
+  for count in (1, 1):
+    updates, state = step(grads, state, jnp.int32(count))
+  # Plain momentum: trace = g + 0.5 * g, both windows' mean gradient being
+  # g (exact in float32: halves and sums of small integers).
+  mean = np.asarray(grads['w'])
+  chex.assert_trees_all_equal(updates['w'], -(mean + 0.5 * mean))
+
+
+# The int32 counter: 2**31 - 1 tokens per window, and not one more.
+
+INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize(
+  'counts',
+  [[INT32_MAX], [2**30, 2**30 - 1], [2**30 - 1, 0, 2**30]],
+  ids=['one', 'two', 'three'],
+)
+def test_int32_max_tokens_are_valid(counts):
+  """A window of exactly 2**31 - 1 tokens: valid, and the update is the
+  gradient sum over 2**31 - 1 (float32 rounds the divisor to 2**31)."""
+  history = run(
+    tokacc.token_weighted_multistep(optax.sgd(1.0), len(counts)), counts
+  )
+  _, state = history[-1]
+  assert closed_at(history) == [len(counts)]
+  assert int(state.last_tokens) == INT32_MAX
+  assert int(state.dropped_windows) == 0
+  assert_updates_match(history, counts)
+
+
+@pytest.mark.parametrize(
+  'counts', [[2**30, 2**30], [INT32_MAX, 1], [1, INT32_MAX]]
+)
+def test_int32_overflow_drops_the_window(counts):
+  """2**31 tokens: the window is dropped (zero updates, the inner state and
+  step kept, ``dropped_windows`` + 1), and the next window is clean."""
+  inner = optax.sgd(1.0, momentum=0.5)
+  tx = tokacc.token_weighted_multistep(inner, 2)
+  history = run(tx, counts + [3, 1])
+  _, first = history[0]
+  updates, dropped = history[1]
+  assert not bool(tokacc.has_updated(dropped))
+  chex.assert_trees_all_equal(updates, {'w': -jnp.zeros(2)})
+  chex.assert_trees_all_equal(dropped.inner_state, first.inner_state)
+  assert int(dropped.gradient_step) == 0
+  assert int(dropped.dropped_windows) == 1
+  assert closed_at(history) == [4]
+  # The momentum starts afresh: the dropped window left no trace.
+  np.testing.assert_allclose(
+    history[3][0]['w'],
+    reference_update(counts + [3, 1], 2, 4),
+    rtol=DIVISION_RTOL,
+  )
+
+
+def test_float_count_of_2_31_drops_the_window():
+  """A float count of 2**31 (exact in float32) is beyond the counter."""
+  tx = tokacc.token_weighted_multistep(optax.sgd(1.0), 1)
+  step = jax.jit(lambda s, n: tx.update(grads_of(0), s, PARAMS, num_tokens=n))
+  _, state = step(tx.init(PARAMS), jnp.float32(2.0**31))
+  assert int(state.dropped_windows) == 1
+  _, state = step(tx.init(PARAMS), jnp.float32(2.0**30))
+  assert int(state.dropped_windows) == 0
+  assert int(state.last_tokens) == 2**30
+
+
+# Over devices: the budget counts every device's tokens, and so does the
+# int32 counter.
+
+DEVICE_BUDGET = 20
+DEVICE_COUNTS = {
+  # tokens per device at each micro-step; no device alone reaches 20.
+  # Over the devices: 10, 20 (exactly the budget at step 2), then 4.
+  'exactly': [[2, 3, 1, 4], [3, 3, 2, 2], [1, 1, 1, 1]],
+  # 10, 19 (one token short at step 2), 23 (over it at step 3).
+  'one_less': [[2, 3, 1, 4], [3, 3, 2, 1], [1, 1, 1, 1]],
+}
+DEVICE_CLOSES = {'exactly': [2], 'one_less': [3]}
+
+
+def batch_with_counts(counts, seed):
+  """A global micro-batch of the harness's model whose device ``d`` holds
+  ``counts[d]`` counted tokens (rows ``[d * SEQS, (d + 1) * SEQS)``)."""
+  rng = np.random.default_rng(seed)
+  shape = (len(counts) * harness.SEQS, harness.SEQ_LEN)
+  mask = np.zeros((len(counts), harness.LOCAL_TOKENS), np.float32)
+  for device, count in enumerate(counts):
+    mask[device, :count] = 1
+  return {
+    'x': rng.normal(size=shape + (harness.FEATURES,)).astype(np.float32),
+    'y': rng.normal(size=shape).astype(np.float32),
+    'mask': mask.reshape(shape),
+  }
+
+
+def budget_tx(axis_name):
+  return tokacc.token_weighted_multistep(
+    optax.sgd(harness.LEARNING_RATE),
+    8,
+    axis_name=axis_name,
+    tokens_per_update=DEVICE_BUDGET,
+  )
+
+
+def shard_map_steps(batches):
+  """``(gradient_step, last_tokens)`` after each micro-step, shard_map."""
+  mesh = jax.make_mesh(
+    (NUM_DEVICES,),
+    ('data',),
+    axis_types=(jax.sharding.AxisType.Auto,),
+    devices=jax.devices()[:NUM_DEVICES],
+  )
+  tx = budget_tx('data')
+  state = harness.shard_map_state(tx, harness.init_params(), mesh, 'data')
+  step = harness.shard_map_step(tx, mesh, 'data', state, with_emit_now=False)
+  params = jax.tree.map(
+    lambda x: harness.put(x, NamedSharding(mesh, P())), harness.init_params()
+  )
+  data = NamedSharding(mesh, P('data'))
+  seen = []
+  for batch in batches:
+    batch = jax.tree.map(lambda x: harness.put(x, data), batch)
+    params, state = step(params, state, batch)
+    acc = tokacc.find_state(state)
+    seen.append((int(acc.gradient_step), int(acc.last_tokens)))
+  return seen
+
+
+def pmap_steps(batches):
+  """``(gradient_step, last_tokens)`` after each micro-step, pmap."""
+  import test_data_parallel as dp  # noqa: PLC0415
+
+  devices = jax.devices()[:NUM_DEVICES]
+  tx = budget_tx('data')
+  step = dp.pmap_step(tx, with_emit_now=False, devices=devices)
+  params = jax.tree.map(
+    lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
+    harness.init_params(),
+  )
+  state = jax.pmap(tx.init, devices=devices)(params)
+  seen = []
+  for batch in batches:
+    local = jax.tree.map(
+      lambda x: x.reshape((NUM_DEVICES, -1) + x.shape[1:]), batch
+    )
+    params, state = step(params, state, local)
+    assert len(set(np.asarray(state.gradient_step).tolist())) == 1
+    seen.append((int(state.gradient_step[0]), int(state.last_tokens[0])))
+  return seen
+
+
+def explicit_steps(batches):
+  """``(gradient_step, last_tokens)`` after each micro-step, explicit
+  sharding (parameters typed reduced, as ``harness.train_explicit``)."""
+  mesh = jax.make_mesh(
+    (NUM_DEVICES,), ('data',), devices=jax.devices()[:NUM_DEVICES]
+  )
+  tx = budget_tx(None)
+  seen = []
+  with jax.set_mesh(mesh):
+    params = {
+      name: jax.jit(
+        lambda x: jax.reshard(x, P(*(None,) * x.ndim, reduced={'data'}))
+      )(harness.put(value, NamedSharding(mesh, P())))
+      for name, value in harness.init_params().items()
+    }
+    state = tx.init(params)
+    step = harness.global_step(tx)
+    data = NamedSharding(mesh, P('data'))
+    for batch in batches:
+      batch = jax.tree.map(lambda x: harness.put(x, data), batch)
+      params, state = step(params, state, batch, jnp.asarray(False))
+      seen.append((int(state.gradient_step), int(state.last_tokens)))
+  return seen
+
+
+@pytest.mark.parametrize('mode', ['shard_map', 'pmap', 'explicit'])
+@pytest.mark.parametrize('case', sorted(DEVICE_COUNTS))
+def test_budget_boundary_over_devices(case, mode):
+  """The window closes on the micro-step at which the tokens of all
+  devices reach the budget exactly, on every device, and holds them."""
+  if mode == 'explicit' and not _explicit.SUPPORTED:
+    pytest.skip('reduced/unreduced types need jax >= 0.10')
+  counts = DEVICE_COUNTS[case]
+  totals = [sum(c) for c in counts]
+  assert (
+    closing_steps(totals, lambda _: 8, DEVICE_BUDGET) == (DEVICE_CLOSES[case])
+  )
+  batches = [batch_with_counts(c, seed) for seed, c in enumerate(counts)]
+  run_steps = {
+    'shard_map': shard_map_steps,
+    'pmap': pmap_steps,
+    'explicit': explicit_steps,
+  }[mode]
+  seen = run_steps(batches)
+  steps = [0] + [gradient_step for gradient_step, _ in seen]
+  closes = [i for i in range(1, len(steps)) if steps[i] > steps[i - 1]]
+  assert closes == DEVICE_CLOSES[case]
+  close = closes[0]
+  assert seen[close - 1][1] == sum(totals[:close])
+
+
+def pmap_counts(tx, counts_per_step, every_device=False):
+  """pmap over 4 devices: device ``d`` gives ``grads_of(d)`` and
+  ``counts[d]`` at each micro-step; returns device 0's updates and state
+  after each micro-step (every device's, stacked, if ``every_device``)."""
+  devices = jax.devices()[:NUM_DEVICES]
+  step = jax.pmap(
+    lambda g, s, n: tx.update(g, s, PARAMS, num_tokens=n),
+    axis_name='data',
+    devices=devices,
+  )
+  grads = jax.tree.map(
+    lambda *xs: np.stack(xs), *(grads_of(d) for d in range(NUM_DEVICES))
+  )
+  state = jax.pmap(tx.init, devices=devices)(
+    jax.tree.map(lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape), PARAMS)
+  )
+  history = []
+  for counts in counts_per_step:
+    updates, state = step(grads, state, np.asarray(counts, np.int32))
+    out = jax.tree.map(np.asarray, (updates, state))
+    history.append(out if every_device else jax.tree.map(lambda x: x[0], out))
+  return history
+
+
+def test_int32_max_tokens_over_devices_are_valid():
+  """2**31 - 1 tokens summed over 4 devices: valid and exact."""
+  counts = [2**29, 2**29, 2**29, 2**29 - 1]
+  tx = tokacc.token_weighted_multistep(optax.sgd(1.0), 1, axis_name='data')
+  ((updates, state),) = pmap_counts(tx, [counts])
+  assert int(state.last_tokens) == INT32_MAX
+  assert int(state.dropped_windows) == 0
+  np.testing.assert_allclose(
+    updates['w'], reference_update(counts, 0, NUM_DEVICES), rtol=DIVISION_RTOL
+  )
+
+
+def test_int32_overflow_over_devices_drops_the_window():
+  """2**31 tokens summed over 4 devices (2**29 each, every one valid alone):
+  the window is dropped on every device; the next one is clean."""
+  tx = tokacc.token_weighted_multistep(optax.sgd(1.0), 1, axis_name='data')
+  (updates, dropped), (next_updates, state) = pmap_counts(
+    tx, [[2**29] * NUM_DEVICES, [1, 2, 3, 4]]
+  )
+  chex.assert_trees_all_equal(updates, {'w': -jnp.zeros(2)})
+  assert int(dropped.dropped_windows) == 1
+  assert int(dropped.gradient_step) == 0
+  assert int(state.gradient_step) == 1
+  np.testing.assert_allclose(
+    next_updates['w'],
+    reference_update([1, 2, 3, 4], 0, NUM_DEVICES),
+    rtol=DIVISION_RTOL,
+  )
