@@ -34,6 +34,7 @@ from optax_tokacc import _placement
 from optax_tokacc import _state
 from optax_tokacc import _validation
 from optax_tokacc import _window
+from optax_tokacc import _zero1
 from optax_tokacc._state import TokenWeightedMultiStepState
 
 AxisName = Union[str, tuple[str, ...]]
@@ -221,9 +222,15 @@ def placement(config, params, state=None, grads=None, num_tokens=None):
     axes = _explicit.data_axes(params)
   else:
     axes = _explicit.unreduced(state.acc_tokens)
-  if axes:
-    return _partial_sums.PartialSums.of(axes, params, state)
-  return _placement.Single()
+  if not axes:
+    return _placement.Single()
+  place = _partial_sums.PartialSums.of(axes, params, state)
+  shard_axes = (
+    () if state is None else _zero1.sharded_axes(state.inner_state, axes)
+  )
+  if shard_axes:  # the distributed-optimizer (ZeRO-1) layout
+    return _zero1.DistributedOptimizer(place.axes, place.mesh, shard_axes)
+  return place
 
 
 def _init(

@@ -32,6 +32,7 @@ import optax
 from optax_tokacc import _explicit
 from optax_tokacc import _manual
 from optax_tokacc import _state
+from optax_tokacc import _zero1
 
 
 def _is_spec(x: Any) -> bool:
@@ -126,6 +127,7 @@ def state_partition_specs(
   param_specs: Optional[Any] = None,
   axis_name: Optional[_manual.AxisName] = None,
   manual_axes: Optional[Any] = None,
+  shard_optimizer_over: Optional[Any] = None,
 ) -> Any:
   """The ``PartitionSpec`` of every leaf of ``tx.init(params)``.
 
@@ -148,6 +150,12 @@ def state_partition_specs(
       axis_names=manual_axes)``, whose specs may only name its manual axes:
       the other axes (left to GSPMD) are dropped from every spec. The arrays
       keep the full layout (:func:`init_sharded` gives it).
+    shard_optimizer_over: explicit sharding only: the data axes (a tuple of
+      names) to shard ``inner``'s parameter-shaped state over, the
+      distributed-optimizer (ZeRO-1) layout. Each such leaf is sharded on
+      its first dimension that the axes' size divides and that is not split
+      otherwise; a leaf that no dimension divides stays replicated. The
+      accumulator stays typed like the gradients.
 
   Returns:
     A tree of ``PartitionSpec`` with the structure of the state.
@@ -193,9 +201,86 @@ def state_partition_specs(
       return node
 
   specs = jax.tree.map(fix, specs, is_leaf=_is_spec_or_state)
+  if shard_optimizer_over is not None:
+    specs = _distributed_optimizer(
+      tx, params, param_specs, abstract, specs, shard_optimizer_over, axis_name
+    )
   if manual_axes is None:
     return specs
   return _only_manual(specs, axis_name, manual_axes)
+
+
+def _distributed_optimizer(
+  tx, params, param_specs, abstract, specs, shard_over, axis_name
+):
+  """``specs`` with ``inner``'s parameter-shaped state of every
+  :class:`TokenWeightedMultiStepState` sharded over ``shard_over``."""
+  if axis_name is not None:
+    raise ValueError(
+      f'shard_optimizer_over={shard_over!r} with axis_name={axis_name!r}: '
+      'the distributed-optimizer layout is built on explicit sharding. Type '
+      "the parameters reduced over the data axes (jax.P(reduced={'data'})) "
+      'under jax.jit and leave axis_name=None.'
+    )
+  axes = _manual.as_tuple(shard_over)
+  mesh = _mesh(params)
+  _check_shard_axes(axes, param_specs, mesh, shard_over)
+
+  def sharded(param, spec):
+    return _zero1.shard_spec(param, axes, mesh, spec)
+
+  zero = optax.tree_map_params(
+    tx,
+    lambda _, spec: spec,
+    abstract,
+    jax.tree.map(sharded, params, param_specs),
+    transform_non_params=lambda _: P(),
+    is_leaf=_is_spec,
+  )
+  nodes, treedef = jax.tree.flatten(specs, is_leaf=_is_spec_or_state)
+  zero_nodes = treedef.flatten_up_to(zero)
+  return treedef.unflatten(
+    node._replace(inner_state=z.inner_state)
+    if isinstance(node, _state.TokenWeightedMultiStepState)
+    else node
+    for node, z in zip(nodes, zero_nodes)
+  )
+
+
+def _mesh(params):
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is not None and not mesh.empty:
+    return mesh
+  for leaf in jax.tree.leaves(params):
+    if _explicit.spec(leaf) is not None:
+      return _explicit.mesh_of(leaf)
+  raise ValueError(
+    'shard_optimizer_over needs the mesh: call inside jax.set_mesh(mesh), '
+    'or pass parameters placed on it.'
+  )
+
+
+def _check_shard_axes(axes, param_specs, mesh, shard_over):
+  """Refuses axes the optimizer state cannot be sharded over."""
+  specs = jax.tree.leaves(param_specs, is_leaf=_is_spec)
+  data_axes = frozenset().union(*(s.reduced for s in specs))
+  split = set().union(*(_spec_axes(s) for s in specs))
+  for axis in axes:
+    if axis not in mesh.axis_names:
+      problem = f'{axis!r} is not an axis of the mesh {mesh.axis_names}'
+    elif axis in split:
+      problem = f'the parameters are sharded over {axis!r}'
+    elif axis not in data_axes:
+      problem = (
+        f'{axis!r} is not a data axis: no parameter is typed reduced over '
+        'it (jax.P(reduced={...}))'
+      )
+    else:
+      continue
+    raise ValueError(
+      f'shard_optimizer_over={shard_over!r}: {problem}. Name data axes, '
+      'over which the parameters are typed reduced.'
+    )
 
 
 def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
@@ -224,6 +309,7 @@ def state_shardings(
   *,
   param_specs: Optional[Any] = None,
   axis_name: Optional[_manual.AxisName] = None,
+  shard_optimizer_over: Optional[Any] = None,
 ) -> Any:
   """:func:`state_partition_specs` as ``NamedSharding``'s on ``mesh``.
 
@@ -234,6 +320,8 @@ def state_shardings(
     param_specs: a tree of ``PartitionSpec`` like ``params``; None means the
       specs in the parameters' types (explicit sharding), else replicated.
     axis_name: the transform's ``axis_name``.
+    shard_optimizer_over: the data axes to shard ``inner``'s state over
+      (see :func:`state_partition_specs`).
 
   Returns:
     A tree of ``NamedSharding`` with the structure of the state: the full
@@ -252,9 +340,14 @@ def state_shardings(
     >>> tuple(shardings.acc_grads['w'].spec)  # split like the parameter
     ('fsdp', None)
   """
-  specs = state_partition_specs(
-    tx, params, param_specs=param_specs, axis_name=axis_name
-  )
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    specs = state_partition_specs(
+      tx,
+      params,
+      param_specs=param_specs,
+      axis_name=axis_name,
+      shard_optimizer_over=shard_optimizer_over,
+    )
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
@@ -265,6 +358,7 @@ def init_sharded(
   *,
   param_specs: Optional[Any] = None,
   axis_name: Optional[_manual.AxisName] = None,
+  shard_optimizer_over: Optional[Any] = None,
 ) -> optax.OptState:
   """``tx.init(params)`` laid out on ``mesh`` (global arrays).
 
@@ -279,6 +373,9 @@ def init_sharded(
     param_specs: a tree of ``PartitionSpec`` like ``params``; None means the
       specs in the parameters' types (explicit sharding), else replicated.
     axis_name: the transform's ``axis_name``.
+    shard_optimizer_over: the data axes to shard ``inner``'s state over,
+      the distributed-optimizer (ZeRO-1) layout (see
+      :func:`state_partition_specs`); explicit sharding only.
 
   Returns:
     The optimizer state, global arrays sharded as
@@ -300,8 +397,14 @@ def init_sharded(
   param_specs = _param_specs(params, param_specs)
   layout = dict(param_specs=param_specs, axis_name=axis_name)
   if axis_name is None:
-    shardings = state_shardings(tx, params, mesh, **layout)
+    shardings = state_shardings(
+      tx, params, mesh, shard_optimizer_over=shard_optimizer_over, **layout
+    )
     return jax.jit(tx.init, out_shardings=shardings)(params)
+  if shard_optimizer_over is not None:
+    state_partition_specs(
+      tx, params, shard_optimizer_over=shard_optimizer_over, **layout
+    )
   specs = state_partition_specs(tx, params, **layout)
   init = jax.shard_map(
     tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=specs

@@ -1,0 +1,271 @@
+"""The distributed-optimizer (ZeRO-1) layout under explicit sharding.
+
+Parameters typed reduced over 'data' (4 fake devices), ``inner``'s state
+sharded over 'data' by ``init_sharded(..., shard_optimizer_over=('data',))``:
+the window stays partial sums, and closes with one reduce-scatter into the
+optimizer's shards, ``inner`` on the shards, and an all-gather of the
+updates. Checked against full-batch training written plainly here, with
+unequal counts per device and micro-step and devices without tokens, and on
+the compiled HLO (issue 23).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import multihost_worker as harness
+import numpy as np
+import optax
+import pytest
+import test_explicit
+import test_explicit_collectives as explicit_ddp
+
+import optax_tokacc as tokacc
+from optax_tokacc import _explicit
+
+pytestmark = pytest.mark.skipif(
+  not _explicit.SUPPORTED, reason='explicit sharding needs jax >= 0.10'
+)
+
+K = 3
+NUM_DEVICES = 4
+OUTPUTS = 4  # w is (8, 4): its state is sharded on its first dimension
+MAX_NORM = 0.05  # binds: a clip by a shard's norm would differ
+UNIT_ROUNDOFF = np.finfo(np.float32).eps / 2
+
+
+def init_params():
+  rng = np.random.default_rng(7)
+  return {
+    'w': rng.normal(size=(harness.FEATURES, OUTPUTS)).astype(np.float32),
+    'b': rng.normal(size=(3,)).astype(np.float32),  # no dimension divides 4
+  }
+
+
+def inner():
+  return optax.chain(
+    optax.clip_by_global_norm(MAX_NORM), optax.sgd(0.5, momentum=0.9)
+  )
+
+
+def loss_sum(params, batch):
+  """Squared error summed over the outputs and the counted tokens, as
+  per-device partial sums; ``b`` enters through its sum."""
+  ones = jnp.ones(batch['mask'].shape, out_sharding=P('data'))
+  bias = jnp.einsum('bt,i->bt', ones, params['b'], out_sharding=P('data'))
+  pred = batch['x'] @ params['w'] + bias[..., None]
+  per_token = jnp.sum((pred - batch['y']) ** 2, axis=-1)
+  return jnp.einsum(
+    'bt,bt->', per_token, batch['mask'], out_sharding=test_explicit.U_DATA
+  )
+
+
+def make_windows():
+  rng = np.random.default_rng(3)
+  windows = harness.make_windows((K, K, K), NUM_DEVICES, seed=4)
+  return [
+    [
+      dict(b, y=rng.normal(size=b['y'].shape + (OUTPUTS,)).astype(np.float32))
+      for b in window
+    ]
+    for window in windows
+  ]
+
+
+def full_batch(windows):
+  """Plain full-batch training in float64 numpy: per window, the gradient
+  of its token-mean loss, clipped by its global norm, then momentum SGD
+  (``optax.sgd(0.5, momentum=0.9)``: ``t = g + 0.9 t``, ``-0.5 t``). Also
+  returns the largest update."""
+  params = {k: v.astype(np.float64) for k, v in init_params().items()}
+  trace = {k: np.zeros_like(v) for k, v in params.items()}
+  largest = 0.0
+  for window in windows:
+    x = np.concatenate([b['x'] for b in window]).astype(np.float64)
+    y = np.concatenate([b['y'] for b in window]).astype(np.float64)
+    mask = np.concatenate([b['mask'] for b in window]).astype(np.float64)
+    residual = x @ params['w'] + params['b'].sum() - y  # (..., OUTPUTS)
+    weighted = 2 * residual * mask[..., None] / mask.sum()
+    grads = {
+      'w': x.reshape(-1, x.shape[-1]).T @ weighted.reshape(-1, OUTPUTS),
+      'b': np.full(3, weighted.sum()),
+    }
+    norm = np.sqrt(sum(np.sum(g**2) for g in grads.values()))
+    scale = min(1.0, MAX_NORM / norm)
+    for k in params:
+      trace[k] = grads[k] * scale + 0.9 * trace[k]
+      largest = max(largest, float(np.max(np.abs(0.5 * trace[k]))))
+      params[k] = params[k] - 0.5 * trace[k]
+  return params, largest
+
+
+def setup():
+  mesh = test_explicit.ddp_mesh()
+  tx = tokacc.token_weighted_multistep(inner(), K)
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+    num_tokens = jnp.einsum(
+      'bt->', batch['mask'], out_sharding=test_explicit.U_DATA
+    )
+    updates, state = tx.update(
+      grads, state, params, num_tokens=num_tokens, loss=loss
+    )
+    return optax.apply_updates(params, updates), state
+
+  return mesh, tx, step
+
+
+def placed(mesh):
+  data = NamedSharding(mesh, P('data'))
+  params = jax.device_put(init_params(), P(reduced={'data'}))
+  return params, lambda batch: jax.device_put(batch, data)
+
+
+def train(windows, interrupt_at=None):
+  """ZeRO-1 training; ``interrupt_at``: the micro-step after which the
+  state goes through ``to_checkpoint`` / ``from_checkpoint``."""
+  mesh, tx, step = setup()
+  with jax.set_mesh(mesh):
+    params, place = placed(mesh)
+    state = tokacc.init_sharded(
+      tx, params, mesh, shard_optimizer_over=('data',)
+    )
+    calls = 0
+    for window in windows:
+      for batch in window:
+        params, state = step(params, state, place(batch))
+        calls += 1
+        if calls == interrupt_at:
+          saved = jax.device_get(tokacc.to_checkpoint((params, state)))
+          like = (params, state)
+          params, state = tokacc.from_checkpoint(
+            jax.device_put(saved, jax.tree.map(
+              lambda x: x.sharding, tokacc.to_checkpoint(like))),
+            like,
+          )  # fmt: skip
+    return params, state
+
+
+def test_equals_full_batch_training():
+  """Momentum SGD after a global-norm clip that binds, on the shards.
+
+  The bound: each window's gradient is a sum of ``m`` rounded float32
+  terms (its tokens, the features and outputs of a prediction, the
+  divisions), within ``gamma(m)`` of exact relative to its size (Higham);
+  the clip's norm and scale add ``gamma`` of the update; momentum carries
+  every earlier window's error forward, at most the windows' count times.
+  So each parameter is within ``windows * 4 * gamma(m)`` of the largest
+  update, plus one rounding of the parameter per window.
+  """
+  windows = make_windows()
+  expected, largest = full_batch(windows)
+  params, state = train(windows)
+  n = max(int(sum(b['mask'].sum() for b in w)) for w in windows)
+  m = n + harness.FEATURES + OUTPUTS + 20
+  gamma = m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)
+  for name in ('w', 'b'):
+    got = np.asarray(params[name])
+    bound = len(windows) * (
+      4 * gamma * largest + UNIT_ROUNDOFF * np.abs(expected[name])
+    )
+    assert np.all(np.abs(got - expected[name]) <= bound), (got, expected)
+  assert int(state.gradient_step) == len(windows)
+
+
+def test_state_is_sharded_and_a_fixed_point_of_the_step():
+  """The moments of ``w`` hold 1/4 of it per device, those of ``b`` (no
+  dimension divides 4) stay whole; the accumulator stays partial sums; the
+  step gives back the types it was given."""
+  windows = make_windows()[:1]
+  mesh, tx, _ = setup()
+  with jax.set_mesh(mesh):
+    params, _ = placed(mesh)
+    state = tokacc.init_sharded(
+      tx, params, mesh, shard_optimizer_over=('data',)
+    )
+  trace = state.inner_state[1][0].trace
+  assert trace['w'].addressable_shards[0].data.shape == (2, OUTPUTS)
+  assert trace['b'].addressable_shards[0].data.shape == (3,)
+  assert str(jax.typeof(state.acc_grads['w'])).endswith('{U:data}')
+  _, trained = train(windows)
+  types = jax.tree.map(lambda x: str(jax.typeof(x)), state)
+  assert jax.tree.map(lambda x: str(jax.typeof(x)), trained) == types
+
+
+def test_checkpoint_mid_window_resumes_bit_identically():
+  windows = make_windows()
+  straight = train(windows)
+  resumed = train(windows, interrupt_at=K + 1)
+  with jax.set_mesh(test_explicit.ddp_mesh()):
+    jax.tree.map(
+      np.testing.assert_array_equal,
+      jax.device_get(tokacc.to_checkpoint(straight)),
+      jax.device_get(tokacc.to_checkpoint(resumed)),
+    )
+
+
+def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
+  """Micro-steps: no collective. The closing branch: ``w``'s window
+  reduce-scattered, its updates all-gathered; no all-reduce of its size
+  (the scalars, ``b`` and the clip's norm are reduced whole)."""
+  mesh, tx, step = setup()
+  with jax.set_mesh(mesh):
+    params, place = placed(mesh)
+    state = tokacc.init_sharded(
+      tx, params, mesh, shard_optimizer_over=('data',)
+    )
+    batch = place(make_windows()[0][0])
+    text = step.lower(params, state, batch).compile().as_text()
+  sites = explicit_ddp.sites_of(text)
+  assert explicit_ddp.on_micro_step_path(sites) == []
+  closing = [s for s, path in sites if explicit_ddp.closing_only(path)]
+  w_shape = ('f32', (harness.FEATURES, OUTPUTS))
+  w_shard = ('f32', (harness.FEATURES // NUM_DEVICES, OUTPUTS))
+  kinds = {s.collective for s in closing}
+  assert {'reduce-scatter', 'all-gather'} <= kinds, closing
+  for site in closing:
+    if site.collective == 'all-reduce':
+      assert w_shape not in site.shapes and w_shard not in site.shapes, site
+
+
+@pytest.mark.parametrize(
+  'axes, message',
+  [
+    (('model',), "'model' is not an axis of the mesh"),
+    (('fsdp',), "the parameters are sharded over 'fsdp'"),
+    (('replica',), "'replica' is not a data axis"),
+  ],
+)
+def test_bad_axes_are_refused_naming_the_argument(axes, message):
+  mesh = jax.make_mesh(
+    (2, 2),
+    ('fsdp', 'replica'),
+    axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+    devices=jax.devices()[:4],
+  )
+  tx = tokacc.token_weighted_multistep(inner(), K)
+  with jax.set_mesh(mesh):
+    params = jax.device_put(
+      {'w': np.ones((8, 4), np.float32)}, P('fsdp', None, reduced=set())
+    )
+    if axes == ('fsdp',):  # a data axis too, so that only the split shows
+      params = jax.device_put(params, P('fsdp', None, reduced={'replica'}))
+    with pytest.raises(ValueError, match='shard_optimizer_over') as error:
+      tokacc.init_sharded(tx, params, mesh, shard_optimizer_over=axes)
+  assert message in str(error.value)
+
+
+def test_with_axis_name_is_refused_pointing_to_explicit_sharding():
+  mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2])
+  tx = tokacc.token_weighted_multistep(inner(), K, axis_name='data')
+  with pytest.raises(ValueError, match='shard_optimizer_over') as error:
+    tokacc.init_sharded(
+      tx,
+      {'w': jnp.ones((8, 4))},
+      mesh,
+      axis_name='data',
+      shard_optimizer_over=('data',),
+    )
+  assert 'explicit sharding' in str(error.value)
