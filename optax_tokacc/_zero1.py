@@ -87,30 +87,39 @@ class DistributedOptimizer(_partial_sums.PartialSums):
     return None
 
   def reduce(self, sums, acc_tokens, acc_loss):
-    """One reduce-scatter of each leaf into its shards (an all-reduce for
-    a leaf that no dimension divides), and the scalars in one ``psum``."""
+    """One reduce-scatter of each leaf of partial sums into its shards (an
+    all-reduce for a leaf that no dimension divides), and the scalars in
+    one ``psum``."""
     leaves, treedef = jax.tree.flatten(sums)
-    specs = [self._spec(leaf) for leaf in leaves]
+    plans = [self._plan(leaf) for leaf in leaves]
     axes = tuple(sorted(self.axes))
 
     def reduce(leaves, acc_tokens, acc_loss):
       out = []
-      for leaf, spec in zip(leaves, specs):
-        dim = self._dim(spec)
-        if dim is None:
-          out.append(lax.psum(leaf, axes))
-        else:
-          out.append(
-            lax.psum_scatter(
-              leaf, self.shard_axes, scatter_dimension=dim, tiled=True
-            )
+      for leaf, (over, dim, _) in zip(leaves, plans):
+        if dim is not None:
+          leaf = lax.psum_scatter(
+            leaf, self.shard_axes, scatter_dimension=dim, tiled=True
           )
+          over = tuple(a for a in over if a not in self.shard_axes)
+        out.append(lax.psum(leaf, over) if over else leaf)
       return out, lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
 
+    out_specs = ([spec for _, _, spec in plans], (P(), P()))
     reduced, (parts, loss) = _explicit.local(
-      reduce, (leaves, acc_tokens, acc_loss), (specs, (P(), P()))
+      reduce, (leaves, acc_tokens, acc_loss), out_specs
     )
     return _placement.Reduced(treedef.unflatten(reduced), parts, loss)
+
+  def _plan(self, leaf):
+    """How a leaf is reduced: the axes it is summed over, the dimension
+    its sum is scattered on (None: not scattered), and its spec after."""
+    over = tuple(sorted(_explicit.unreduced(leaf)))
+    spec = self._spec(leaf)
+    dim = self._dim(spec)
+    if dim is None or not set(self.shard_axes) <= set(over):
+      return over, None, _explicit.spec(leaf, unreduced=False) or P()
+    return over, dim, spec
 
   def for_inner(self, tree):
     """Reduced types dropped, and parameter-shaped leaves that are whole
