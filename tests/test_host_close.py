@@ -1,0 +1,1071 @@
+"""Windows closed by the host: ``close=True`` / ``close=False`` (issue 24).
+
+``tx.update(..., close=...)`` with a Python bool traces one path:
+``close=False`` adds the micro-batch and returns -0.0 updates (no inner
+work, no collective), ``close=True`` closes the window with what it holds,
+this micro-batch included; neither holds a ``conditional``, so that
+``jax.jit(step, static_argnames='close')`` compiles two programs.
+
+The host closes windows of 2, 3 and 1 micro-batches while the schedule says
+2 (a host-closed window does not consult it). Token counts differ per
+micro-batch and per device, some devices count none (``multihost_worker``).
+Checked here:
+
+- exactness against single-device full-batch training written plainly
+  (``multihost_worker.train_full_batch``; ``test_window_rules`` with
+  ``value=`` for ``reduce_on_plateau``), in float64, for the plain
+  accumulator, ``skip_not_finite`` (a rejected micro-batch may close a
+  window), ``compensated``, ``loss_reduction='mean'``, ``optax.chain``
+  around it; in float32 for ``reduce_on_plateau`` inside it and for
+  bfloat16 parameters (with a bound derived from bfloat16's ulp);
+- that host-closed and device-decided windows mix: each mix gives bit for
+  bit the updates and the state of the run that leaves every call to the
+  device (``tx.update`` compiled on its own), except for a mean loss and
+  for compensated sums under AdamW where XLA contracts multiply-adds (a
+  strict xfail there; those mixes still equal full-batch training);
+- a window without tokens or with an invalid count closed by the host;
+- data parallel: ``shard_map`` with ``axis_name`` (parameters ``pcast`` to
+  varying), ``pmap``, and explicit sharding (DDP, HSDP and FSDP layouts of
+  ``test_explicit``);
+- the compiled programs: no ``conditional``; ``close=False`` runs no AdamW
+  (no ``sqrt``) and no collective under DDP; ``close=True`` runs exactly one
+  all-reduce under DDP, beside the backward pass; two programs in all;
+- bad ``close`` values, and ``close`` with ``tokens_per_update`` or
+  ``emit_now``;
+- the Flax ``TrainState`` and the nnx ``Optimizer`` with ``close``.
+"""
+
+import collections
+from collections.abc import Callable
+import functools
+import re
+from typing import NamedTuple
+
+import chex
+from flax import nnx
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import multihost_worker as harness
+import numpy as np
+import optax
+import pytest
+import test_explicit as explicit
+import test_flax
+import test_window_rules as rules
+
+import optax_tokacc as tokacc
+from optax_tokacc import _explicit
+from optax_tokacc import flax as tokacc_flax
+
+NUM_DEVICES = 4
+SIZES = (2, 3, 1)  # micro-batches of each window, as the host closes them
+EVERY_K = 2  # the schedule, which the host-closed windows do not follow
+NAN_DEVICE = 2  # the device whose rows of the rejected micro-batch hold a NaN
+# float64 runs against the float64 full-batch reference: both add the same
+# per-token terms (at most 3 micro-steps x 32 tokens = 96 per window) in
+# another order, which moves each window's gradient by at most 96 eps
+# (96 * 2**-52 = 2e-14) of the sum of the terms' magnitudes; over 3 windows
+# of steps no larger than the gradient's, the parameters and window losses
+# are off by about 1e-13. 1e-11 leaves a factor of 100 for cancellation in
+# the sums, and is far below what a wrong weighting does: a token counted
+# wrongly in a window of at most 96 moves its gradient by about 1e-2.
+F64_TOLERANCE = 1e-11
+AUTO = jax.sharding.AxisType.Auto
+
+collectives = harness.load_collectives()
+
+
+def sizes_schedule(gradient_step):
+  """``every_k_schedule`` that agrees with the host: window ``w`` holds
+  ``SIZES[w]`` micro-batches (for runs that mix host and device)."""
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  return sizes[jnp.minimum(gradient_step, len(SIZES) - 1)]
+
+
+def loss_mean(params, batch):
+  """The token-mean loss (over at least one token) for ``'mean'``."""
+  count = jnp.maximum(jnp.sum(batch['mask']), 1.0)
+  return harness.loss_sum(params, batch) / count
+
+
+class Case(NamedTuple):
+  """A composition: ``make_tx(every_k, axis_name)``, the optimizer that
+  full-batch training runs, whether the loss is a token mean, whether a
+  rejected (NaN) micro-batch is fed."""
+
+  make_tx: Callable
+  reference: Callable
+  mean: bool = False
+  with_nan: bool = False
+
+
+def accumulate(inner, every_k, axis_name, **options):
+  return tokacc.token_weighted_multistep(
+    inner, every_k, axis_name=axis_name, **options
+  )
+
+
+CASES = {
+  'plain': Case(lambda k, a: accumulate(harness.adamw(), k, a), harness.adamw),
+  'skip_not_finite': Case(
+    lambda k, a: accumulate(
+      harness.adamw(), k, a, should_skip_update_fn=tokacc.skip_not_finite
+    ),
+    harness.adamw,
+    with_nan=True,
+  ),
+  'compensated': Case(
+    lambda k, a: accumulate(harness.adamw(), k, a, compensated=True),
+    harness.adamw,
+  ),
+  'mean': Case(
+    lambda k, a: accumulate(harness.adamw(), k, a, loss_reduction='mean'),
+    harness.adamw,
+    mean=True,
+  ),
+  # Both options at once (data parallel runs, to keep them few).
+  'skip_not_finite_compensated': Case(
+    lambda k, a: accumulate(
+      harness.adamw(),
+      k,
+      a,
+      should_skip_update_fn=tokacc.skip_not_finite,
+      compensated=True,
+    ),
+    harness.adamw,
+    with_nan=True,
+  ),
+  # A linear stage before the accumulator (it sees each micro-batch's
+  # gradient) and one after it (it sees the emitted updates).
+  'chain': Case(
+    lambda k, a: optax.chain(
+      optax.scale(2.0), accumulate(explicit.sgd(), k, a), optax.scale(3.0)
+    ),
+    lambda: optax.chain(optax.scale(2.0), explicit.sgd(), optax.scale(3.0)),
+  ),
+}
+SINGLE_DEVICE_CASES = (
+  'plain',
+  'skip_not_finite',
+  'compensated',
+  'mean',
+  'chain',
+)
+
+
+def rejected_batch(batch):
+  """A micro-batch that ``skip_not_finite`` rejects: a NaN in the rows of
+  ``NAN_DEVICE``, no counted token on any device (so that it adds nothing
+  wherever it is rejected, and full-batch training simply leaves it out)."""
+  nan = explicit.with_nan(batch, NAN_DEVICE)
+  return dict(nan, mask=np.zeros_like(batch['mask']))
+
+
+def micro_steps(windows, deciders, nan=None):
+  """``(batch, close)`` in training order.
+
+  ``deciders[w]``: ``'h'`` the host closes window ``w`` at its last
+  micro-batch (``close=False`` before); ``'d'`` the device decides every
+  call (``close=None``); ``'m'`` the device decides all but the last call,
+  which the host closes. ``nan='inside'`` adds a rejected micro-batch
+  after the first of window 1; ``nan='closing'`` also closes the last
+  window with one (host-closed windows only).
+  """
+  steps = []
+  for w, (window, decider) in enumerate(zip(windows, deciders)):
+    for m, batch in enumerate(window):
+      last = m == len(window) - 1
+      close = None if decider == 'd' or (decider == 'm' and not last) else last
+      if nan == 'closing' and last and w == len(windows) - 1:
+        steps.append((batch, False))
+        steps.append((rejected_batch(batch), True))
+        continue
+      steps.append((batch, close))
+      if nan is not None and w == 1 and m == 0:
+        steps.append((rejected_batch(window[1]), close))
+  return steps
+
+
+def fused_step(tx, mean=False):
+  """A training step as users write it, one program per ``close``."""
+  loss_fn = loss_mean if mean else harness.loss_sum
+
+  def step(params, state, batch, close):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, state = tx.update(
+      grads,
+      state,
+      params,
+      num_tokens=harness.token_count(batch),
+      loss=loss,
+      close=close,
+    )
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step, static_argnames='close')
+
+
+def split_step(tx, mean=False):
+  """A micro-step as three programs: the gradient, ``tx.update`` (one
+  program per ``close``) and ``optax.apply_updates``. Runs that differ only
+  in ``close`` then run the same gradient and apply programs, so that
+  comparing them bit for bit compares what ``tx.update`` returns. (With
+  ``optax.apply_updates`` in the same program, XLA may fuse the addition
+  of the updates to the parameters into the optimizer's arithmetic in one
+  program and not in the other: a fused multiply-add rounds once where a
+  multiply and an add round twice, an ulp apart.)
+
+  Returns ``step(params, state, batch, close, num_tokens=None) -> (params,
+  state, updates)``.
+  """
+  value_and_grad = jax.jit(
+    jax.value_and_grad(loss_mean if mean else harness.loss_sum)
+  )
+  apply = jax.jit(optax.apply_updates)
+
+  @functools.partial(jax.jit, static_argnames='close')
+  def update(grads, state, params, num_tokens, loss, close):
+    return tx.update(
+      grads, state, params, num_tokens=num_tokens, loss=loss, close=close
+    )
+
+  def step(params, state, batch, close, num_tokens=None):
+    if num_tokens is None:
+      num_tokens = harness.token_count(batch)
+    loss, grads = value_and_grad(params, batch)
+    updates, state = update(grads, state, params, num_tokens, loss, close)
+    return apply(params, updates), state, updates
+
+  return step
+
+
+def windows64():
+  return harness.make_windows(SIZES, NUM_DEVICES, np.float64)
+
+
+@functools.cache
+def full_batch(reference, without=None):
+  """Float64 full-batch training with ``reference()`` on the windows of
+  ``SIZES`` (window ``without`` left out): host copies of the final
+  parameters and of each window's token-mean loss. Cached: many runs here
+  share the optimizer, and each run of the reference compiles a step."""
+  with jax.enable_x64(True):
+    windows = windows64()
+    if without is not None:
+      del windows[without]
+    params, losses = harness.train_full_batch(
+      reference(), harness.init_params(np.float64), windows
+    )
+    return jax.tree.map(np.asarray, params), np.asarray(losses)
+
+
+def device_params(dtype):
+  return jax.tree.map(jnp.asarray, harness.init_params(dtype))
+
+
+def window_tokens(window):
+  return int(sum(np.sum(batch['mask']) for batch in window))
+
+
+def movement_bound(expected, dtype):
+  """How far float32 training moved the parameters from their start, and
+  how far a bfloat16 run may end from it.
+
+  Each window rounds the parameters to bfloat16 once, as does the start: at
+  most half an ulp of the largest parameter each time. The gradients and
+  updates rounded to bfloat16 are off by 2**-9 of themselves, far below an
+  ulp of the parameters they move; another half ulp per window covers that
+  and its effect on the next windows' gradients.
+  """
+  start = harness.init_params()
+  largest = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(expected))
+  ulp = 2.0 ** (np.floor(np.log2(largest)) - jnp.finfo(dtype).nmant)
+  moved = max(
+    float(np.max(np.abs(e - s)))
+    for e, s in zip(jax.tree.leaves(expected), jax.tree.leaves(start))
+  )
+  return moved, (len(SIZES) + 1) * ulp
+
+
+# Exactness against full-batch training, on one device.
+
+
+# mini_step after each call of ``micro_steps(windows, ..., nan)``: the second
+# window reaches k = 2 and goes on (the schedule is not consulted); a
+# rejected micro-batch does not advance it.
+MINI_STEPS = {
+  None: [1, 0, 1, 2, 0, 0],
+  'inside': [1, 0, 1, 1, 2, 0, 0],
+  'closing': [1, 0, 1, 1, 2, 0, 1, 0],
+}
+
+
+# Every case closed by the host; where host and device round differently
+# (``NOT_BIT_FOR_BIT``), also mixed with the device.
+EXACT_CASES = [(name, 'hhh') for name in sorted(SINGLE_DEVICE_CASES)]
+EXACT_CASES += [('mean', 'dhm'), ('compensated', 'dhm')]
+
+
+@pytest.mark.parametrize(('name', 'deciders'), EXACT_CASES)
+def test_host_closed_windows_equal_full_batch(name, deciders):
+  """Each window is one step of full-batch training, whoever closes it
+  (``'hhh'``: the host, the schedule saying k = 2; ``'dhm'``: the device,
+  the host, both, with a schedule that agrees); its loss and tokens are
+  reported; a host-closed window may end on a rejected micro-batch, with
+  what it holds."""
+  case = CASES[name]
+  host_only = deciders == 'hhh'
+  nan = None
+  if case.with_nan:
+    nan = 'closing' if host_only else 'inside'
+  with jax.enable_x64(True):
+    windows = windows64()
+    expected, losses = full_batch(case.reference)
+    tx = case.make_tx(EVERY_K if host_only else sizes_schedule, None)
+    step = fused_step(tx, case.mean)
+    params = device_params(np.float64)
+    state = tx.init(params)
+    closed, mini_steps = 0, []
+    for batch, close in micro_steps(windows, deciders, nan):
+      params, state = step(params, state, batch, close)
+      inner = tokacc.find_state(state)
+      mini_steps.append(int(inner.mini_step))
+      if close is not None:
+        assert bool(tokacc.has_updated(state)) == close
+      if bool(tokacc.has_updated(state)):
+        np.testing.assert_allclose(
+          tokacc.window_loss(state), losses[closed], rtol=F64_TOLERANCE
+        )
+        assert int(inner.last_tokens) == window_tokens(windows[closed])
+        closed += 1
+        assert int(inner.gradient_step) == closed
+    assert closed == len(SIZES)
+    chex.assert_trees_all_close(params, expected, atol=F64_TOLERANCE)
+  assert mini_steps == MINI_STEPS[nan]
+
+
+def test_reduce_on_plateau_sees_the_host_closed_window():
+  """``reduce_on_plateau`` inside ``inner`` takes the decisions of
+  full-batch training with ``value=`` the window's loss, window by window;
+  ``window_loss`` is the token-mean loss of the window at the parameters
+  its gradients were taken at. float32: ``test_window_rules``' reference."""
+  sizes = (2, 3, 1, 3, 2, 1, 3, 2)
+  windows = harness.make_windows(sizes, NUM_DEVICES, seed=4)
+  expected = rules.full_batch_with_value(rules.plateau_inner(), windows)
+  expected_scales = [rules.plateau_scale(s) for _, s in expected]
+  assert min(expected_scales) < 1.0, 'the plateau must act on these data'
+  loss_sum = jax.jit(harness.loss_sum)
+  tx = accumulate(rules.plateau_inner(), EVERY_K, None)
+  step = fused_step(tx)
+  params = device_params(np.float32)
+  state = tx.init(params)
+  start, travelled = params, 0.0
+  for w, window in enumerate(windows):
+    for m, batch in enumerate(window):
+      params, state = step(params, state, batch, m == len(window) - 1)
+    full = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
+    expected_loss = loss_sum(start, full) / window_tokens(window)
+    # A sum of at most 96 non-negative float32 terms in another order:
+    # at most 96 * 2**-24 (6e-6) of itself.
+    np.testing.assert_allclose(
+      tokacc.window_loss(state), expected_loss, rtol=1e-5
+    )
+    assert float(state.last_loss) == float(tokacc.window_loss(state))
+    assert rules.plateau_scale(state.inner_state) == expected_scales[w]
+    expected_params = expected[w][0]
+    before = expected[w - 1][0] if w else harness.init_params()
+    travelled += max(
+      float(jnp.max(jnp.abs(e - b)))
+      for e, b in zip(jax.tree.leaves(expected_params), jax.tree.leaves(before))
+    )
+    # float32: summing a window's at most 96 per-token terms in another
+    # order moves its gradient by about 96 * 2**-24 (6e-6) of itself; SGD's
+    # steps are linear in it, so each step is off by that fraction of its
+    # length, and the parameters by that fraction of the way they have
+    # travelled. 1e-4 leaves a factor of 16 for the parameters' own
+    # rounding and for cancellation.
+    chex.assert_trees_all_close(params, expected_params, atol=1e-4 * travelled)
+    start = params
+
+
+def test_bfloat16_parameters_stay_close_to_float32_training():
+  """bfloat16 parameters, float32 data and accumulator: the parameters and
+  updates stay bfloat16, and host-closed windows stay within the rounding
+  bound of ``movement_bound`` of float32 full-batch training (which they
+  really move further than)."""
+  windows = harness.make_windows(SIZES, NUM_DEVICES)
+  expected, _ = harness.train_full_batch(
+    explicit.sgd(), harness.init_params(), windows
+  )
+  tx = accumulate(explicit.sgd(), EVERY_K, None)
+  step = fused_step(tx)
+  params = device_params(jnp.bfloat16)
+  state = tx.init(params)
+  assert state.acc_grads['w'].dtype == jnp.float32
+  for batch, close in micro_steps(windows, 'hhh'):
+    params, state = step(params, state, batch, close)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {
+      jnp.dtype(jnp.bfloat16)
+    }
+  moved, bound = movement_bound(expected, jnp.bfloat16)
+  assert moved > 4 * bound, (moved, bound)
+  chex.assert_trees_all_close(
+    jax.tree.map(lambda x: x.astype(np.float32), params), expected, atol=bound
+  )
+
+
+# Host-closed and device-decided windows mix freely.
+
+
+def contracts_multiply_add():
+  """Whether XLA here computes ``a * b + c`` with one rounding (a fused
+  multiply-add: a CPU with FMA) rather than two."""
+  a, c = np.float32(1 + 2**-12), np.float32(-1)
+  # a * a = 1 + 2**-11 + 2**-24: rounded to float32 it loses the 2**-24.
+  fused = jax.jit(lambda a, c: a * a + c)(a, c)
+  return float(fused) != float(np.float32(a * a) + c)
+
+
+CONTRACTS = contracts_multiply_add()
+
+MIX_CASES = {
+  **{
+    name: (CASES[name], np.float32) for name in ('plain', 'compensated', 'mean')
+  },
+  # Rejected micro-batches, compensated sums and ``value=`` for
+  # ``reduce_on_plateau`` at once, under SGD (no multiply-add: see below).
+  'skip_compensated_plateau': (
+    Case(
+      lambda k, a: accumulate(
+        rules.plateau_inner(),
+        k,
+        a,
+        should_skip_update_fn=tokacc.skip_not_finite,
+        compensated=True,
+      ),
+      None,
+      with_nan=True,
+    ),
+    np.float32,
+  ),
+  'bfloat16_adamw': (
+    Case(
+      lambda k, a: accumulate(
+        optax.adamw(harness.LEARNING_RATE, mu_dtype=jnp.float32), k, a
+      ),
+      None,
+    ),
+    jnp.bfloat16,
+  ),
+}
+# Where XLA contracts multiply-adds (FMA), the host's programs and the
+# device's round some of them differently: a ``close=False`` micro-step of
+# a mean loss adds ``grad * num_tokens`` into the accumulator with another
+# rounding than a ``close=None`` one; with compensated sums, the program of
+# ``close=True`` rounds AdamW's first moment otherwise. An ulp, but not the
+# same bits. With ``--xla_cpu_max_isa=AVX`` (no FMA) these cases pass.
+NOT_BIT_FOR_BIT = {
+  'mean': 'a mean loss adds grad * num_tokens with another rounding',
+  'compensated': "AdamW's moment is rounded otherwise after Kahan sums",
+}
+SCRATCH = ('acc_grads', 'acc_compensation')
+
+
+def same_bits(actual, expected, what):
+  """Bit-for-bit equality of two trees (unlike ==, tells -0.0 from 0.0,
+  and a NaN equals itself)."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected), what
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    a, e = np.asarray(a), np.asarray(e)
+    assert a.dtype == e.dtype and a.shape == e.shape, what
+    assert a.tobytes() == e.tobytes(), (what, a, e)
+
+
+def assert_same_run(actual, expected):
+  """Every micro-step of two runs gave the same bits: updates, parameters,
+  and every field of the accumulator's state except the accumulator's
+  buffers right after a window closed (scratch, as its docstring says)."""
+  assert len(actual) == len(expected)
+  for i, (
+    (params, state, updates),
+    (e_params, e_state, e_updates),
+  ) in enumerate(zip(actual, expected)):
+    same_bits(params, e_params, f'params after call {i}')
+    same_bits(updates, e_updates, f'updates of call {i}')
+    state, e_state = tokacc.find_state(state), tokacc.find_state(e_state)
+    for field in state._fields:
+      if field in SCRATCH and int(e_state.mini_step) == 0:
+        continue
+      same_bits(
+        getattr(state, field), getattr(e_state, field), f'{field} at {i}'
+      )
+
+
+def run_split(tx, dtype, deciders, case):
+  """Every micro-step's ``(params, state, updates)`` of a split run."""
+  windows = harness.make_windows(SIZES, NUM_DEVICES)
+  step = split_step(tx, case.mean)
+  params = device_params(dtype)
+  state = tx.init(params)
+  trace = []
+  nan = 'inside' if case.with_nan else None
+  for batch, close in micro_steps(windows, deciders, nan):
+    params, state, updates = step(params, state, batch, close)
+    trace.append((params, state, updates))
+  return trace
+
+
+def mix_case(name):
+  if name not in NOT_BIT_FOR_BIT:
+    return name
+  reason = (
+    'defect: with FMA, host-closed and device-decided runs differ by an '
+    f'ulp: {NOT_BIT_FOR_BIT[name]} (issue 24)'
+  )
+  mark = pytest.mark.xfail(CONTRACTS, reason=reason, strict=True)
+  return pytest.param(name, marks=mark)
+
+
+@pytest.mark.parametrize('name', [mix_case(name) for name in sorted(MIX_CASES)])
+def test_host_and_device_decisions_mix_bit_for_bit(name):
+  """With a schedule that agrees with the host, runs whose windows are
+  closed by the host, by the device, or by both (the device deciding a
+  window's first calls, the host its last) give the bits of the run that
+  leaves every call to the device."""
+  case, dtype = MIX_CASES[name]
+  tx = case.make_tx(sizes_schedule, None)
+  expected = run_split(tx, dtype, 'ddd', case)
+  assert int(tokacc.find_state(expected[-1][1]).gradient_step) == len(SIZES)
+  for deciders in ('hdm', 'dhh'):
+    assert_same_run(run_split(tx, dtype, deciders, case), expected)
+
+
+# Windows that emit nothing.
+
+
+def test_closing_a_window_without_tokens():
+  """``close=True`` on a window that counted no token: -0.0 updates (the
+  parameters keep their bits), the inner state kept, no optimizer step, no
+  dropped window; the window loss still the last one's. Training goes on
+  as full-batch training without that window."""
+  with jax.enable_x64(True):
+    windows = windows64()
+    empty = [dict(b, mask=np.zeros_like(b['mask'])) for b in windows[1]]
+    expected, _ = full_batch(harness.adamw, without=1)
+    tx = accumulate(harness.adamw(), EVERY_K, None)
+    step = split_step(tx)
+    params = device_params(np.float64)
+    state = tx.init(params)
+    for batch, close in micro_steps(windows[:1], 'h'):
+      params, state, _ = step(params, state, batch, close)
+    before_params, before = params, state
+    for batch, close in micro_steps([empty], 'h'):
+      params, state, updates = step(params, state, batch, close)
+    assert all(
+      np.all(np.signbit(u)) and not np.any(u) for u in jax.tree.leaves(updates)
+    )
+    same_bits(params, before_params, 'parameters')
+    same_bits(state.inner_state, before.inner_state, 'inner state')
+    for field in ('gradient_step', 'dropped_windows', 'last_loss'):
+      same_bits(getattr(state, field), getattr(before, field), field)
+    assert not bool(tokacc.has_updated(state)) and int(state.mini_step) == 0
+    for batch, close in micro_steps(windows[2:], 'h'):
+      params, state, _ = step(params, state, batch, close)
+    assert int(state.gradient_step) == 2
+    chex.assert_trees_all_close(params, expected, atol=F64_TOLERANCE)
+
+
+def test_closing_a_window_with_an_invalid_count():
+  """A window holding an invalid count (negative, or fractional under the
+  int32 counter) is dropped when the host closes it: -0.0 updates, the
+  inner state kept, ``dropped_windows`` + 1; the next window trains as
+  full-batch training without it."""
+  with jax.enable_x64(True):
+    windows = windows64()
+    expected, _ = full_batch(explicit.sgd, without=1)
+    tx = accumulate(explicit.sgd(), EVERY_K, None)
+    step = split_step(tx)
+    params = device_params(np.float64)
+    state = tx.init(params)
+    for batch, close in micro_steps(windows[:1], 'h'):
+      params, state, _ = step(params, state, batch, close)
+    before_params, before = params, state
+    for count in (-3.0, 2.5):
+      params, state = before_params, before
+      for m, (batch, close) in enumerate(micro_steps([windows[1]], 'h')):
+        num_tokens = jnp.asarray(count) if m == 1 else None
+        params, state, updates = step(params, state, batch, close, num_tokens)
+      assert int(state.dropped_windows) == int(before.dropped_windows) + 1
+      assert int(state.gradient_step) == int(before.gradient_step)
+      assert not bool(tokacc.has_updated(state))
+      assert all(np.all(np.signbit(u)) for u in jax.tree.leaves(updates))
+      same_bits(params, before_params, 'parameters')
+      same_bits(state.inner_state, before.inner_state, 'inner state')
+      for batch, close in micro_steps(windows[2:], 'h'):
+        params, state, _ = step(params, state, batch, close)
+      assert int(state.gradient_step) == 2
+      chex.assert_trees_all_close(params, expected, atol=F64_TOLERANCE)
+
+
+# Data parallel, on 4 devices: each window equals full-batch training on all
+# devices' micro-batches (float64).
+
+
+def data_mesh():
+  return jax.make_mesh(
+    (NUM_DEVICES,), ('data',), (AUTO,), devices=jax.devices()[:NUM_DEVICES]
+  )
+
+
+def shard_map_step(tx, mesh, mean=False):
+  """A jitted step of per-device code under ``jax.shard_map``, one program
+  per ``close``: parameters replicated and ``pcast`` to varying before
+  differentiating (so that autodiff does not reduce every micro-step), the
+  state laid out by ``state_partition_specs``."""
+  loss_fn = loss_mean if mean else harness.loss_sum
+  specs = harness.state_specs(tx, 'data')
+
+  def local_step(params, state, batch, close):
+    varying = jax.tree.map(lambda p: lax.pcast(p, 'data', to='varying'), params)
+    loss, grads = jax.value_and_grad(loss_fn)(varying, batch)
+    updates, state = tx.update(
+      grads,
+      state,
+      params,
+      num_tokens=harness.token_count(batch),
+      loss=loss,
+      close=close,
+    )
+    return optax.apply_updates(params, updates), state
+
+  def step(params, state, batch, close):
+    return jax.shard_map(
+      functools.partial(local_step, close=close),
+      mesh=mesh,
+      in_specs=(P(), specs, P('data')),
+      out_specs=(P(), specs),
+    )(params, state, batch)
+
+  return jax.jit(step, static_argnames='close')
+
+
+def train_shard_map(tx, windows, mean=False, nan=None):
+  mesh = data_mesh()
+  replicated = NamedSharding(mesh, P())
+  data = NamedSharding(mesh, P('data'))
+  params = jax.tree.map(
+    lambda x: harness.put(x, replicated), harness.init_params(np.float64)
+  )
+  state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
+  step = shard_map_step(tx, mesh, mean)
+  for batch, close in micro_steps(windows, 'hhh', nan):
+    batch = jax.tree.map(lambda x: harness.put(x, data), batch)
+    params, state = step(params, state, batch, close)
+  assert step._cache_size() == 2
+  return harness.fetch(params), state
+
+
+def pmap_step(tx):
+  """A ``jax.pmap`` step over the first 4 devices, ``close`` static."""
+
+  def step(params, state, batch, close):
+    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    updates, state = tx.update(
+      grads,
+      state,
+      params,
+      num_tokens=harness.token_count(batch),
+      loss=loss,
+      close=close,
+    )
+    return optax.apply_updates(params, updates), state
+
+  return jax.pmap(
+    step,
+    axis_name='data',
+    static_broadcasted_argnums=3,
+    devices=jax.devices()[:NUM_DEVICES],
+  )
+
+
+def train_pmap(tx, windows):
+  def per_device(x):
+    return np.reshape(x, (NUM_DEVICES, -1) + np.shape(x)[1:])
+
+  params = jax.tree.map(
+    lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
+    harness.init_params(np.float64),
+  )
+  state = jax.pmap(tx.init, devices=jax.devices()[:NUM_DEVICES])(params)
+  step = pmap_step(tx)
+  for batch, close in micro_steps(windows, 'hhh'):
+    params, state = step(params, state, jax.tree.map(per_device, batch), close)
+  return params, state
+
+
+@pytest.mark.parametrize(
+  'name', ['plain', 'skip_not_finite_compensated', 'mean']
+)
+def test_shard_map_equals_full_batch(name):
+  """``axis_name='data'`` under ``shard_map``: a rejected micro-batch holds
+  a NaN on one device only; a mean loss is each device's own mean."""
+  case = CASES[name]
+  with jax.enable_x64(True):
+    windows = windows64()
+    expected, losses = full_batch(case.reference)
+    tx = case.make_tx(EVERY_K, 'data')
+    nan = 'closing' if case.with_nan else None
+    params, state = train_shard_map(tx, windows, case.mean, nan)
+    chex.assert_trees_all_close(params, expected, atol=F64_TOLERANCE)
+    np.testing.assert_allclose(
+      tokacc.window_loss(state), losses[-1], rtol=F64_TOLERANCE
+    )
+    assert int(tokacc.find_state(state).gradient_step) == len(SIZES)
+
+
+def test_pmap_equals_full_batch():
+  with jax.enable_x64(True):
+    windows = windows64()
+    expected, losses = full_batch(harness.adamw)
+    tx = accumulate(harness.adamw(), EVERY_K, 'data')
+    params, state = train_pmap(tx, windows)
+    for device in range(NUM_DEVICES):
+      chex.assert_trees_all_close(
+        jax.tree.map(lambda x, d=device: x[d], params),
+        expected,
+        atol=F64_TOLERANCE,
+      )
+      np.testing.assert_allclose(
+        state.last_loss[device], losses[-1], rtol=F64_TOLERANCE
+      )
+
+
+def explicit_step(tx, spelling):
+  """``test_explicit``'s step (plain ``jax.jit`` on an explicit mesh), one
+  program per ``close``. ``spelling``: the count and loss ``'replicated'``
+  (a scalar all-reduce in the forward pass) or ``'unreduced'`` (none)."""
+  loss_sum = explicit.loss_fn(spelling)
+
+  def step(params, state, batch, close):
+    loss, grads = jax.value_and_grad(
+      lambda p: loss_sum(explicit.forward_params(p), batch)
+    )(params)
+    num_tokens, loss = explicit.counts_and_loss(batch, spelling, loss)
+    updates, state = tx.update(
+      grads, state, params, num_tokens=num_tokens, loss=loss, close=close
+    )
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step, static_argnames='close')
+
+
+# layout of ``test_explicit.LAYOUTS``: how the step spells the count
+EXPLICIT_SPELLINGS = {
+  'ddp': 'unreduced',
+  'hsdp': 'unreduced',
+  'fsdp': 'replicated',
+  'replicated': 'replicated',
+}
+
+
+def train_explicit(tx, layout, windows, nan=None):
+  make_mesh, specs = explicit.LAYOUTS[layout]
+  mesh = make_mesh()
+  with jax.set_mesh(mesh):
+    data = NamedSharding(mesh, P(explicit.batch_axes(mesh)))
+    params = explicit.place_params(harness.init_params(np.float64), mesh, specs)
+    state = tx.init(params)
+    step = explicit_step(tx, EXPLICIT_SPELLINGS[layout])
+    for batch, close in micro_steps(windows, 'hhh', nan):
+      batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
+      params, state = step(params, state, batch, close)
+    assert step._cache_size() == 2
+    return explicit.plain(params), float(tokacc.window_loss(state))
+
+
+EXPLICIT_CASES = [(layout, 'plain') for layout in ('ddp', 'hsdp', 'fsdp')]
+EXPLICIT_CASES += [('ddp', 'skip_not_finite_compensated')]
+
+
+@pytest.mark.skipif(
+  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+)
+@pytest.mark.parametrize(('layout', 'name'), EXPLICIT_CASES)
+def test_explicit_sharding_equals_full_batch(layout, name):
+  """Plain ``jax.jit`` on an explicit mesh: DDP (parameters typed reduced,
+  gradients unreduced), HSDP, FSDP and replicated parameters."""
+  case = CASES[name]
+  with jax.enable_x64(True):
+    windows = windows64()
+    expected, losses = full_batch(case.reference)
+    tx = case.make_tx(EVERY_K, None)
+    nan = 'closing' if case.with_nan else None
+    params, window_loss = train_explicit(tx, layout, windows, nan)
+    chex.assert_trees_all_close(params, expected, atol=F64_TOLERANCE)
+    np.testing.assert_allclose(window_loss, losses[-1], rtol=F64_TOLERANCE)
+
+
+# The compiled programs.
+
+
+def opcodes(text):
+  """Opcodes of every instruction of a compiled program, with their count."""
+  module = collectives.parse_hlo(text)
+  return collections.Counter(
+    i.opcode
+    for instructions in module.computations.values()
+    for i in instructions
+  )
+
+
+def check_programs(texts, reduction_shapes=None):
+  """``texts[close]`` for ``close`` in (False, True): neither holds a
+  ``conditional``; ``close=False`` runs no AdamW (its ``sqrt``: the model
+  has none) and no collective; ``close=True`` runs AdamW and, with
+  ``reduction_shapes``, exactly one collective, in the entry computation
+  (beside the backward pass): an all-reduce of those shapes."""
+  for close, text in texts.items():
+    ops = opcodes(text)
+    assert ops['conditional'] == 0, close
+    square_roots = ops['sqrt'] + ops['rsqrt']
+    sites = collectives.collective_sites(collectives.parse_hlo(text))
+    if not close:
+      assert square_roots == 0
+      assert sites == []
+    else:
+      assert square_roots > 0  # the signature finds AdamW where it runs
+      if reduction_shapes is not None:
+        ((site, path),) = sites
+        assert site.collective == 'all-reduce' and path == ()
+        assert sorted(site.shapes) == sorted(reduction_shapes)
+
+
+def gradient_shapes(dtype='f32'):
+  return [(dtype, np.shape(p)) for p in jax.tree.leaves(harness.init_params())]
+
+
+# One all-reduce per window: each gradient leaf, the token count's four
+# float32 parts and the loss (as ``test_data_parallel`` counts them).
+WINDOW_REDUCTION = gradient_shapes() + [('f32', (4,)), ('f32', ())]
+
+
+def test_single_device_programs():
+  """Also: the program of ``close=None`` does hold the ``conditional``
+  and AdamW's ``sqrt`` (in its branch) that the checks look for."""
+  tx = accumulate(harness.adamw(), EVERY_K, None)
+  step = fused_step(tx)
+  params = device_params(np.float32)
+  state = tx.init(params)
+  batch = harness.make_windows((1,), NUM_DEVICES)[0][0]
+  texts = {
+    close: step.lower(params, state, batch, close).compile().as_text()
+    for close in (False, True, None)
+  }
+  device_decided = opcodes(texts.pop(None))
+  assert device_decided['conditional'] > 0 and device_decided['sqrt'] > 0
+  check_programs(texts)
+
+
+def test_shard_map_programs():
+  """Under ``shard_map`` with ``axis_name``: no collective on a micro-step,
+  one all-reduce in the closing program, outside any branch."""
+  mesh = data_mesh()
+  tx = accumulate(harness.adamw(), EVERY_K, 'data')
+  params = jax.tree.map(
+    lambda x: harness.put(x, NamedSharding(mesh, P())), harness.init_params()
+  )
+  state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
+  batch = jax.device_put(
+    harness.make_windows((1,), NUM_DEVICES)[0][0],
+    NamedSharding(mesh, P('data')),
+  )
+  step = shard_map_step(tx, mesh)
+  texts = {
+    close: step.lower(params, state, batch, close).compile().as_text()
+    for close in (False, True)
+  }
+  check_programs(texts, WINDOW_REDUCTION)
+
+
+@pytest.mark.skipif(
+  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+)
+def test_explicit_ddp_programs():
+  """Parameters typed reduced, count and loss unreduced: no collective on
+  a micro-step, one all-reduce in the closing program."""
+  make_mesh, specs = explicit.LAYOUTS['ddp']
+  mesh = make_mesh()
+  tx = accumulate(harness.adamw(), EVERY_K, None)
+  with jax.set_mesh(mesh):
+    params = explicit.place_params(harness.init_params(), mesh, specs)
+    state = tx.init(params)
+    batch = jax.device_put(
+      harness.make_windows((1,), NUM_DEVICES)[0][0],
+      NamedSharding(mesh, P('data')),
+    )
+    step = explicit_step(tx, 'unreduced')
+    texts = {
+      close: step.lower(params, state, batch, close).compile().as_text()
+      for close in (False, True)
+    }
+  check_programs(texts, WINDOW_REDUCTION)
+
+
+def test_two_programs_in_all():
+  """A step jitted with ``static_argnames='close'`` is traced and compiled
+  twice over many windows, whatever their lengths."""
+  tx = accumulate(harness.adamw(), EVERY_K, None)
+  traces = []
+
+  def step(params, state, batch, close):
+    traces.append(close)
+    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    updates, state = tx.update(
+      grads,
+      state,
+      params,
+      num_tokens=harness.token_count(batch),
+      loss=loss,
+      close=close,
+    )
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, static_argnames='close')
+  windows = harness.make_windows(SIZES * 2, NUM_DEVICES)
+  params = device_params(np.float32)
+  state = tx.init(params)
+  for batch, close in micro_steps(windows, 'h' * len(windows)):
+    params, state = step(params, state, batch, close)
+  assert sorted(traces) == [False, True]
+  assert step._cache_size() == 2
+  assert int(state.gradient_step) == len(windows)
+
+
+# Bad input.
+
+PARAMS = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
+GRADS = {'w': jnp.full((2, 3), 0.5), 'b': jnp.ones(3)}
+
+
+def update(tx, **kwargs):
+  return tx.update(GRADS, tx.init(PARAMS), PARAMS, num_tokens=3, **kwargs)
+
+
+@pytest.mark.parametrize(
+  'close', ['yes', 1, 0, np.bool_(True), jnp.asarray(True)], ids=repr
+)
+def test_close_must_be_none_or_a_python_bool(close):
+  tx = accumulate(optax.sgd(0.1), EVERY_K, None)
+  with pytest.raises(TypeError, match=re.escape(f'close={close!r}')):
+    update(tx, close=close)
+
+
+def test_a_traced_close_names_emit_now():
+  tx = accumulate(optax.sgd(0.1), EVERY_K, None)
+  with pytest.raises(TypeError, match=r'close must be .*traced.*emit_now'):
+    jax.jit(lambda close: update(tx, close=close))(True)
+
+
+@pytest.mark.parametrize('close', [False, True])
+def test_close_with_tokens_per_update_is_refused(close):
+  tx = accumulate(optax.sgd(0.1), EVERY_K, None, tokens_per_update=10)
+  with pytest.raises(ValueError, match=rf'close={close}.*tokens_per_update=10'):
+    update(tx, close=close)
+
+
+@pytest.mark.parametrize('emit_now', [True, jnp.asarray(False)], ids=repr)
+@pytest.mark.parametrize('close', [False, True])
+def test_close_with_emit_now_is_refused(close, emit_now):
+  """Unless ``emit_now`` is statically False: one decider per call."""
+  tx = accumulate(optax.sgd(0.1), EVERY_K, None)
+  with pytest.raises(ValueError, match=rf'close={close}.*emit_now'):
+    update(tx, close=close, emit_now=emit_now)
+
+
+# Flax: the linen TrainState and the nnx Optimizer forward ``close``.
+
+FLAX_LEARNING_RATE = 0.5  # a power of two: -lr * g is exact
+
+
+@functools.partial(jax.jit, static_argnames='close')
+def linen_feed(state, grads, num_tokens, close):
+  return state.apply_gradients(grads=grads, num_tokens=num_tokens, close=close)
+
+
+@functools.partial(nnx.jit, static_argnames='close')
+def nnx_feed(model, opt, grads, num_tokens, close):
+  def linear_loss(model):  # its gradient is `grads`
+    return jnp.sum(grads['a'] * model.a[...]) + jnp.sum(
+      grads['b'] * model.b[...]
+    )
+
+  opt.update(
+    model, nnx.grad(linear_loss)(model), num_tokens=num_tokens, close=close
+  )
+
+
+def flax_run(framework, tx, feeds, closes):
+  """(params, step, has_updated, micro_step) after each micro-batch;
+  ``closes[i]`` None feeds through ``test_flax``'s device-decided step."""
+  if framework == 'linen':
+    state = tokacc_flax.TrainState.create(
+      apply_fn=None, params=test_flax.INITIAL, tx=tx
+    )
+  else:
+    model = test_flax.TwoParams()
+    opt = tokacc_flax.Optimizer(model, tx, wrt=nnx.Param)
+  trace = []
+  for (grads, num_tokens), close in zip(feeds, closes):
+    if framework == 'linen':
+      if close is None:
+        state = test_flax.linen_feed(state, grads, num_tokens)
+      else:
+        state = linen_feed(state, grads, num_tokens, close)
+      params, step, updated = state.params, state.step, state.has_updated
+      micro_step = state.micro_step
+    else:
+      if close is None:
+        test_flax.nnx_feed(model, opt, grads, num_tokens)
+      else:
+        nnx_feed(model, opt, grads, num_tokens, close)
+      params = {'a': model.a[...], 'b': model.b[...]}
+      step, updated = opt.step[...], opt.has_updated
+      micro_step = opt.micro_step[...]
+    trace.append(
+      (jax.device_get(params), int(step), bool(updated), int(micro_step))
+    )
+  return trace
+
+
+@pytest.mark.parametrize('framework', ['linen', 'nnx'])
+def test_flax_host_closed_equals_device_decided(framework):
+  """The host closes windows of 2, 3 and 1 micro-batches: the same
+  parameters (bit for bit), steps and flags as the device deciding with a
+  schedule that agrees, and plain SGD on each window's token-mean
+  gradient."""
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(FLAX_LEARNING_RATE), sizes_schedule
+  )
+  feeds = test_flax.micro_batches([True] * sum(SIZES))
+  ends = np.cumsum(SIZES) - 1
+  closes = [i in ends for i in range(len(feeds))]
+  expected = flax_run(framework, tx, feeds, [None] * len(feeds))
+  actual = flax_run(framework, tx, feeds, closes)
+  params, start = dict(test_flax.INITIAL), 0
+  for i, ((a_params, *a_counts), (e_params, *e_counts)) in enumerate(
+    zip(actual, expected)
+  ):
+    same_bits(a_params, e_params, f'params after call {i}')
+    assert a_counts == e_counts, i
+    step, updated, micro_step = a_counts
+    assert (updated, micro_step) == (closes[i], i + 1)
+    if closes[i]:
+      update = test_flax.window_update(feeds[start : i + 1], FLAX_LEARNING_RATE)
+      params = {k: params[k] + update[k] for k in params}
+      start = i + 1
+    assert step == int(np.sum(np.asarray(closes[: i + 1])))
+    # Sums of at most 3 float32 terms, one division: a few 2**-24.
+    chex.assert_trees_all_close(a_params, params, rtol=1e-6)
