@@ -522,8 +522,9 @@ def mix_case(name):
   if name not in NOT_BIT_FOR_BIT:
     return name
   reason = (
-    'defect: with FMA, host-closed and device-decided runs differ by an '
-    f'ulp: {NOT_BIT_FOR_BIT[name]} (issue 24)'
+    'documented (getting_started, "Windows closed by the host"): where the '
+    'CPU has FMA, XLA contracts a multiply-add in one program and not the '
+    f'other, one rounding apart: {NOT_BIT_FOR_BIT[name]} (issue 24)'
   )
   mark = pytest.mark.xfail(CONTRACTS, reason=reason, strict=True)
   return pytest.param(name, marks=mark)
