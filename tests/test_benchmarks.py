@@ -37,11 +37,15 @@ METHODS = (
   'multisteps',
   'tokacc',
   'tokacc_chain',
+  'tokacc_device',
+  'tokacc_host',
   'tokacc_flax',
   'tokacc_nnx',
   'microbatched',
   'ideal_explicit_ddp',
   'tokacc_explicit_ddp',
+  'tokacc_no_buffer',
+  'tokacc_select_restart',
 )
 EXPLICIT_METHODS = ('ideal_explicit_ddp', 'tokacc_explicit_ddp')
 INEXACT_METHODS = ('plain', 'multisteps')
