@@ -30,6 +30,11 @@ step traced and called under ``jax.set_mesh(mesh)``, ``jax.value_and_grad``,
 - ``explicit_hsdp``: mesh ``replica x fsdp``, parameters
   ``P('fsdp', None, reduced={'replica'})``, the loss computed on
   ``jax.reshard(p, P(reduced={'replica', 'fsdp'}))``.
+- ``explicit_zero1``: explicit DDP with the distributed-optimizer (ZeRO-1)
+  layout: AdamW's moments sharded over ``data``
+  (``tokacc.init_sharded(..., shard_optimizer_over=('data',))``); the
+  window closes with a reduce-scatter into the moments' shards and an
+  all-gather of the updates.
 
 The loss and the token count are left unreduced (partial sums per device,
 ``jnp.einsum(..., out_sharding=P(unreduced=...))``): no collective in the
@@ -82,8 +87,9 @@ def gather_to(axes):
   return lambda p: jax.reshard(p, P(reduced=set(axes)))
 
 
-def _setup(mesh, k, params, specs, gather=None):
-  """The explicit step on ``mesh``, parameters placed with ``specs``."""
+def _setup(mesh, k, params, specs, gather=None, shard_optimizer_over=None):
+  """The explicit step on ``mesh``, parameters placed with ``specs``;
+  ``inner``'s state sharded over ``shard_optimizer_over`` (ZeRO-1) if given."""
   axes = tuple(mesh.axis_names)
   tx = tokacc.token_weighted_multistep(steps.adamw(), k)
 
@@ -102,7 +108,12 @@ def _setup(mesh, k, params, specs, gather=None):
     params = jax.device_put(
       params, {name: NamedSharding(mesh, specs[name]) for name in params}
     )
-    state = tx.init(params)
+    if shard_optimizer_over is None:
+      state = tx.init(params)
+    else:
+      state = tokacc.init_sharded(
+        tx, params, mesh, shard_optimizer_over=shard_optimizer_over
+      )
   return steps.Setup(
     mesh, steps.jit_donated(step), params, state, P(axes), explicit=True
   )
@@ -125,6 +136,13 @@ def ddp(devices, k, params):
   """Parameters typed reduced over ``data``."""
   mesh = steps.data_mesh(devices, axis_type=EXPLICIT)
   return _setup(mesh, k, params, _specs(params, reduced=('data',)))
+
+
+def zero1(devices, k, params):
+  """Explicit DDP with AdamW's moments sharded over ``data`` (ZeRO-1)."""
+  mesh = steps.data_mesh(devices, axis_type=EXPLICIT)
+  specs = _specs(params, reduced=('data',))
+  return _setup(mesh, k, params, specs, shard_optimizer_over=('data',))
 
 
 def fsdp(devices, k, params):

@@ -349,6 +349,18 @@ def sharded_jit(devices, k, params):
   return Setup(mesh, jit_donated(step), params, state, P('data'))
 
 
+def optimizer_bytes_per_device(state):
+  """Bytes of the inner optimizer's state (AdamW's moments and counter)
+  held by one device."""
+  if isinstance(state, optax.MultiStepsState):
+    inner = state.inner_opt_state
+  else:
+    inner = tokacc.find_state(state).inner_state
+  return sum(
+    leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(inner)
+  )
+
+
 def accumulator_bytes_per_device(state):
   """Bytes of the gradient accumulator held by one device."""
   if isinstance(state, optax.MultiStepsState):

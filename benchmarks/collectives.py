@@ -40,9 +40,11 @@ names in brackets):
   ``jax.set_mesh``, no ``axis_name``; see ``_explicit_steps.py``):
   ``explicit replicated`` (``explicit_replicated``, parameters ``P()``),
   ``explicit DDP`` (``explicit_ddp``, parameters ``P(None, None,
-  reduced={'data'})``), ``explicit FSDP`` (``explicit_fsdp``, parameters
-  sharded over ``fsdp``) and ``explicit HSDP`` (``explicit_hsdp``,
-  parameters ``P('fsdp', None, reduced={'replica'})``).
+  reduced={'data'})``), ``explicit ZeRO-1`` (``explicit_zero1``, explicit
+  DDP with AdamW's moments sharded over ``data``: ``init_sharded(...,
+  shard_optimizer_over=('data',))``), ``explicit FSDP`` (``explicit_fsdp``,
+  parameters sharded over ``fsdp``) and ``explicit HSDP``
+  (``explicit_hsdp``, parameters ``P('fsdp', None, reduced={'replica'})``).
 
 The state layouts come from ``tokacc.state_partition_specs`` and
 ``tokacc.init_sharded`` (explicit sharding: ``tx.init``). A collective on
@@ -53,7 +55,8 @@ step only)``. Payload: the bytes of the unsharded buffer on one device
 (all-reduce: its operand; all-gather: its result; reduce-scatter: its
 operand). Each pattern also trains 2 windows and reports the largest
 parameter difference to single-device full-batch AdamW on the token-mean
-loss, and the accumulator's bytes per device.
+loss, and the bytes per device of the accumulator and of the inner
+optimizer's state (AdamW's moments and counter).
 
 A pattern of ``MAY_FAIL`` that raises in a run that did not name it is
 reported in its row (``error``) instead of stopping the run: explicit
@@ -125,12 +128,14 @@ PATTERNS = {
   'sharded_jit': Pattern('sharded jit', steps.sharded_jit),
   'explicit_replicated': Pattern('explicit replicated', explicit.replicated),
   'explicit_ddp': Pattern('explicit DDP', explicit.ddp),
+  'explicit_zero1': Pattern('explicit ZeRO-1', explicit.zero1),
   'explicit_fsdp': Pattern('explicit FSDP', explicit.fsdp),
   'explicit_hsdp': Pattern('explicit HSDP', explicit.hsdp, hybrid=True),
 }
 EXPLICIT_PATTERNS = (
   'explicit_replicated',
   'explicit_ddp',
+  'explicit_zero1',
   'explicit_fsdp',
   'explicit_hsdp',
 )
@@ -154,6 +159,7 @@ def measure(name, devices, k, windows, expected):
   setup = pattern.build(devices, k, steps.init_params())
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(setup.params))
   acc_bytes = steps.accumulator_bytes_per_device(setup.state)
+  optimizer_bytes = steps.optimizer_bytes_per_device(setup.state)
   with setup.mesh_context():
     data = NamedSharding(setup.mesh, setup.batch_spec)
     windows = jax.device_put(windows, data)
@@ -170,6 +176,7 @@ def measure(name, devices, k, windows, expected):
     'collectives': records,
     'summary': summarize(records, k),
     'accumulator_bytes_per_device': acc_bytes,
+    'optimizer_bytes_per_device': optimizer_bytes,
     'exact': pattern.exact,
     'max_abs_diff_to_full_batch': _common.max_difference(params, expected),
   }
@@ -231,6 +238,7 @@ def _row_line(row):
     f'{_count(summary["closing_step_extra"], size):>11} '
     f'{_count(summary["window"], size):>13} '
     f'{row["accumulator_bytes_per_device"] / size:>6.3f}P '
+    f'{row["optimizer_bytes_per_device"] / size:>6.3f}P '
     f'{row["max_abs_diff_to_full_batch"]:>8.1e}  {axes or "-"}{flag}'
   )
 
@@ -239,7 +247,8 @@ def print_table(rows, file=None):
   """Per pattern and k: collectives (payload in parameter bytes P)."""
   print(
     f'{"pattern":<20} {"mesh":<18} {"k":>2} {"micro-step":>12} '
-    f'{"closing +":>11} {"window":>13} {"acc/dev":>7} {"max|dp|":>8}  '
+    f'{"closing +":>11} {"window":>13} {"acc/dev":>7} {"opt/dev":>7} '
+    f'{"max|dp|":>8}  '
     'window by mesh axes',
     file=file,
   )

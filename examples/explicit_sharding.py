@@ -18,8 +18,8 @@ Trains a small byte-level model on the shipped corpus with plain ``jax.jit``
 on an explicit mesh (``jax.make_mesh``'s default since JAX 0.9; no
 ``shard_map``, ``axis_name=None``), ``k`` micro-batches per window, then
 checks the parameters against full-batch training on one device
-(``--optimizer sgd`` checks them against a bound on float32 round-off, see
-:func:`sgd_round_off_bound`):
+(``--optimizer sgd`` and ``--optimizer momentum`` check them against a bound
+on float32 round-off, see :func:`sgd_round_off_bound`):
 
 - ``--mesh data=N``, DDP: parameters typed reduced over ``data``
   (``jax.P(reduced={'data'})``), so their gradients arrive unreduced; the
@@ -31,6 +31,13 @@ checks the parameters against full-batch training on one device
 - ``--mesh replica=R,fsdp=F``, HSDP: split over ``fsdp``, typed reduced over
   ``replica``: collectives within ``fsdp`` on every micro-step, one
   all-reduce over ``replica`` per window.
+- ``--shard-optimizer`` (with ``--mesh data=N``), the distributed-optimizer
+  (ZeRO-1) layout: DDP with the optimizer's parameter-shaped state sharded
+  over ``data`` (``tokacc.init_sharded(..., shard_optimizer_over=
+  ('data',))``), each leaf on its first dimension that N divides. The window
+  closes with a reduce-scatter of each gradient into the state's shards, the
+  optimizer on the shards, and an all-gather of the updates: the bytes of
+  one all-reduce, and 1/N of the optimizer state per device.
 
 The loss and the token count are per-device partial sums
 (``token_cross_entropy(..., out_sharding=jax.P(unreduced=...))``), so a
@@ -39,6 +46,8 @@ of the compiled step, per micro-step and per window, e.g. for DDP::
 
   collectives: 0 per micro-step, 1 (1 all-reduce over data) per window of 4
   micro-steps
+
+and the bytes of the optimizer's state that one device holds.
 
 The model is written for explicit meshes: a one-hot embedding (a matmul, as
 reduced parameters need), an MLP without biases and a tied output layer.
@@ -49,6 +58,7 @@ meshes refuse, so ``examples/train_lm.py`` keeps ``shard_map``.)
   python examples/explicit_sharding.py --mesh replica=2,fsdp=2
   python examples/explicit_sharding.py --tokens-per-update 2000
   python examples/explicit_sharding.py --optimizer sgd  # bounded round-off
+  python examples/explicit_sharding.py --shard-optimizer --optimizer momentum
 """
 
 import argparse
@@ -64,7 +74,8 @@ import optax
 import optax_tokacc as tokacc
 
 VOCAB = 256
-LEARNING_RATES = {'adamw': 3e-3, 'sgd': 1.0}
+LEARNING_RATES = {'adamw': 3e-3, 'momentum': 0.3, 'sgd': 1.0}
+MOMENTUM = 0.9  # --optimizer momentum: optax.sgd(lr, momentum=MOMENTUM)
 UNIT_ROUND_OFF = 2.0**-24  # float32
 MESHES = 'data=N (DDP), fsdp=N (FSDP) or replica=R,fsdp=F (HSDP)'
 
@@ -91,7 +102,13 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     '--optimizer',
     choices=sorted(LEARNING_RATES),
     default='adamw',
-    help='sgd: the check against one device has a round-off bound',
+    help='sgd, momentum (SGD with momentum 0.9, a parameter-shaped state '
+    'to shard): the check against one device has a round-off bound',
+  )
+  parser.add_argument(
+    '--shard-optimizer',
+    action='store_true',
+    help='ZeRO-1: shard the optimizer state over data (--mesh data=N)',
   )
   parser.add_argument(
     '--lr',
@@ -115,6 +132,12 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser, k=args.k, steps=args.steps, micro_batch_size=args.micro_batch_size
   )
   args.mesh_axes = parse_mesh(parser, args.mesh)
+  if args.shard_optimizer and tuple(args.mesh_axes) != ('data',):
+    _lm.fail(
+      parser,
+      f'--shard-optimizer shards the optimizer state over data; use it '
+      f'with --mesh data=N, not --mesh {args.mesh}.',
+    )
   if args.lr is None:
     args.lr = LEARNING_RATES[args.optimizer]
   return parser, args
@@ -201,7 +224,7 @@ def make_step(tx, mesh):
 
 def reference(optimizer, params, windows):
   """Full-batch training on one device: one step per window. Returns the
-  parameters and the largest change of a parameter at each step."""
+  parameters and the largest entry of each step's gradient."""
 
   @jax.jit
   def step(params, opt_state, tokens, lengths):
@@ -211,25 +234,28 @@ def reference(optimizer, params, windows):
     grads = jax.tree.map(lambda g: g / num_tokens, grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     largest = jnp.max(
-      jnp.stack([jnp.max(jnp.abs(u)) for u in jax.tree.leaves(updates)])
+      jnp.stack([jnp.max(jnp.abs(g)) for g in jax.tree.leaves(grads)])
     )
     return optax.apply_updates(params, updates), opt_state, largest
 
   opt_state = optimizer.init(params)
-  largest_updates = []
+  largest_gradients = []
   for window in windows:
     tokens = np.concatenate([t for t, _ in window])
     lengths = np.concatenate([n for _, n in window])
     params, opt_state, largest = step(params, opt_state, tokens, lengths)
-    largest_updates.append(float(largest))
-  return params, largest_updates
+    largest_gradients.append(float(largest))
+  return params, largest_gradients
 
 
-def sgd_round_off_bound(args, window_tokens, largest_updates, params):
+def sgd_round_off_bound(
+  args, window_tokens, largest_gradients, params, momentum=0.0
+):
   """How far float32 round-off can take SGD from full-batch training.
 
-  SGD's update is linear in the gradient, so the two runs differ only by
-  the round-off of their gradients and of adding the updates (u = 2**-24):
+  SGD's update, with or without momentum, is linear in the gradients, so
+  the two runs differ only by the round-off of their gradients and of
+  adding the updates (u = 2**-24):
 
   - A window's gradient sums the terms of its n counted tokens, each
     computed through sums of at most m = 2 VOCAB + 11 d_model terms (the
@@ -238,9 +264,15 @@ def sgd_round_off_bound(args, window_tokens, largest_updates, params):
     then over the devices, against one batch on one device) differ by at
     most 2 (n + m) u times the size of the terms (Higham, Accuracy and
     Stability of Numerical Algorithms, 2002, sections 3.1 and 4.2). Taken
-    relative to the step's largest update: this worst case (errors of one
-    sign, n u) exceeds the typical one (random signs, sqrt(n) u) by
-    sqrt(n) > 40, which covers a gradient whose terms cancel.
+    relative to the step's largest gradient times the learning rate (SGD's
+    largest update): this worst case (errors of one sign, n u) exceeds the
+    typical one (random signs, sqrt(n) u) by sqrt(n) > 40, which covers a
+    gradient whose terms cancel.
+  - With momentum b, step s's gradient enters the update of every later
+    step t with weight b**(t - s) (``t = g + b t``), so its difference
+    reaches the parameters (1 - b**(T - s + 1)) / (1 - b) times over T
+    steps (at most 10 for b = 0.9); the trace's own roundings, a few u of
+    the update, are far below that margin.
   - Adding an update rounds a parameter by at most u |p| in each run.
   - A later step carries an earlier difference multiplied by at most 1 + lr
     times the loss's curvature (about 1.2 at the start here), which the
@@ -254,17 +286,23 @@ def sgd_round_off_bound(args, window_tokens, largest_updates, params):
   relative = 2 * (max(window_tokens) + m) * UNIT_ROUND_OFF
   largest_param = max(float(np.max(np.abs(p))) for p in jax.tree.leaves(params))
   rounding = 2 * UNIT_ROUND_OFF * largest_param
-  return sum(relative * update + rounding for update in largest_updates)
+  steps = len(largest_gradients)
+  reach = [
+    sum(momentum**later for later in range(steps - s)) for s in range(steps)
+  ]
+  return sum(
+    relative * args.lr * gradient * times + rounding
+    for gradient, times in zip(largest_gradients, reach)
+  )
 
 
-def train(args, mesh, tx, params, sequences):
+def train(args, mesh, tx, params, opt_state, sequences):
   """Streams micro-batches until ``args.steps`` windows closed; returns
   the parameters, the windows (for the reference) and the window losses."""
   step = make_step(tx, mesh)
   batch = jax.NamedSharding(mesh, jax.P(mesh.axis_names))
   rows = mesh.size * args.micro_batch_size
   rng = np.random.default_rng(args.seed)
-  opt_state = tx.init(params)
   windows, window, losses = [], [], []
   while len(windows) < args.steps:
     micro = _lm.sample_window(rng, sequences, 1, rows, False)
@@ -296,6 +334,32 @@ def print_collectives(args, step, params, opt_state, tokens, lengths, batch):
   print(_lm.describe_collectives(every_call, emitting, args.k))
 
 
+def per_device_bytes(tree) -> tuple[int, int]:
+  """The bytes of ``tree``'s arrays that one device holds, and in all."""
+  leaves = jax.tree.leaves(tree)
+  held = sum(leaf.addressable_shards[0].data.nbytes for leaf in leaves)
+  return held, sum(leaf.nbytes for leaf in leaves)
+
+
+def describe_optimizer_state(opt_state, shard_over) -> str:
+  """One line: the inner optimizer's state bytes that one device holds."""
+  held, whole = per_device_bytes(opt_state.inner_state)
+  layout = f'ZeRO-1 over {shard_over[0]}' if shard_over else 'replicated'
+  share = f'1/{whole / held:.3g}' if held else 'none'
+  return (
+    f'optimizer state: {held:,} bytes per device of {whole:,} ({share}, '
+    f'{layout}).'
+  )
+
+
+def make_optimizer(args) -> optax.GradientTransformation:
+  if args.optimizer == 'sgd':
+    return optax.sgd(args.lr)
+  if args.optimizer == 'momentum':
+    return optax.sgd(args.lr, momentum=MOMENTUM)
+  return optax.adamw(args.lr, weight_decay=0.01)
+
+
 def main(argv=None) -> None:
   parser, args = parse_args(argv)
   jax.config.update('jax_num_cpu_devices', math.prod(args.mesh_axes.values()))
@@ -303,10 +367,8 @@ def main(argv=None) -> None:
   _, sequences, _ = _lm.load_data(
     parser, args, args.k * mesh.size * args.micro_batch_size
   )
-  if args.optimizer == 'sgd':
-    inner = optax.sgd(args.lr)
-  else:
-    inner = optax.adamw(args.lr, weight_decay=0.01)
+  inner = make_optimizer(args)
+  shard_over = ('data',) if args.shard_optimizer else None
   tx = tokacc.token_weighted_multistep(
     inner, args.k, tokens_per_update=args.tokens_per_update
   )
@@ -314,13 +376,22 @@ def main(argv=None) -> None:
   with jax.set_mesh(mesh):
     specs = param_specs(params0, mesh)
     params = jax.device_put(params0, specs)
+    if shard_over is None:
+      opt_state = tx.init(params)  # the layout from the parameters' types
+    else:
+      opt_state = tokacc.init_sharded(
+        tx, params, mesh, shard_optimizer_over=shard_over
+      )
     print(
       f'{args.mesh}: parameters typed {specs["w_in"]}; accumulator typed '
-      f'{jax.typeof(tx.init(params).acc_grads["w_in"])}.'
+      f'{jax.typeof(opt_state.acc_grads["w_in"])}.'
     )
-    params, windows, losses = train(args, mesh, tx, params, sequences)
+    print(describe_optimizer_state(opt_state, shard_over))
+    params, windows, losses = train(
+      args, mesh, tx, params, opt_state, sequences
+    )
     params = tokacc.to_checkpoint(params)  # typed replicated, for the host
-  expected, largest_updates = reference(inner, params0, windows)
+  expected, largest_gradients = reference(inner, params0, windows)
   difference = max(
     float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected))
@@ -333,8 +404,11 @@ def main(argv=None) -> None:
     f'loss {losses[0]:.3f} -> {losses[-1]:.3f}.\nLargest difference from '
     f'full-batch training on one device: {difference:.1e}.'
   )
-  if args.optimizer == 'sgd':
-    bound = sgd_round_off_bound(args, tokens, largest_updates, expected)
+  if args.optimizer in ('sgd', 'momentum'):
+    momentum = MOMENTUM if args.optimizer == 'momentum' else 0.0
+    bound = sgd_round_off_bound(
+      args, tokens, largest_gradients, expected, momentum
+    )
     within = 'within' if difference <= bound else 'BEYOND'
     print(f'{within} the float32 round-off bound for SGD: {bound:.1e}.')
     if difference > bound:

@@ -60,12 +60,14 @@ PATTERNS = {
   'sharded_jit': 'sharded jit',
   'explicit_replicated': 'explicit replicated',
   'explicit_ddp': 'explicit DDP',
+  'explicit_zero1': 'explicit ZeRO-1',
   'explicit_fsdp': 'explicit FSDP',
   'explicit_hsdp': 'explicit HSDP',
 }
 EXPLICIT_PATTERNS = (
   'explicit_replicated',
   'explicit_ddp',
+  'explicit_zero1',
   'explicit_fsdp',
   'explicit_hsdp',
 )
@@ -218,10 +220,56 @@ def check_explicit(rows):
     gradients = [r for r in row['collectives'] if r['bytes'] >= 1000]
     assert [r['where'] for r in gradients] == ['closing step'], row
     assert row['accumulator_bytes_per_device'] == row['param_bytes']
+  if 'explicit_zero1' in rows:
+    check_zero1(rows['explicit_zero1'])
   if 'explicit_hsdp' in rows:
     check_hsdp(rows['explicit_hsdp'])
   if 'explicit_fsdp' in rows:
     check_fsdp(rows['explicit_fsdp'])
+
+
+def adamw_state_bytes(param_bytes, shards):
+  """AdamW's state on one device: its two moments (each the parameters'
+  bytes, in float32 like them) split in ``shards``, and its step count (an
+  int32 scalar, replicated)."""
+  return 2 * param_bytes // shards + 4
+
+
+def check_zero1(row):
+  """Explicit ZeRO-1 on 4 devices: nothing of gradient size on a
+  micro-step; the window closes with reduce-scatters into the moments'
+  shards and all-gathers of the updates, each leaf once (1.00P each), and
+  no all-reduce of gradient size; AdamW's moments at 1/4 per device, the
+  accumulator whole (partial sums, as in DDP)."""
+  size = row['param_bytes']
+  assert row['summary']['micro_step']['bytes'] < size // 100, row
+  gradients = [r for r in row['collectives'] if r['bytes'] >= 100]
+  assert {r['where'] for r in gradients} == {'closing step'}, row
+  assert {r['kind'] for r in gradients} == {'reduce-scatter', 'all-gather'}
+  for kind in ('reduce-scatter', 'all-gather'):
+    assert sum(r['bytes'] for r in gradients if r['kind'] == kind) == size
+  assert row['accumulator_bytes_per_device'] == size
+  assert row['optimizer_bytes_per_device'] == adamw_state_bytes(size, 4)
+
+
+def test_quick_run_optimizer_state_per_device(quick_results):
+  """AdamW's state per device: whole under DDP, 1/4 under ZeRO-1 and
+  FSDP on 4 devices, 1/2 under HSDP (split over fsdp=2)."""
+  rows = {
+    row['name']: row for row in measured(quick_results['collectives'], 'name')
+  }
+  shards = {
+    'ddp': 1,
+    'explicit_ddp': 1,
+    'explicit_zero1': 4,
+    'fsdp_gspmd': 4,
+    'explicit_fsdp': 4,
+    'explicit_hsdp': 2,
+  }
+  for name, count in shards.items():
+    row = rows[name]
+    expected = adamw_state_bytes(row['param_bytes'], count)
+    assert row['optimizer_bytes_per_device'] == expected, row
 
 
 @pytest.mark.parametrize(

@@ -504,6 +504,66 @@ def test_explicit_sharding_example_token_budget():
   assert_within_round_off(result.stdout)
 
 
+def optimizer_state_bytes(stdout: str) -> tuple[int, int]:
+  """The optimizer state's bytes per device and in all, as printed."""
+  match = re.search(
+    r'^optimizer state: ([\d,]+) bytes per device of ([\d,]+) ', stdout, re.M
+  )
+  assert match, stdout
+  return tuple(int(group.replace(',', '')) for group in match.groups())
+
+
+@pytest.mark.skipif(
+  not tokacc_explicit.SUPPORTED, reason='reduced/unreduced need jax >= 0.10'
+)
+def test_explicit_sharding_example_shard_optimizer():
+  """``--shard-optimizer`` (ZeRO-1) against plain explicit DDP, both with
+  SGD with momentum (a parameter-shaped state, and a round-off bound):
+  both within the bound of full-batch training on one device; no
+  collective on a micro-step; the window closes with reduce-scatters and
+  all-gathers over ``data`` (DDP: one all-reduce); each device holds 1/4 of
+  the state that DDP holds whole on each of the 4 devices."""
+  common = ('--mesh', 'data=4', '--steps', '3', '--optimizer', 'momentum')
+  processes = {
+    'ddp': start_example('explicit_sharding.py', *common),
+    'zero1': start_example(
+      'explicit_sharding.py', *common, '--shard-optimizer'
+    ),
+  }  # started together: two CPU cores compile both at once
+  results = {
+    name: finish(process, timeout=300) for name, process in processes.items()
+  }
+  for result in results.values():
+    assert_ok(result)
+    assert_within_round_off(result.stdout)
+  lines = {
+    name: next(
+      x for x in result.stdout.splitlines() if x.startswith('collectives:')
+    )
+    for name, result in results.items()
+  }
+  assert lines['ddp'].startswith('collectives: 0 per micro-step, 1 (1 all')
+  micro, window = lines['zero1'].split(' per micro-step, ')
+  assert micro == 'collectives: 0', lines['zero1']
+  assert re.search(r'\b\d+ reduce-scatter over data\b', window), window
+  assert re.search(r'\b\d+ all-gather over data\b', window), window
+  ddp_held, ddp_whole = optimizer_state_bytes(results['ddp'].stdout)
+  zero1_held, zero1_whole = optimizer_state_bytes(results['zero1'].stdout)
+  assert ddp_held == ddp_whole == zero1_whole > 0
+  assert zero1_held * 4 == ddp_held
+
+
+def test_explicit_sharding_example_shard_optimizer_needs_a_data_mesh():
+  result = run_example(
+    'explicit_sharding.py', '--mesh', 'fsdp=4', '--shard-optimizer'
+  )
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+    'explicit_sharding.py: error: --shard-optimizer shards the optimizer '
+    'state over data; use it with --mesh data=N, not --mesh fsdp=4.'
+  ]
+
+
 def test_train_lm_token_budget(tmp_path):
   """``--tokens-per-update 1``: every micro-batch reaches the budget, so
   every update is one micro-batch; summary.json reports the tokens and
