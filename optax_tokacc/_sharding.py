@@ -128,6 +128,7 @@ def state_partition_specs(
   axis_name: Optional[_manual.AxisName] = None,
   manual_axes: Optional[Any] = None,
   shard_optimizer_over: Optional[Any] = None,
+  mesh: Optional[jax.sharding.Mesh] = None,
 ) -> Any:
   """The ``PartitionSpec`` of every leaf of ``tx.init(params)``.
 
@@ -156,6 +157,8 @@ def state_partition_specs(
       its first dimension that the axes' size divides and that is not split
       otherwise; a leaf that no dimension divides stays replicated. The
       accumulator stays typed like the gradients.
+    mesh: the mesh, for ``shard_optimizer_over`` where neither
+      ``jax.set_mesh`` nor the parameters' types give it.
 
   Returns:
     A tree of ``PartitionSpec`` with the structure of the state.
@@ -203,7 +206,14 @@ def state_partition_specs(
   specs = jax.tree.map(fix, specs, is_leaf=_is_spec_or_state)
   if shard_optimizer_over is not None:
     specs = _distributed_optimizer(
-      tx, params, param_specs, abstract, specs, shard_optimizer_over, axis_name
+      tx,
+      params,
+      param_specs,
+      abstract,
+      specs,
+      shard_optimizer_over,
+      axis_name,
+      mesh,
     )
   if manual_axes is None:
     return specs
@@ -211,7 +221,7 @@ def state_partition_specs(
 
 
 def _distributed_optimizer(
-  tx, params, param_specs, abstract, specs, shard_over, axis_name
+  tx, params, param_specs, abstract, specs, shard_over, axis_name, mesh
 ):
   """``specs`` with ``inner``'s parameter-shaped state of every
   :class:`TokenWeightedMultiStepState` sharded over ``shard_over``."""
@@ -223,7 +233,7 @@ def _distributed_optimizer(
       'under jax.jit and leave axis_name=None.'
     )
   axes = _manual.as_tuple(shard_over)
-  mesh = _mesh(params)
+  mesh = _mesh(params) if mesh is None else mesh
   _check_shard_axes(axes, param_specs, mesh, shard_over)
 
   def sharded(param, spec):
@@ -340,14 +350,14 @@ def state_shardings(
     >>> tuple(shardings.acc_grads['w'].spec)  # split like the parameter
     ('fsdp', None)
   """
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    specs = state_partition_specs(
-      tx,
-      params,
-      param_specs=param_specs,
-      axis_name=axis_name,
-      shard_optimizer_over=shard_optimizer_over,
-    )
+  specs = state_partition_specs(
+    tx,
+    params,
+    param_specs=param_specs,
+    axis_name=axis_name,
+    shard_optimizer_over=shard_optimizer_over,
+    mesh=mesh,
+  )
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
