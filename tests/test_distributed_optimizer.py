@@ -9,6 +9,8 @@ unequal counts per device and micro-step and devices without tokens, and on
 the compiled HLO (issue 23).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -103,14 +105,14 @@ def setup():
   mesh = test_explicit.ddp_mesh()
   tx = tokacc.token_weighted_multistep(inner(), K)
 
-  @jax.jit
-  def step(params, state, batch):
+  @functools.partial(jax.jit, static_argnames='close')
+  def step(params, state, batch, close=None):
     loss, grads = jax.value_and_grad(loss_sum)(params, batch)
     num_tokens = jnp.einsum(
       'bt->', batch['mask'], out_sharding=test_explicit.U_DATA
     )
     updates, state = tx.update(
-      grads, state, params, num_tokens=num_tokens, loss=loss
+      grads, state, params, num_tokens=num_tokens, loss=loss, close=close
     )
     return optax.apply_updates(params, updates), state
 
@@ -123,9 +125,10 @@ def placed(mesh):
   return params, lambda batch: jax.device_put(batch, data)
 
 
-def train(windows, interrupt_at=None):
+def train(windows, interrupt_at=None, host_closes=False):
   """ZeRO-1 training; ``interrupt_at``: the micro-step after which the
-  state goes through ``to_checkpoint`` / ``from_checkpoint``."""
+  state goes through ``to_checkpoint`` / ``from_checkpoint``;
+  ``host_closes``: ``close=False`` / ``True`` from the host."""
   mesh, tx, step = setup()
   with jax.set_mesh(mesh):
     params, place = placed(mesh)
@@ -134,8 +137,9 @@ def train(windows, interrupt_at=None):
     )
     calls = 0
     for window in windows:
-      for batch in window:
-        params, state = step(params, state, place(batch))
+      for i, batch in enumerate(window):
+        close = i + 1 == len(window) if host_closes else None
+        params, state = step(params, state, place(batch), close=close)
         calls += 1
         if calls == interrupt_at:
           saved = jax.device_get(tokacc.to_checkpoint((params, state)))
@@ -148,7 +152,8 @@ def train(windows, interrupt_at=None):
     return params, state
 
 
-def test_equals_full_batch_training():
+@pytest.mark.parametrize('host_closes', [False, True])
+def test_equals_full_batch_training(host_closes):
   """Momentum SGD after a global-norm clip that binds, on the shards.
 
   The bound: each window's gradient is a sum of ``m`` rounded float32
@@ -161,7 +166,7 @@ def test_equals_full_batch_training():
   """
   windows = make_windows()
   expected, largest = full_batch(windows)
-  params, state = train(windows)
+  params, state = train(windows, host_closes=host_closes)
   n = max(int(sum(b['mask'].sum() for b in w)) for w in windows)
   m = n + harness.FEATURES + OUTPUTS + 20
   gamma = m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)
