@@ -158,8 +158,12 @@ def token_weighted_multistep(
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose ``update(grads, state,
-    params=None, *, num_tokens, loss=None, emit_now=False, **extra_args)``
-    forwards ``extra_args`` to ``inner``.
+    params=None, *, num_tokens, loss=None, emit_now=False, close=None,
+    **extra_args)`` forwards ``extra_args`` to ``inner``. ``close=None``
+    lets the device decide (the schedule, ``tokens_per_update``,
+    ``emit_now``); a Python bool is the host's decision: ``False`` adds the
+    micro-batch, ``True`` closes the window with it, each traced without a
+    conditional (jit with ``static_argnames='close'``: two programs).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
