@@ -231,9 +231,9 @@ def _shard_spec(x, size):
 
 
 def _zero1_update(adamw, size):
-  """``(params, opt_state, acc, acc_tokens) -> same``, on each device's
-  share (``shard_map`` body): the window reduce-scattered into shards,
-  AdamW on the shards, its updates all-gathered and applied."""
+  """``(params, opt_state, acc, acc_tokens) -> (params, opt_state)`` on
+  each device's share (a ``shard_map`` body): the window reduce-scattered
+  into shards, AdamW on the shards, its updates all-gathered and applied."""
 
   def scatter(acc, param):
     dim = _shard_dim(param, size)
@@ -264,9 +264,8 @@ def _zero1_update(adamw, size):
     )
     shards = jax.tree.map(shard, params)
     updates, opt_state = adamw.update(mean, opt_state, shards)
-    params = optax.apply_updates(params, jax.tree.map(gather, updates, params))
-    zeros = jax.tree.map(jnp.zeros_like, acc)
-    return params, opt_state, zeros, jnp.zeros_like(acc_tokens)
+    updates = jax.tree.map(gather, updates, params)
+    return optax.apply_updates(params, updates), opt_state
 
   return update
 
@@ -284,6 +283,22 @@ def ideal_explicit_zero1(case):
   def specs(tree):
     return jax.tree.map(_spec, tree)
 
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+  def window_update(params, opt_state, acc, acc_tokens):
+    if size == 1:  # a partial sum over one device is the sum (and JAX
+      # 0.10.2 cannot lower unreduced specs over a size-1 axis)
+      acc = jax.tree.map(lambda a: jax.reshard(a, _spec(a, False)), acc)
+    state_specs = (specs(params), specs(opt_state))
+    params, opt_state = jax.shard_map(
+      _zero1_update(adamw, size),
+      mesh=mesh,
+      in_specs=(*state_specs, specs(acc), P()),
+      out_specs=state_specs,
+      check_vma=False,
+    )(params, opt_state, acc, acc_tokens)
+    zeros = jax.tree.map(_unreduced_zeros, params)
+    return params, opt_state, zeros, jnp.zeros_like(acc_tokens)
+
   with jax.set_mesh(mesh):
     params, windows = _place(case, mesh)
     acc = jax.jit(lambda p: jax.tree.map(_unreduced_zeros, p))(params)
@@ -294,18 +309,6 @@ def ideal_explicit_zero1(case):
     )(params)
     tokens = jax.device_put(jnp.zeros([], jnp.int32), NamedSharding(mesh, P()))
     carry = (params, opt_state, acc, tokens)
-    carry_specs = (specs(params), specs(opt_state), specs(acc), P())
-
-  window_update = jax.jit(
-    jax.shard_map(
-      _zero1_update(adamw, size),
-      mesh=mesh,
-      in_specs=carry_specs,
-      out_specs=carry_specs,
-      check_vma=False,
-    ),
-    donate_argnums=(0, 1, 2, 3),
-  )
   return _ideal_trainer(
     mesh, micro_step, window_update, carry, windows, ZERO1_REFERENCE
   )
