@@ -28,6 +28,7 @@ import subprocess
 import sys
 import warnings
 
+import jax
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -165,6 +166,20 @@ def test_quick_run_reports_memory_and_matches_the_ideal(quick_results):
       assert row['param_dtype'] == 'bfloat16' and row['mu_dtype'] == 'float32'
 
 
+def exact_within(run_module, model_name):
+  """How far an exact method's parameters may be from its ideal's after
+  one window: float32 parameters, as the quick run checks; bfloat16 ones
+  (``mlp_bf16``), one bfloat16 spacing of the largest parameter (2**-7 of
+  it at most): a window sum rounded in another order, or an intermediate
+  XLA keeps in float32, can round a parameter to its neighbour. AdamW's
+  step (lr 1e-4) moves a parameter by about 1e-4, below the 1e-3 added."""
+  if model_name != 'mlp_bf16':
+    return 1e-5
+  model = run_module._models.build(model_name, 'quick', 2)
+  largest = max(float(abs(x).max()) for x in jax.tree.leaves(model.params))
+  return 2.0**-7 * (largest + 1e-3)
+
+
 @pytest.fixture(scope='module')
 def explicit_results(tmp_path_factory):
   """The explicit DDP and ZeRO-1 methods at quick sizes on a mesh of 4."""
@@ -187,7 +202,9 @@ def explicit_results(tmp_path_factory):
   return json.loads(out.read_text())
 
 
-def test_zero1_holds_a_quarter_of_the_optimizer_state(explicit_results):
+def test_zero1_holds_a_quarter_of_the_optimizer_state(
+  explicit_results, run_module
+):
   """On 4 devices, the ZeRO-1 rows hold per device 1/4 of the optimizer
   state the DDP rows hold (every moment of the MLP splits over 4; AdamW's
   int32 count, 4 bytes, is the one leaf kept whole); ``memory_analysis()``
@@ -208,7 +225,8 @@ def test_zero1_holds_a_quarter_of_the_optimizer_state(explicit_results):
       assert whole[kind] >= ddp['param_bytes'], ddp  # mu and nu, whole
       sharded = zero1['optimizer_bytes_per_device'] - count_bytes
       assert sharded == whole[kind] / 4, (ddp, zero1)
-      assert zero1['max_abs_diff_to_ideal_after_one_window'] < 1e-5, zero1
+      difference = zero1['max_abs_diff_to_ideal_after_one_window']
+      assert difference <= exact_within(run_module, model), zero1
     arguments = [
       rows[(model, method)]['memory']['step']['argument_size_in_bytes']
       for method in ('tokacc_explicit_ddp', 'tokacc_explicit_zero1')
