@@ -139,6 +139,20 @@ def memory(compiled, param_bytes):
   return out
 
 
+def bytes_per_device(tree):
+  """The most bytes of ``tree``'s arrays that one device holds (its
+  addressable shards; the whole array where it is not sharded)."""
+  import collections  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  held = collections.Counter()
+  for leaf in jax.tree.leaves(tree):
+    for shard in getattr(leaf, 'addressable_shards', ()):
+      held[shard.device] += shard.data.nbytes
+  return max(held.values(), default=0)
+
+
 def describe_error(error):
   """One line for a pattern or method that failed: type and message."""
   first_line = str(error).strip().splitlines()[0] if str(error) else ''

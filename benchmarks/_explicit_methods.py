@@ -12,8 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""The explicit DDP methods of ``run.py``: plain ``jax.jit`` under
-``jax.set_mesh`` on an explicit ``data`` mesh (``case.ddp_devices``).
+"""The explicit DDP and ZeRO-1 methods of ``run.py``: plain ``jax.jit``
+under ``jax.set_mesh`` on an explicit ``data`` mesh (``case.ddp_devices``).
 
 Parameters are placed typed reduced over ``data`` with their full spec
 (``P(None, None, reduced={'data'})``), micro-batches sharded over ``data``;
@@ -25,15 +25,25 @@ the gradients of such parameters are unreduced.
   adds the unreduced gradients into an unreduced float32 accumulator (no
   collective), the window's update reduces it (one all-reduce) and runs
   AdamW on the token mean.
+- ``tokacc_explicit_zero1``: ``tokacc_explicit_ddp`` with AdamW's state
+  sharded over ``data`` (``init_sharded(..., shard_optimizer_over=
+  ('data',))``, the distributed-optimizer layout).
+- ``ideal_explicit_zero1``: its reference, by hand: the micro-step of
+  ``ideal_explicit_ddp``; once per window one ``shard_map`` region
+  (``check_vma=False``) reduce-scatters the accumulator into shards
+  (``lax.psum_scatter``), runs AdamW on them with moments sharded over
+  ``data`` on the leaf's first dimension, and all-gathers the updates.
 
-Their ratios are to ``ideal_explicit_ddp``. Models whose loss cannot take
-reduced parameters (``model.explicit`` false: the transformer) are skipped.
+The ratios of each ``tokacc_explicit_*`` are to its ``ideal_explicit_*``.
+Models whose loss cannot take reduced parameters (``model.explicit`` false:
+the transformer) are skipped.
 """
 
 import functools
 
 import _methods
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -42,6 +52,7 @@ import optax
 import optax_tokacc as tokacc
 
 REFERENCE = 'ideal_explicit_ddp'
+ZERO1_REFERENCE = 'ideal_explicit_zero1'
 
 
 def _mesh(case):
@@ -77,8 +88,9 @@ def _under_mesh(mesh, call):
   return on_mesh
 
 
-def tokacc_explicit_ddp(case):
-  """``token_weighted_multistep`` on parameters typed reduced over ``data``."""
+def _tokacc_explicit(case, init, reference):
+  """``token_weighted_multistep`` on parameters typed reduced over
+  ``data``; ``init(tx, params, mesh)`` lays its state out."""
   model = case.model
   tx = tokacc.token_weighted_multistep(case.adamw, case.k)
 
@@ -93,17 +105,35 @@ def tokacc_explicit_ddp(case):
   mesh = _mesh(case)
   with jax.set_mesh(mesh):
     params, windows = _place(case, mesh)
-    opt_state = tx.init(params)
+    opt_state = init(tx, params, mesh)
     batch = windows[0].micro_batches[0]
     compiled = {'step': step.lower(params, opt_state, batch).compile()}
-  return _methods.per_micro_batch(
+  trainer = _methods.per_micro_batch(
     _under_mesh(mesh, lambda carry, batch: step(*carry, batch)),
     (params, opt_state),
     compiled,
     windows,
     lambda carry: carry[0],
-    reference=REFERENCE,
+    reference=reference,
   )
+  trainer.optimizer_state_of = lambda carry: carry[1].inner_state
+  return trainer
+
+
+def tokacc_explicit_ddp(case):
+  """``token_weighted_multistep`` on parameters typed reduced over ``data``."""
+  return _tokacc_explicit(
+    case, lambda tx, params, mesh: tx.init(params), REFERENCE
+  )
+
+
+def tokacc_explicit_zero1(case):
+  """``tokacc_explicit_ddp`` with AdamW's state sharded over ``data``."""
+
+  def init(tx, params, mesh):
+    return tokacc.init_sharded(tx, params, mesh, shard_optimizer_over=('data',))
+
+  return _tokacc_explicit(case, init, ZERO1_REFERENCE)
 
 
 def _spec(x, reduced=True):
@@ -162,22 +192,131 @@ def ideal_explicit_ddp(case):
     opt_state = jax.jit(lambda p: adamw.init(jax.tree.map(_plain, p)))(params)
     tokens = jax.device_put(jnp.zeros([], jnp.int32), NamedSharding(mesh, P()))
     carry = (params, opt_state, acc, tokens)
+  return _ideal_trainer(
+    mesh, micro_step, window_update, carry, windows, REFERENCE
+  )
+
+
+def _ideal_trainer(mesh, micro_step, window_update, carry, windows, reference):
+  """An explicit ideal's trainer, its programs compiled for ``carry``;
+  ``carry`` is ``(params, opt_state, acc, acc_tokens)``."""
+  params, _, acc, tokens = carry
+  with jax.set_mesh(mesh):
     batch = windows[0].micro_batches[0]
     compiled = {
       'micro_step': micro_step.lower(params, acc, tokens, batch).compile(),
       'window_update': window_update.lower(*carry).compile(),
     }
-  return _methods.ideal_trainer(
+  trainer = _methods.ideal_trainer(
     _under_mesh(mesh, micro_step),
     _under_mesh(mesh, window_update),
     carry,
     compiled,
     windows,
-    reference=REFERENCE,
+    reference=reference,
+  )
+  trainer.optimizer_state_of = lambda carry: carry[1]
+  return trainer
+
+
+def _shard_dim(x, size):
+  """The dimension of ``x`` its optimizer state is split on over ``size``
+  devices: the first, if ``size`` divides it (else None: whole)."""
+  return 0 if x.ndim and x.shape[0] % size == 0 else None
+
+
+def _shard_spec(x, size):
+  dim = _shard_dim(x, size)
+  return P(*(None,) * x.ndim) if dim is None else P('data', *(None,) * dim)
+
+
+def _zero1_update(adamw, size):
+  """``(params, opt_state, acc, acc_tokens) -> (params, opt_state)`` on
+  each device's share (a ``shard_map`` body): the window reduce-scattered
+  into shards, AdamW on the shards, its updates all-gathered and applied."""
+
+  def scatter(acc, param):
+    dim = _shard_dim(param, size)
+    if dim is None:
+      return lax.psum(acc, 'data')
+    return lax.psum_scatter(acc, 'data', scatter_dimension=dim, tiled=True)
+
+  def shard(param):  # this device's slice of a whole (replicated) value
+    dim = _shard_dim(param, size)
+    if dim is None:
+      return param
+    length = param.shape[dim] // size
+    start = lax.axis_index('data') * length
+    return lax.dynamic_slice_in_dim(param, start, length, dim)
+
+  def gather(update, param):
+    dim = _shard_dim(param, size)
+    if dim is None:
+      return update
+    return lax.all_gather(update, 'data', axis=dim, tiled=True)
+
+  def update(params, opt_state, acc, acc_tokens):
+    summed = jax.tree.map(scatter, acc, params)
+    mean = jax.tree.map(
+      lambda g, p: (g / acc_tokens.astype(g.dtype)).astype(p.dtype),
+      summed,
+      params,
+    )
+    shards = jax.tree.map(shard, params)
+    updates, opt_state = adamw.update(mean, opt_state, shards)
+    updates = jax.tree.map(gather, updates, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return update
+
+
+def ideal_explicit_zero1(case):
+  """The hand-written reference of explicit ZeRO-1: the micro-step of
+  ``ideal_explicit_ddp``; per window one ``shard_map`` region: a
+  reduce-scatter of each leaf into AdamW's shards, AdamW on the shards
+  (moments sharded over ``data``), an all-gather of the updates."""
+  model, adamw = case.model, case.adamw
+  mesh = _mesh(case)
+  size = mesh.shape['data']
+  micro_step = _methods.ideal_micro_step(model)
+
+  def specs(tree):
+    return jax.tree.map(_spec, tree)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+  def window_update(params, opt_state, acc, acc_tokens):
+    if size == 1:  # a partial sum over one device is the sum (and JAX
+      # 0.10.2 cannot lower unreduced specs over a size-1 axis)
+      acc = jax.tree.map(lambda a: jax.reshard(a, _spec(a, False)), acc)
+    state_specs = (specs(params), specs(opt_state))
+    params, opt_state = jax.shard_map(
+      _zero1_update(adamw, size),
+      mesh=mesh,
+      in_specs=(*state_specs, specs(acc), P()),
+      out_specs=state_specs,
+      check_vma=False,
+    )(params, opt_state, acc, acc_tokens)
+    zeros = jax.tree.map(_unreduced_zeros, params)
+    return params, opt_state, zeros, jnp.zeros_like(acc_tokens)
+
+  with jax.set_mesh(mesh):
+    params, windows = _place(case, mesh)
+    acc = jax.jit(lambda p: jax.tree.map(_unreduced_zeros, p))(params)
+    opt_state = jax.jit(
+      lambda p: adamw.init(
+        jax.tree.map(lambda x: jax.reshard(x, _shard_spec(x, size)), p)
+      )
+    )(params)
+    tokens = jax.device_put(jnp.zeros([], jnp.int32), NamedSharding(mesh, P()))
+    carry = (params, opt_state, acc, tokens)
+  return _ideal_trainer(
+    mesh, micro_step, window_update, carry, windows, ZERO1_REFERENCE
   )
 
 
 METHODS = {
   'ideal_explicit_ddp': ideal_explicit_ddp,
   'tokacc_explicit_ddp': tokacc_explicit_ddp,
+  'ideal_explicit_zero1': ideal_explicit_zero1,
+  'tokacc_explicit_zero1': tokacc_explicit_zero1,
 }

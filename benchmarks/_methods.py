@@ -77,6 +77,8 @@ class Trainer:
     compiled: label -> compiled function (for its memory analysis).
     reference: the method whose times its ratios divide by.
     compile_s: label -> seconds to lower and compile that program.
+    optimizer_state_of: ``carry -> the optimizer's state`` (without the
+      accumulator), whose bytes per device are reported; None: not reported.
   """
 
   micro_step: Callable[[Any, Any], Any] | None
@@ -87,6 +89,7 @@ class Trainer:
   compiled: dict
   reference: str = 'ideal'
   compile_s: dict = dataclasses.field(default_factory=dict)
+  optimizer_state_of: Callable[[Any], Any] | None = None
 
   def run_micro_steps(self, index):
     """Feeds the first ``k - 1`` micro-batches of window ``index``."""

@@ -90,6 +90,9 @@ def rows(case, trainers, times, differences, errors):
       for label, compiled in trainer.compiled.items()
     }
     row['compile_s'] = dict(trainer.compile_s)
+    if trainer.optimizer_state_of is not None:
+      state = trainer.optimizer_state_of(trainer.carry)
+      row['optimizer_bytes_per_device'] = _common.bytes_per_device(state)
     row['max_abs_diff_to_ideal_after_one_window'] = differences.get(name)
     out.append(row)
   for name, error in errors.items():
@@ -129,6 +132,31 @@ def _line(row):
   )
 
 
+def _print_memory_per_device(rows, file):
+  """Bytes per device over the parameter bytes, for the rows that report
+  their optimizer state's: the arguments of each compiled function
+  (``memory_analysis()``: parameters, optimizer state, accumulator,
+  batch) and the optimizer state alone (from its arrays' shards)."""
+  placed = [row for row in rows if 'optimizer_bytes_per_device' in row]
+  if not placed:
+    return
+  print(
+    'per device / param bytes: arguments (memory_analysis), optimizer',
+    file=file,
+  )
+  for row in placed:
+    arguments = ' '.join(
+      f'{label}={m["argument_size_in_bytes"] / row["param_bytes"]:.3f}'
+      for label, m in row['memory'].items()
+    )
+    optimizer = row['optimizer_bytes_per_device'] / row['param_bytes']
+    print(
+      f'memory: {row["model"]:<12}{row["k"]:>2} {row["method"]:<22}'
+      f'arguments {arguments:<38} optimizer={optimizer:.3f}',
+      file=file,
+    )
+
+
 def print_table(rows, file=None):
   """Times, ratios, compiled memory and the check, one line per row."""
   print(_HEADER, file=file)
@@ -138,6 +166,7 @@ def print_table(rows, file=None):
       print(f'{start}not measured: {row["error"]}', file=file)
     else:
       print(_line(row), file=file)
+  _print_memory_per_device(rows, file)
   timed = [row for row in rows if row.get('compile_s')]
   for row in timed:
     seconds = ' '.join(f'{k}={v:.2f}' for k, v in row['compile_s'].items())

@@ -56,7 +56,13 @@ Methods (``--methods``; the train steps are in ``_methods.py``,
 - ``EXPLICIT_METHODS``: ``tokacc_explicit_ddp``, ``token_weighted_multistep``
   under plain ``jax.jit`` on an explicit ``data`` mesh of ``--ddp-devices``
   devices with parameters typed reduced, and its hand-written reference
-  ``ideal_explicit_ddp`` (MLP models only).
+  ``ideal_explicit_ddp``; ``tokacc_explicit_zero1``, the same with AdamW's
+  state sharded over ``data`` (``init_sharded(...,
+  shard_optimizer_over=('data',))``), and its hand-written reference
+  ``ideal_explicit_zero1`` (one reduce-scatter, AdamW on the shards, one
+  all-gather per window). MLP models only. Their memory per device
+  (arguments of each compiled function, optimizer state) is printed below
+  the table.
 
 Models (``--models``): ``mlp`` and ``transformer`` in float32, and
 ``mlp_bf16``, the mixed-precision configuration: bfloat16 parameters and
@@ -244,8 +250,8 @@ def _collectives(args):
 
 def main(argv=None):
   args = parse_args(argv)
-  if args.devices:
-    _common.use_cpu_devices(args.devices)
+  if args.devices or args.ddp_devices > 1:  # fake CPU devices for either
+    _common.use_cpu_devices(max(args.devices, args.ddp_devices))
   if len(jax.devices()) < args.ddp_devices:
     sys.exit(f'--ddp-devices {args.ddp_devices}: only {len(jax.devices())}.')
   info = _common.machine()

@@ -15,8 +15,10 @@ the global mesh of all processes' CPU devices and writes the final parameters.
 ``--mode=hsdp`` trains on a ``('replica', 'fsdp') = (2, 2)`` mesh, each
 process one replica, partial-manual and fully manual; ``--mode=explicit``
 trains data-parallel under plain ``jax.jit`` with parameters typed reduced
-(explicit sharding); ``--mode=budget`` trains data-parallel with
-``tokens_per_update``.
+(explicit sharding); ``--mode=zero1`` trains as ``explicit`` with
+AdamW's moments sharded over the data axis (``init_sharded(...,
+shard_optimizer_over=('data',))``); ``--mode=budget`` trains data-parallel
+with ``tokens_per_update``.
 """
 
 import argparse
@@ -601,26 +603,43 @@ def _hsdp_results():
   return results
 
 
-def train_explicit(tx, params, windows, mesh):
+def train_explicit(tx, params, windows, mesh, shard_optimizer_over=None):
   """Explicit sharding under plain ``jax.jit``: parameters typed reduced
-  over the data axis (unreduced gradients), the batch split over it."""
-  axis = mesh.axis_names[0]
+  over the data axis (unreduced gradients), the batch split over it.
+  ``shard_optimizer_over``: the axes to shard ``inner``'s state over
+  (ZeRO-1, laid out by ``init_sharded``). Returns host copies of the final
+  parameters and of the last window's loss."""
   with jax.set_mesh(mesh):
-    params = {
-      name: jax.jit(
-        lambda x: jax.reshard(x, P(*(None,) * x.ndim, reduced={axis}))
-      )(put(value, NamedSharding(mesh, P())))
-      for name, value in params.items()
-    }
-    state = tx.init(params)
-    step = global_step(tx)
-    data = NamedSharding(mesh, P(axis))
-    for w, window in enumerate(windows):
-      for m, batch in enumerate(window):
-        emit_now = w == len(windows) - 1 and m == len(window) - 1
-        batch = jax.tree.map(lambda x: put(x, data), batch)
-        params, state = step(params, state, batch, jnp.asarray(emit_now))
+    params, state = train_explicit_state(
+      tx, params, windows, mesh, shard_optimizer_over
+    )
     return fetch(tokacc.to_checkpoint(params)), fetch(tokacc.window_loss(state))
+
+
+def train_explicit_state(tx, params, windows, mesh, shard_optimizer_over=None):
+  """:func:`train_explicit`'s loop, under ``jax.set_mesh(mesh)``: the final
+  parameters and state, global arrays."""
+  axis = mesh.axis_names[0]
+  params = {
+    name: jax.jit(
+      lambda x: jax.reshard(x, P(*(None,) * x.ndim, reduced={axis}))
+    )(put(value, NamedSharding(mesh, P())))
+    for name, value in params.items()
+  }
+  if shard_optimizer_over is None:
+    state = tx.init(params)
+  else:
+    state = tokacc.init_sharded(
+      tx, params, mesh, shard_optimizer_over=shard_optimizer_over
+    )
+  step = global_step(tx)
+  data = NamedSharding(mesh, P(axis))
+  for w, window in enumerate(windows):
+    for m, batch in enumerate(window):
+      emit_now = w == len(windows) - 1 and m == len(window) - 1
+      batch = jax.tree.map(lambda x: put(x, data), batch)
+      params, state = step(params, state, batch, jnp.asarray(emit_now))
+  return params, state
 
 
 def _explicit_results():
@@ -632,6 +651,27 @@ def _explicit_results():
   results = {'explicit_loss': loss}
   for name, value in params.items():
     results[f'explicit_{name}'] = value
+  return results
+
+
+def _zero1_results():
+  """Explicit data parallelism with AdamW's moments sharded over the data
+  axis of both processes' devices (the distributed-optimizer layout); also
+  the shape of each local shard of ``mu``."""
+  mesh = jax.make_mesh((jax.device_count(),), (MULTIHOST_AXIS,))
+  windows = make_windows(MULTIHOST_WINDOW_SIZES, jax.device_count())
+  tx = tokacc.token_weighted_multistep(adamw(), MULTIHOST_K)
+  with jax.set_mesh(mesh):
+    params, state = train_explicit_state(
+      tx, init_params(), windows, mesh, (MULTIHOST_AXIS,)
+    )
+    results = {'zero1_loss': fetch(tokacc.window_loss(state))}
+    for name, value in fetch(tokacc.to_checkpoint(params)).items():
+      results[f'zero1_{name}'] = value
+  for name, mu in state.inner_state[0].mu.items():
+    shapes = {s.data.shape for s in mu.addressable_shards}
+    assert len(shapes) == 1, shapes  # every local device holds one shard
+    results[f'zero1_mu_shard_{name}'] = np.asarray(shapes.pop())
   return results
 
 
@@ -667,6 +707,8 @@ def _run_worker(args):
     results = _hsdp_results()
   elif args.mode == 'explicit':
     results = _explicit_results()
+  elif args.mode == 'zero1':
+    results = _zero1_results()
   elif args.mode == 'budget':
     results = _budget_results()
   else:
@@ -684,7 +726,9 @@ def main():
   parser.add_argument('--port', type=int, required=True)
   parser.add_argument('--local_devices', type=int, default=2)
   parser.add_argument(
-    '--mode', choices=('ddp', 'hsdp', 'explicit', 'budget'), default='ddp'
+    '--mode',
+    choices=('ddp', 'hsdp', 'explicit', 'zero1', 'budget'),
+    default='ddp',
   )
   parser.add_argument('--out', required=True)
   _run_worker(parser.parse_args())

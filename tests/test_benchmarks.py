@@ -28,10 +28,11 @@ import subprocess
 import sys
 import warnings
 
+import jax
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-METHODS = (
+METHODS = (  # in run.py's order
   'plain',
   'ideal',
   'multisteps',
@@ -44,10 +45,18 @@ METHODS = (
   'microbatched',
   'ideal_explicit_ddp',
   'tokacc_explicit_ddp',
+  'ideal_explicit_zero1',
+  'tokacc_explicit_zero1',
   'tokacc_no_buffer',
   'tokacc_select_restart',
 )
-EXPLICIT_METHODS = ('ideal_explicit_ddp', 'tokacc_explicit_ddp')
+# name -> the hand-written reference its ratios divide by.
+EXPLICIT_METHODS = {
+  'ideal_explicit_ddp': 'ideal_explicit_ddp',
+  'tokacc_explicit_ddp': 'ideal_explicit_ddp',
+  'ideal_explicit_zero1': 'ideal_explicit_zero1',
+  'tokacc_explicit_zero1': 'ideal_explicit_zero1',
+}
 INEXACT_METHODS = ('plain', 'multisteps')
 MODELS = ('mlp', 'transformer', 'mlp_bf16')
 EXPLICIT_MODELS = ('mlp', 'mlp_bf16')  # whose loss takes reduced parameters
@@ -142,7 +151,7 @@ def test_quick_run_times_micro_steps_and_windows(quick_results):
       assert row['median_micro_step_s'] > 0
       assert row['micro_step_ratio_to_ideal'] is not None, row
     if row['method'] in EXPLICIT_METHODS:
-      assert row['reference'] == 'ideal_explicit_ddp'
+      assert row['reference'] == EXPLICIT_METHODS[row['method']]
 
 
 def test_quick_run_reports_memory_and_matches_the_ideal(quick_results):
@@ -157,6 +166,74 @@ def test_quick_run_reports_memory_and_matches_the_ideal(quick_results):
       assert row['max_abs_diff_to_ideal_after_one_window'] < 1e-5, row
     if row['model'] == 'mlp_bf16':
       assert row['param_dtype'] == 'bfloat16' and row['mu_dtype'] == 'float32'
+
+
+def exact_within(run_module, model_name):
+  """How far an exact method's parameters may be from its ideal's after
+  one window: float32 parameters, as the quick run checks; bfloat16 ones
+  (``mlp_bf16``), one bfloat16 spacing of the largest parameter (2**-7 of
+  it at most): a window sum rounded in another order, or an intermediate
+  XLA keeps in float32, can round a parameter to its neighbour. AdamW's
+  step (lr 1e-4) moves a parameter by about 1e-4, below the 1e-3 added."""
+  if model_name != 'mlp_bf16':
+    return 1e-5
+  model = run_module._models.build(model_name, 'quick', 2)
+  largest = max(float(abs(x).max()) for x in jax.tree.leaves(model.params))
+  return 2.0**-7 * (largest + 1e-3)
+
+
+@pytest.fixture(scope='module')
+def explicit_results(tmp_path_factory):
+  """The explicit DDP and ZeRO-1 methods at quick sizes on a mesh of 4."""
+  out = tmp_path_factory.mktemp('benchmarks') / 'explicit.json'
+  result = run_benchmarks(
+    '--quick',
+    '--models',
+    ','.join(EXPLICIT_MODELS),
+    '--methods',
+    ','.join(EXPLICIT_METHODS),
+    '--ddp-devices',
+    4,
+    '--devices',
+    0,
+    '--out',
+    out,
+  )
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert 'optimizer=' in result.stdout  # the memory per device is printed
+  return json.loads(out.read_text())
+
+
+def test_zero1_holds_a_quarter_of_the_optimizer_state(
+  explicit_results, run_module
+):
+  """On 4 devices, the ZeRO-1 rows hold per device 1/4 of the optimizer
+  state the DDP rows hold (every moment of the MLP splits over 4; AdamW's
+  int32 count, 4 bytes, is the one leaf kept whole); ``memory_analysis()``
+  of the compiled step counts that much less in its arguments; ZeRO-1
+  trains as its ideal does."""
+  rows = {
+    (row['model'], row['method']): row
+    for row in measured(explicit_results['rows'], 'method')
+  }
+  assert len(rows) == len(EXPLICIT_MODELS) * len(EXPLICIT_METHODS)
+  count_bytes = 4
+  for model in EXPLICIT_MODELS:
+    whole = {}
+    for kind in ('ideal', 'tokacc'):
+      ddp = rows[(model, f'{kind}_explicit_ddp')]
+      zero1 = rows[(model, f'{kind}_explicit_zero1')]
+      whole[kind] = ddp['optimizer_bytes_per_device'] - count_bytes
+      assert whole[kind] >= ddp['param_bytes'], ddp  # mu and nu, whole
+      sharded = zero1['optimizer_bytes_per_device'] - count_bytes
+      assert sharded == whole[kind] / 4, (ddp, zero1)
+      difference = zero1['max_abs_diff_to_ideal_after_one_window']
+      assert difference <= exact_within(run_module, model), zero1
+    arguments = [
+      rows[(model, method)]['memory']['step']['argument_size_in_bytes']
+      for method in ('tokacc_explicit_ddp', 'tokacc_explicit_zero1')
+    ]
+    assert arguments[0] - arguments[1] == 3 * whole['tokacc'] / 4, arguments
 
 
 def window_by_axes(row):

@@ -4,12 +4,16 @@ Parameters typed reduced over 'data' (4 fake devices), ``inner``'s state
 sharded over 'data' by ``init_sharded(..., shard_optimizer_over=('data',))``:
 the window stays partial sums, and closes with one reduce-scatter into the
 optimizer's shards, ``inner`` on the shards, and an all-gather of the
-updates. Checked against full-batch training written plainly here, with
+updates. HSDP too: on a ``('replica', 'fsdp') = (2, 2)`` mesh, ``w`` typed
+``P('fsdp', None, reduced={'replica'})`` and its state sharded over
+``replica`` as well (``shard_optimizer_over=('replica',)``). Checked against full-batch training written plainly here, with
 unequal counts per device and micro-step and devices without tokens, and on
 the compiled HLO (issue 23).
 """
 
+from collections.abc import Callable
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,14 +56,31 @@ def inner():
 
 def loss_sum(params, batch):
   """Squared error summed over the outputs and the counted tokens, as
-  per-device partial sums; ``b`` enters through its sum."""
-  ones = jnp.ones(batch['mask'].shape, out_sharding=P('data'))
-  bias = jnp.einsum('bt,i->bt', ones, params['b'], out_sharding=P('data'))
+  per-device partial sums over every axis of the mesh (the batch is split
+  over all of them); ``b`` enters through its sum."""
+  axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  params = forward_params(params, set(axes))
+  ones = jnp.ones(batch['mask'].shape, out_sharding=P(axes))
+  bias = jnp.einsum('bt,i->bt', ones, params['b'], out_sharding=P(axes))
   pred = batch['x'] @ params['w'] + bias[..., None]
   per_token = jnp.sum((pred - batch['y']) ** 2, axis=-1)
   return jnp.einsum(
-    'bt,bt->', per_token, batch['mask'], out_sharding=test_explicit.U_DATA
+    'bt,bt->', per_token, batch['mask'], out_sharding=P(unreduced=set(axes))
   )
+
+
+def forward_params(params, axes):
+  """The parameters as the loss uses them: under HSDP, whole and typed
+  reduced over both axes (JAX needs the contracting axes reduced), so that
+  the gradients come back reduce-scattered within ``fsdp`` and partial sums
+  over ``replica``; under DDP already so (no-op)."""
+
+  def gather(p):
+    if jax.typeof(p).sharding.spec == P(*(None,) * p.ndim, reduced=axes):
+      return p
+    return jax.reshard(p, P(reduced=axes))
+
+  return jax.tree.map(gather, params)
 
 
 def make_windows():
@@ -101,15 +122,43 @@ def full_batch(windows):
   return params, largest
 
 
-def setup():
-  mesh = test_explicit.ddp_mesh()
+class Layout(NamedTuple):
+  """A mesh, the parameters' specs on it, and the axes the optimizer's
+  state is sharded over."""
+
+  mesh: Callable[[], jax.sharding.Mesh]
+  specs: dict
+  shard_over: tuple
+
+
+LAYOUTS = {
+  'ddp': Layout(
+    test_explicit.ddp_mesh,
+    {'w': P(None, None, reduced={'data'}), 'b': P(None, reduced={'data'})},
+    ('data',),
+  ),
+  # w is split over fsdp and reduced over replica; b (3,), which fsdp does
+  # not divide, is whole on every device, typed reduced over replica.
+  'hsdp': Layout(
+    test_explicit.hsdp_mesh,
+    {
+      'w': P('fsdp', None, reduced={'replica'}),
+      'b': P(None, reduced={'replica'}),
+    },
+    ('replica',),
+  ),
+}
+
+
+def setup(layout='ddp'):
+  mesh = LAYOUTS[layout].mesh()
   tx = tokacc.token_weighted_multistep(inner(), K)
 
   @functools.partial(jax.jit, static_argnames='close')
   def step(params, state, batch, close=None):
     loss, grads = jax.value_and_grad(loss_sum)(params, batch)
     num_tokens = jnp.einsum(
-      'bt->', batch['mask'], out_sharding=test_explicit.U_DATA
+      'bt->', batch['mask'], out_sharding=P(unreduced=set(mesh.axis_names))
     )
     updates, state = tx.update(
       grads, state, params, num_tokens=num_tokens, loss=loss, close=close
@@ -119,22 +168,29 @@ def setup():
   return mesh, tx, step
 
 
-def placed(mesh):
-  data = NamedSharding(mesh, P('data'))
-  params = jax.device_put(init_params(), P(reduced={'data'}))
+def placed(mesh, layout='ddp'):
+  """The parameters typed as ``layout`` says, a placer of batches (split
+  over every axis of the mesh)."""
+  data = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+  specs = LAYOUTS[layout].specs
+  params = {k: jax.device_put(v, specs[k]) for k, v in init_params().items()}
   return params, lambda batch: jax.device_put(batch, data)
 
 
-def train(windows, interrupt_at=None, host_closes=False):
+def init_state(tx, params, mesh, layout='ddp'):
+  return tokacc.init_sharded(
+    tx, params, mesh, shard_optimizer_over=LAYOUTS[layout].shard_over
+  )
+
+
+def train(windows, interrupt_at=None, layout='ddp', host_closes=False):
   """ZeRO-1 training; ``interrupt_at``: the micro-step after which the
   state goes through ``to_checkpoint`` / ``from_checkpoint``;
   ``host_closes``: ``close=False`` / ``True`` from the host."""
-  mesh, tx, step = setup()
+  mesh, tx, step = setup(layout)
   with jax.set_mesh(mesh):
-    params, place = placed(mesh)
-    state = tokacc.init_sharded(
-      tx, params, mesh, shard_optimizer_over=('data',)
-    )
+    params, place = placed(mesh, layout)
+    state = init_state(tx, params, mesh, layout)
     calls = 0
     for window in windows:
       for i, batch in enumerate(window):
@@ -153,8 +209,11 @@ def train(windows, interrupt_at=None, host_closes=False):
 
 
 @pytest.mark.parametrize('host_closes', [False, True])
-def test_equals_full_batch_training(host_closes):
-  """Momentum SGD after a global-norm clip that binds, on the shards.
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+def test_equals_full_batch_training(layout, host_closes):
+  """Momentum SGD after a global-norm clip that binds, on the shards (DDP:
+  sharded over 'data'; HSDP: ``w``'s fsdp shard sharded over 'replica'),
+  the windows closed by the device or by the host.
 
   The bound: each window's gradient is a sum of ``m`` rounded float32
   terms (its tokens, the features and outputs of a prediction, the
@@ -166,7 +225,7 @@ def test_equals_full_batch_training(host_closes):
   """
   windows = make_windows()
   expected, largest = full_batch(windows)
-  params, state = train(windows, host_closes=host_closes)
+  params, state = train(windows, layout=layout, host_closes=host_closes)
   n = max(int(sum(b['mask'].sum() for b in w)) for w in windows)
   m = n + harness.FEATURES + OUTPUTS + 20
   gamma = m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)
@@ -179,31 +238,44 @@ def test_equals_full_batch_training(host_closes):
   assert int(state.gradient_step) == len(windows)
 
 
-def test_state_is_sharded_and_a_fixed_point_of_the_step():
-  """The moments of ``w`` hold 1/4 of it per device, those of ``b`` (no
-  dimension divides 4) stay whole; the accumulator stays partial sums; the
-  step gives back the types it was given."""
+@pytest.mark.parametrize(
+  'layout, w_shard, acc_type',
+  [
+    ('ddp', (2, OUTPUTS), 'float32[8,4]{U:data}'),
+    ('hsdp', (4, OUTPUTS // 2), 'float32[8@fsdp,4]{U:replica}'),
+  ],
+)
+def test_state_is_sharded_and_a_fixed_point_of_the_step(
+  layout, w_shard, acc_type
+):
+  """The moments of ``w`` hold 1/4 of it per device (DDP: split over
+  'data'; HSDP: its fsdp half split again over 'replica'), those of ``b``
+  (no dimension divides the axis) stay whole; the accumulator stays partial
+  sums; the step gives back the types it was given."""
   windows = make_windows()[:1]
-  mesh, tx, _ = setup()
+  mesh, tx, _ = setup(layout)
   with jax.set_mesh(mesh):
-    params, _ = placed(mesh)
-    state = tokacc.init_sharded(
-      tx, params, mesh, shard_optimizer_over=('data',)
-    )
+    params, _ = placed(mesh, layout)
+    state = init_state(tx, params, mesh, layout)
   trace = state.inner_state[1][0].trace
-  assert trace['w'].addressable_shards[0].data.shape == (2, OUTPUTS)
+  shards = trace['w'].addressable_shards
+  assert {s.data.shape for s in shards} == {w_shard}
+  assert {s.data.nbytes for s in shards} == {
+    init_params()['w'].nbytes // NUM_DEVICES
+  }
   assert trace['b'].addressable_shards[0].data.shape == (3,)
-  assert str(jax.typeof(state.acc_grads['w'])).endswith('{U:data}')
-  _, trained = train(windows)
+  assert str(jax.typeof(state.acc_grads['w'])) == acc_type
+  _, trained = train(windows, layout=layout)
   types = jax.tree.map(lambda x: str(jax.typeof(x)), state)
   assert jax.tree.map(lambda x: str(jax.typeof(x)), trained) == types
 
 
-def test_checkpoint_mid_window_resumes_bit_identically():
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+def test_checkpoint_mid_window_resumes_bit_identically(layout):
   windows = make_windows()
-  straight = train(windows)
-  resumed = train(windows, interrupt_at=K + 1)
-  with jax.set_mesh(test_explicit.ddp_mesh()):
+  straight = train(windows, layout=layout)
+  resumed = train(windows, interrupt_at=K + 1, layout=layout)
+  with jax.set_mesh(LAYOUTS[layout].mesh()):
     jax.tree.map(
       np.testing.assert_array_equal,
       jax.device_get(tokacc.to_checkpoint(straight)),
@@ -218,9 +290,7 @@ def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
   mesh, tx, step = setup()
   with jax.set_mesh(mesh):
     params, place = placed(mesh)
-    state = tokacc.init_sharded(
-      tx, params, mesh, shard_optimizer_over=('data',)
-    )
+    state = init_state(tx, params, mesh)
     batch = place(make_windows()[0][0])
     text = step.lower(params, state, batch).compile().as_text()
   sites = explicit_ddp.sites_of(text)
@@ -233,6 +303,78 @@ def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
   for site in closing:
     if site.collective == 'all-reduce':
       assert w_shape not in site.shapes and w_shard not in site.shapes, site
+
+
+FSDP_GROUPS = [[0, 1], [2, 3]]  # hsdp_mesh: devices (2 r + f) at (r, f)
+REPLICA_GROUPS = [[0, 2], [1, 3]]
+
+
+def groups(site):
+  return sorted(map(sorted, test_explicit.groups_of(site)))
+
+
+def test_hsdp_window_reduce_scattered_over_replica_once():
+  """HSDP with the state sharded over 'replica': per micro-step only the
+  user's forward pass's collectives, all within ``fsdp`` (its gathers of
+  ``w`` and its reductions of the gradients to ``w``'s fsdp shard), none
+  across replicas. The closing branch reduce-scatters ``w``'s (4, 4)
+  accumulator shard over 'replica' into (4, 2), all-gathers the (4, 4)
+  updates over 'replica', and all-reduces nothing of ``w``'s size (only
+  the count, the loss, ``b`` and the clip's norm are reduced whole)."""
+  mesh, tx, step = setup('hsdp')
+  with jax.set_mesh(mesh):
+    params, place = placed(mesh, 'hsdp')
+    state = init_state(tx, params, mesh, 'hsdp')
+    batch = place(make_windows()[0][0])
+    text = step.lower(params, state, batch).compile().as_text()
+  sites = explicit_ddp.sites_of(text)
+  micro = explicit_ddp.on_micro_step_path(sites)
+  assert micro, 'the forward pass gathers w within fsdp'
+  for site in micro:
+    assert groups(site) == FSDP_GROUPS, site
+  closing = [s for s, path in sites if explicit_ddp.closing_only(path)]
+  fsdp_shard = ('f32', (harness.FEATURES // 2, OUTPUTS))
+  state_shard = ('f32', (harness.FEATURES // 2, OUTPUTS // 2))
+  whole = ('f32', (harness.FEATURES, OUTPUTS))
+  scatters = [s for s in closing if s.collective == 'reduce-scatter']
+  assert [(s.shapes, groups(s)) for s in scatters] == [
+    ((state_shard,), REPLICA_GROUPS)
+  ], closing
+  gathers = [s for s in closing if s.collective == 'all-gather']
+  assert [(s.shapes, groups(s)) for s in gathers] == [
+    ((fsdp_shard,), REPLICA_GROUPS)
+  ], closing
+  for site in closing:
+    if site.collective == 'all-reduce':
+      assert not {fsdp_shard, state_shard, whole} & set(site.shapes), site
+
+
+def test_fsdp_only_is_refused_naming_the_argument():
+  """FSDP without a data axis: the parameters are split over the mesh's
+  only axis, which is no data axis; sharding the optimizer over it is
+  refused by every entry point that takes the keyword."""
+  mesh = jax.make_mesh(
+    (NUM_DEVICES,),
+    ('fsdp',),
+    axis_types=(jax.sharding.AxisType.Explicit,),
+    devices=jax.devices()[:NUM_DEVICES],
+  )
+  tx = tokacc.token_weighted_multistep(inner(), K)
+  with jax.set_mesh(mesh):
+    params = {
+      'w': jax.device_put(init_params()['w'], P('fsdp', None)),
+      'b': jax.device_put(init_params()['b'], P(None)),
+    }
+    for helper in (
+      tokacc.init_sharded,
+      tokacc.state_shardings,
+      lambda tx, params, mesh, **kwargs: tokacc.state_partition_specs(
+        tx, params, **kwargs
+      ),
+    ):
+      with pytest.raises(ValueError, match='shard_optimizer_over') as error:
+        helper(tx, params, mesh, shard_optimizer_over=('fsdp',))
+      assert "the parameters are sharded over 'fsdp'" in str(error.value)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@ Each test starts two ``jax.distributed`` processes on loopback (gloo CPU
 collectives), each running ``multihost_worker.py`` over the global mesh of 4
 devices, and compares their result with single-process full-batch training:
 data parallelism over all 4 devices, and HSDP on a ``('replica', 'fsdp') =
-(2, 2)`` mesh where each process is one replica.
+(2, 2)`` mesh where each process is one replica; explicit sharding, also
+with the optimizer state sharded over the data axis (ZeRO-1).
 """
 
 import os
@@ -14,8 +15,11 @@ import subprocess
 import sys
 
 import chex
+import jax
+import jax.numpy as jnp
 import multihost_worker as worker
 import numpy as np
+import optax
 import pytest
 
 NUM_PROCESSES = 2
@@ -136,6 +140,77 @@ def test_two_processes_explicit_ddp_equal_full_batch(tmp_path):
   np.testing.assert_allclose(
     result['explicit_loss'], expected_losses[-1], rtol=1e-5
   )
+
+
+UNIT_ROUND_OFF = 2.0**-24  # float32
+# The roundings on one token's path to its gradient term, as
+# test_multistep.TERM_ROUNDINGS counts them for this model's FEATURES.
+TERM_ROUNDINGS = 2 * worker.FEATURES + 16
+
+
+def full_batch_with_bounds(windows):
+  """``worker.train_full_batch`` with AdamW, and how far float32 round-off
+  can take a run of the same windows from it: ``(params, loss, atol,
+  loss_atol)`` (``loss``: the last window's token-mean loss).
+
+  ``atol`` is ``test_multistep.round_off_atol`` (its docstring derives it),
+  with this model's ``TERM_ROUNDINGS``: per window 2 (n + m) u of the
+  gradient, doubled by Adam, relative to the window's largest update, plus
+  a rounding of each parameter in each run. The last window's loss is a
+  sum of n one-signed terms (within 2 (n + m) u of it, relative), taken at
+  parameters that may differ by the windows' ``atol`` before it: that
+  moves it by at most the 1-norm of its gradient times that ``atol``, and
+  a second-order term below it (twice the first covers both).
+  """
+  optimizer = worker.adamw()
+  params = jax.tree.map(jnp.asarray, worker.init_params())
+  opt_state = optimizer.init(params)
+  n = max(sum(int(np.sum(b['mask'])) for b in w) for w in windows)
+  relative = 2 * 2 * (n + TERM_ROUNDINGS) * UNIT_ROUND_OFF
+  atol = 0.0
+  for window in windows:
+    batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
+    tokens = np.sum(batch['mask'])
+    loss, grads = jax.value_and_grad(
+      lambda p, batch=batch, tokens=tokens: worker.loss_sum(p, batch) / tokens
+    )(params)
+    gradient_norm = sum(float(jnp.sum(jnp.abs(g))) for g in grads.values())
+    loss_atol = 2 * (
+      2 * (n + TERM_ROUNDINGS) * UNIT_ROUND_OFF * float(loss)
+      + gradient_norm * atol
+    )
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    largest_update = max(float(jnp.max(jnp.abs(u))) for u in updates.values())
+    largest_param = max(float(jnp.max(jnp.abs(p))) for p in params.values())
+    atol += relative * largest_update + 2 * UNIT_ROUND_OFF * largest_param
+  return params, loss, atol, loss_atol
+
+
+def test_two_processes_zero1_equal_full_batch(tmp_path):
+  """The distributed-optimizer layout across processes: parameters typed
+  reduced over 'data' (both processes' 4 devices), AdamW's moments sharded
+  over it by ``init_sharded(..., shard_optimizer_over=('data',))``, so that
+  each device holds a quarter of them; training equals full-batch AdamW.
+  A hang in a collective fails the test after ``TIMEOUT_S``."""
+  if not worker.tokacc._explicit.SUPPORTED:
+    pytest.skip('reduced/unreduced types need jax >= 0.10')
+  out = tmp_path / 'result.npz'
+  run_workers(out, mode='zero1')
+  result = dict(np.load(out))
+  num_devices = NUM_PROCESSES * LOCAL_DEVICES
+  assert int(result['num_devices']) == num_devices
+  features = worker.FEATURES
+  assert tuple(result['zero1_mu_shard_w']) == (
+    features // num_devices,
+    features,
+  )
+  assert tuple(result['zero1_mu_shard_v']) == (features // num_devices,)
+  windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  expected, loss, atol, loss_atol = full_batch_with_bounds(windows)
+  params = {name: result[f'zero1_{name}'] for name in expected}
+  chex.assert_trees_all_close(params, expected, rtol=0, atol=atol)
+  np.testing.assert_allclose(result['zero1_loss'], loss, rtol=0, atol=loss_atol)
 
 
 def test_two_processes_token_budget_equal_full_batch(tmp_path):
