@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_tokacc import _closing
 from optax_tokacc import _explicit
 from optax_tokacc import _manual
 from optax_tokacc import _partial_sums
@@ -342,11 +343,11 @@ def _update(
     close = _window.should_close(
       config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now
     )
-    closing = _window.close_if(config, place, close, *args)
+    closing = _closing.close_if(config, place, close, *args)
   elif close:
-    closing = _window.close_now(config, place, *args)
+    closing = _closing.close_now(config, place, *args)
   else:
-    closing = _window.keep_open(config, place, *args)
+    closing = _closing.keep_open(config, place, *args)
   window, closed = closing.window, closing.closed
   new_state = TokenWeightedMultiStepState(
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),

@@ -249,6 +249,17 @@ def _distributed_optimizer(
   )
   nodes, treedef = jax.tree.flatten(specs, is_leaf=_is_spec_or_state)
   zero_nodes = treedef.flatten_up_to(zero)
+  states = [
+    (node, z)
+    for node, z in zip(nodes, zero_nodes)
+    if isinstance(node, _state.TokenWeightedMultiStepState)
+  ]
+  if all(node.inner_state == z.inner_state for node, z in states):
+    raise ValueError(
+      f'shard_optimizer_over={shard_over!r}: inner keeps no parameter-shaped '
+      'state that the axes divide, so there is nothing to shard. Use it with '
+      'an optimizer that keeps moments (e.g. optax.adamw), or leave it out.'
+    )
   return treedef.unflatten(
     node._replace(inner_state=z.inner_state)
     if isinstance(node, _state.TokenWeightedMultiStepState)

@@ -15,23 +15,21 @@
 """The window algebra, written once over NamedTuples.
 
 A micro-step adds the micro-batch's gradients, token count and loss into the
-window's sums (:func:`add`). The call that closes the window
-(:func:`should_close`) sums it over the devices in one reduction, divides by
-its token count and runs the wrapped optimizer once, inside one
-``lax.cond`` whose other branch does nothing (:func:`close_if`): micro-steps
-run no optimizer work and no collective. Where the sums live and how they
-are reduced is the placement's (``_placement``); nothing here asks which
-parallel mode it runs in.
+window's sums (:func:`add`); :func:`should_close` decides, on the device,
+whether this call closes the window, and ``_closing`` closes it (sums it
+over the devices in one reduction, divides by its token count, runs the
+wrapped optimizer once). Where the sums live and how they are reduced is the
+placement's (``_placement``); nothing here asks which parallel mode it runs
+in.
 """
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _compensated
-from optax_tokacc import _explicit
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
 
@@ -52,15 +50,6 @@ class MicroBatch(NamedTuple):
   count: jax.Array
   loss: jax.Array
   keep: Optional[jax.Array]
-
-
-class Closing(NamedTuple):
-  """What a call gives back once the window is closed or left open."""
-
-  updates: optax.Updates
-  window: Window
-  inner_state: optax.OptState
-  closed: 'Closed'
 
 
 class Closed(NamedTuple):
@@ -200,276 +189,3 @@ def reset_if(place, close, window: Window) -> Window:
   args = (*scalars, jnp.asarray(close))
   acc_tokens, acc_loss = place.per_device(reset, args, scalars)
   return window._replace(acc_tokens=acc_tokens, acc_loss=acc_loss)
-
-
-def inner_update(
-  config, place, grads, inner_state, params, extra_args, emitted=None
-):
-  """``inner.update``, its state's dtypes kept, in the types optax's
-  nonlinear updates take; the updates come typed like the parameters, so
-  that ``optax.apply_updates`` keeps their type. With ``emitted`` (a
-  window closed by the host), the updates are -0.0 and the state is kept
-  unless ``emitted``: selects, where the device uses a ``cond``."""
-  plain_inner = place.for_inner(inner_state)
-  updates, new_inner = config.inner.update(
-    grads, plain_inner, place.for_inner(params), **extra_args
-  )
-  new_inner = optax.tree.cast_like(new_inner, inner_state)
-  if emitted is not None:
-    updates = jax.tree.map(
-      lambda u: jnp.where(emitted, u, _signed(jnp.zeros_like(u))), updates
-    )
-    new_inner = jax.tree.map(
-      lambda new, old: jnp.where(emitted, new, old), new_inner, plain_inner
-    )
-  if params is not None:
-    updates = place.like(updates, params)
-  return updates, place.like(new_inner, inner_state)
-
-
-def _reduce(config, place, window: Window):
-  """The window summed over the devices (its one reduction): its sums, the
-  divisor of its mean, and what closing it gives."""
-  sums = _compensated.window_sums(
-    window.acc_grads, window.acc_compensation, config.compensated
-  )
-  sums, parts, loss_sum = place.reduce(sums, window.acc_tokens, window.acc_loss)
-  total, valid = _tokens.from_parts(parts, config.token_dtype)
-  emitted = jnp.logical_and(valid, total > 0)
-  divisor = jnp.maximum(total, 1)
-  mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
-  return sums, divisor, Closed(emitted, valid, total, mean_loss)
-
-
-def _step(
-  config,
-  place,
-  grads,
-  extra,
-  sums,
-  divisor,
-  inner_state,
-  params,
-  mean_loss,
-  emitted=None,
-):
-  """``inner`` run once on the window's token-mean gradient, with
-  ``value=`` the window's token-mean loss when ``loss`` was passed."""
-
-  def mean(s):
-    wide = jnp.promote_types(s.dtype, jnp.float32)
-    return s.astype(wide) / divisor.astype(wide)
-
-  extra_args, with_value = extra
-  if with_value:
-    extra_args = dict(extra_args, value=mean_loss)
-  mean_grads = optax.tree.cast_like(jax.tree.map(mean, sums), grads)
-  return inner_update(
-    config, place, mean_grads, inner_state, params, extra_args, emitted
-  )
-
-
-def _close(config, place, grads, window, inner_state, params, extra, hold):
-  """Closes the window on the device, inside the outer ``cond``.
-
-  Returns ``(held, inner_state, closed)``, with ``held = hold(updates,
-  acc_grads)``. A window without tokens or with an invalid count emits no
-  updates and keeps the inner state: a nested ``cond``, since selecting
-  between the new and the old inner state would keep both alive
-  (temporaries the size of the inner state on every step).
-  """
-  sums, divisor, closed = _reduce(config, place, window)
-
-  def step(acc_grads, sums, divisor, inner_state, params, mean_loss):
-    updates, new_inner = _step(
-      config,
-      place,
-      grads,
-      extra,
-      sums,
-      divisor,
-      inner_state,
-      params,
-      mean_loss,
-    )
-    return hold(updates, acc_grads), new_inner
-
-  def no_step(acc_grads, sums, divisor, inner_state, params, mean_loss):
-    del sums, divisor, params, mean_loss
-    return hold(None, acc_grads), inner_state
-
-  operands = (window.acc_grads, sums, divisor, inner_state, params)
-  operands += (closed.mean_loss,)
-  held, new_inner = place.cond(closed.emitted, step, no_step, *operands)
-  return held, new_inner, closed
-
-
-def close_now(config, place, grads, window, inner_state, params, extra):
-  """Closes the window without a conditional (the host decided: ``close=
-  True``): the reduction sits in the program beside the backward pass.
-  Returns a :class:`Closing`, as :func:`close_if`."""
-  _, with_value = _update_shapes(
-    config, place, grads, inner_state, params, extra
-  )
-  sums, divisor, closed = _reduce(config, place, window)
-  updates, inner_state = _step(
-    config,
-    place,
-    grads,
-    (extra[0], with_value),
-    sums,
-    divisor,
-    inner_state,
-    params,
-    closed.mean_loss,
-    closed.emitted,
-  )
-  return Closing(updates, reset_if(place, True, window), inner_state, closed)
-
-
-def keep_open(config, place, grads, window, inner_state, params, extra):
-  """The window left open (the host decided: ``close=False``): -0.0
-  updates shaped like ``inner``'s, and no ``inner`` work."""
-  shapes, _ = _update_shapes(config, place, grads, inner_state, params, extra)
-  zero = jnp.zeros([], window.acc_tokens.dtype)
-  no_loss = jnp.zeros([], window.acc_loss.dtype)
-  closed = Closed(jnp.asarray(False), jnp.asarray(True), zero, no_loss)
-  return Closing(_zeros(shapes), window, inner_state, closed)
-
-
-def _held(place, updates, acc_grads, *, shapes, buffer):
-  """What the closing branch returns in place of the updates (None: no
-  updates): written into the accumulator's buffer where it can hold them
-  exactly (``buffer``), so that a micro-step writes no parameter-sized
-  zeros and copies nothing; fresh zeros otherwise. Where the buffer is
-  typed otherwise (partial sums), it holds the updates typed like itself."""
-  if not buffer:
-    return _zeros(shapes) if updates is None else updates
-  if updates is None:
-    return acc_grads
-  held = optax.tree.cast_like(updates, acc_grads)
-  return jax.tree.map(place.same_values, held, acc_grads)
-
-
-def _release(place, held, shapes, emitted):
-  """The updates from the buffer that held them: -0.0 unless ``emitted``
-  (the buffer holds the window's sums on a micro-step), typed and cast like
-  ``inner``'s updates. The value picked is the same on every device."""
-
-  def pick(h, emitted):
-    return jnp.where(emitted, h, _signed(jnp.zeros_like(h)))
-
-  def release(h, s):
-    return place.per_device(pick, (h, emitted), s).astype(s.dtype)
-
-  return jax.tree.map(release, held, shapes)
-
-
-def close_if(config, place, close, grads, window, inner_state, params, extra):
-  """Closes the window if ``close``, in one ``lax.cond``; ``extra`` is
-  ``(extra_args, whether loss was passed)``.
-
-  Returns a :class:`Closing`. The updates have the
-  shapes and dtypes of ``inner``'s (``jax.eval_shape``, as in
-  ``optax.MultiSteps``). Everything the branches read is an operand, never
-  a closure: a buffer that reaches the ``cond`` twice is copied on every
-  micro-step.
-  """
-  shapes, with_value = _update_shapes(
-    config, place, grads, inner_state, params, extra
-  )
-  extra = (extra[0], with_value)
-  buffer = _holds_exactly(place, window.acc_grads, shapes)
-
-  def hold(updates, acc_grads):
-    return _held(place, updates, acc_grads, shapes=shapes, buffer=buffer)
-
-  def closing(window, inner_state, params):
-    return _close(
-      config, place, grads, window, inner_state, params, extra, hold
-    )
-
-  def accumulating(window, inner_state, params):
-    zero = jnp.zeros([], window.acc_tokens.dtype)
-    no_loss = jnp.zeros([], window.acc_loss.dtype)
-    closed = Closed(jnp.asarray(False), jnp.asarray(True), zero, no_loss)
-    return hold(None, window.acc_grads), inner_state, closed
-
-  held, inner_state, closed = place.cond(
-    close, closing, accumulating, window, inner_state, params
-  )
-  window = reset_if(place, close, window)
-  if not buffer:
-    return Closing(held, window, inner_state, closed)
-  updates = _release(place, held, shapes, closed.emitted)
-  return Closing(updates, window._replace(acc_grads=held), inner_state, closed)
-
-
-def _update_shapes(config, place, grads, inner_state, params, extra):
-  """The shapes, dtypes and types of ``inner``'s updates, and whether
-  ``inner`` takes ``value``: with ``loss`` passed it gets the window's
-  loss unless it accepts no ``value`` keyword (``optax.contrib.sam``).
-  Without ``loss``, if ``inner`` needs ``value``, the error names ``loss``.
-  """
-  extra_args, with_loss = extra
-
-  def shapes(extra_args):
-    return jax.eval_shape(
-      lambda g, s, p: inner_update(config, place, g, s, p, extra_args)[0],
-      jax.tree.map(place.whole, grads),
-      inner_state,
-      params,
-    )
-
-  if with_loss:
-    value = jnp.zeros([], config.loss_dtype)
-    try:
-      return shapes(dict(extra_args, value=value)), True
-    except TypeError as e:
-      if "unexpected keyword argument 'value'" not in str(e):
-        raise
-  try:
-    return shapes(extra_args), False
-  except TypeError as e:
-    error = _validation.needs_value_error(e)
-    if error is None or with_loss:
-      raise
-    raise error from e
-
-
-def _holds_exactly(place, acc_grads: optax.Updates, updates: Any) -> bool:
-  """Whether the accumulator's buffer can hold ``updates`` exactly: same
-  shapes, a dtype that holds theirs, and what the placement allows."""
-  if jax.tree.structure(acc_grads) != jax.tree.structure(updates):
-    return False
-  return all(
-    a.shape == u.shape
-    and jnp.promote_types(a.dtype, u.dtype) == a.dtype
-    and place.can_hold(a, u)
-    for a, u in zip(jax.tree.leaves(acc_grads), jax.tree.leaves(updates))
-  )
-
-
-def _zeros(shapes: Any) -> Any:
-  """Zero updates of the given shapes, dtypes and shardings, varying over
-  no axis (``zeros_like`` of a gradient would inherit its per-device
-  variance and make the parameters vary). They are -0.0, so that adding
-  them leaves every parameter bit-identical (-0.0 + 0.0 is +0.0)."""
-
-  def zeros(shape):
-    sharding = getattr(shape, 'sharding', None)
-    spec = getattr(sharding, 'spec', None)
-    if spec is not None and (
-      any(e is not None for e in _explicit.partitions(spec))
-      or spec.reduced
-      or spec.unreduced
-    ):
-      return _signed(jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding))
-    return _signed(jnp.zeros(shape.shape, shape.dtype))
-
-  return jax.tree.map(zeros, shapes)
-
-
-def _signed(zeros: jax.Array) -> jax.Array:
-  """-0.0 for floating zeros (other dtypes have one zero)."""
-  return -zeros if jnp.issubdtype(zeros.dtype, jnp.inexact) else zeros

@@ -416,3 +416,14 @@ def test_with_axis_name_is_refused_pointing_to_explicit_sharding():
       shard_optimizer_over=('data',),
     )
   assert 'explicit sharding' in str(error.value)
+
+
+def test_an_inner_without_parameter_shaped_state_is_refused():
+  """Plain SGD keeps no state: nothing to shard, said rather than ignored."""
+  mesh = test_explicit.ddp_mesh()
+  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), K)
+  with jax.set_mesh(mesh):
+    params = jax.device_put(init_params(), P(reduced={'data'}))
+    with pytest.raises(ValueError, match='shard_optimizer_over') as error:
+      tokacc.init_sharded(tx, params, mesh, shard_optimizer_over=('data',))
+  assert 'nothing to shard' in str(error.value)
