@@ -269,9 +269,9 @@ def _ablation(patch):
 def _no_buffer():
   """The updates written to fresh -0.0 zeros, not held in the
   accumulator's buffer (a parameter-sized write on every micro-step)."""
-  from optax_tokacc import _window  # noqa: PLC0415
+  from optax_tokacc import _closing  # noqa: PLC0415
 
-  return _patched(_window, '_holds_exactly', lambda *args: False)
+  return _patched(_closing, '_holds_exactly', lambda *args: False)
 
 
 def _select_restart():
