@@ -150,7 +150,7 @@ LAYOUTS = {
 }
 
 
-def setup(layout='ddp'):
+def make_run(layout='ddp'):
   mesh = LAYOUTS[layout].mesh()
   tx = tokacc.token_weighted_multistep(inner(), K)
 
@@ -187,7 +187,7 @@ def train(windows, interrupt_at=None, layout='ddp', host_closes=False):
   """ZeRO-1 training; ``interrupt_at``: the micro-step after which the
   state goes through ``to_checkpoint`` / ``from_checkpoint``;
   ``host_closes``: ``close=False`` / ``True`` from the host."""
-  mesh, tx, step = setup(layout)
+  mesh, tx, step = make_run(layout)
   with jax.set_mesh(mesh):
     params, place = placed(mesh, layout)
     state = init_state(tx, params, mesh, layout)
@@ -253,7 +253,7 @@ def test_state_is_sharded_and_a_fixed_point_of_the_step(
   (no dimension divides the axis) stay whole; the accumulator stays partial
   sums; the step gives back the types it was given."""
   windows = make_windows()[:1]
-  mesh, tx, _ = setup(layout)
+  mesh, tx, _ = make_run(layout)
   with jax.set_mesh(mesh):
     params, _ = placed(mesh, layout)
     state = init_state(tx, params, mesh, layout)
@@ -287,7 +287,7 @@ def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
   """Micro-steps: no collective. The closing branch: ``w``'s window
   reduce-scattered, its updates all-gathered; no all-reduce of its size
   (the scalars, ``b`` and the clip's norm are reduced whole)."""
-  mesh, tx, step = setup()
+  mesh, tx, step = make_run()
   with jax.set_mesh(mesh):
     params, place = placed(mesh)
     state = init_state(tx, params, mesh)
@@ -321,7 +321,7 @@ def test_hsdp_window_reduce_scattered_over_replica_once():
   accumulator shard over 'replica' into (4, 2), all-gathers the (4, 4)
   updates over 'replica', and all-reduces nothing of ``w``'s size (only
   the count, the loss, ``b`` and the clip's norm are reduced whole)."""
-  mesh, tx, step = setup('hsdp')
+  mesh, tx, step = make_run('hsdp')
   with jax.set_mesh(mesh):
     params, place = placed(mesh, 'hsdp')
     state = init_state(tx, params, mesh, 'hsdp')

@@ -131,7 +131,7 @@ class Run(NamedTuple):
   place: Callable
 
 
-def setup(reduction, variant, k):
+def make_run(reduction, variant, k):
   tx = make_tx(reduction, k)
   step = local_step(tx, reduction, variant)
   params = init_params()
@@ -166,7 +166,7 @@ def as_matrix(params):
 
 def train(reduction, variant, k, windows):
   """Parameters (per device) and window loss after each window."""
-  step, params, state, place = setup(reduction, variant, k)
+  step, params, state, place = make_run(reduction, variant, k)
   trajectory = []
   for window in windows:
     for batch in window:
@@ -323,7 +323,7 @@ def test_mean_loss_with_autodiff_summed_grads_is_refused():
   """Without ``pcast``, autodiff sums the devices' mean-loss gradients on
   every micro-step: no scaling by the counts gives the token-weighted mean
   back. Refused when the step is traced, naming the argument and the fix."""
-  run = setup(*REFUSED, k=1)
+  run = make_run(*REFUSED, k=1)
   batch = run.place(smallest_case()[0][0])
   with pytest.raises(ValueError, match='loss_reduction') as error:
     run.step.lower(run.params, run.state, batch)
