@@ -71,9 +71,24 @@ def inner_update(
   return updates, place.like(new_inner, inner_state)
 
 
-def _reduce(config, place, window: Window):
-  """The window summed over the devices (its one reduction): its sums, the
-  divisor of its mean, and what closing it gives."""
+class _Sums(NamedTuple):
+  """The window summed over the devices: what ``inner``'s step reads."""
+
+  sums: optax.Updates
+  divisor: jax.Array  # its count, at least 1
+  mean_loss: jax.Array
+
+
+def _open(window: Window) -> Closed:
+  """What a call that leaves the window open gives: nothing emitted."""
+  zero = jnp.zeros([], window.acc_tokens.dtype)
+  no_loss = jnp.zeros([], window.acc_loss.dtype)
+  return Closed(jnp.asarray(False), jnp.asarray(True), zero, no_loss)
+
+
+def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
+  """The window summed over the devices (its one reduction), and what
+  closing it gives."""
   sums = _compensated.window_sums(
     window.acc_grads, window.acc_compensation, config.compensated
   )
@@ -82,32 +97,24 @@ def _reduce(config, place, window: Window):
   emitted = jnp.logical_and(valid, total > 0)
   divisor = jnp.maximum(total, 1)
   mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
-  return sums, divisor, Closed(emitted, valid, total, mean_loss)
+  closed = Closed(emitted, valid, total, mean_loss)
+  return _Sums(sums, divisor, mean_loss), closed
 
 
 def _step(
-  config,
-  place,
-  grads,
-  extra,
-  sums,
-  divisor,
-  inner_state,
-  params,
-  mean_loss,
-  emitted=None,
+  config, place, grads, extra, summed, inner_state, params, emitted=None
 ):
   """``inner`` run once on the window's token-mean gradient, with
   ``value=`` the window's token-mean loss when ``loss`` was passed."""
 
   def mean(s):
     wide = jnp.promote_types(s.dtype, jnp.float32)
-    return s.astype(wide) / divisor.astype(wide)
+    return s.astype(wide) / summed.divisor.astype(wide)
 
   extra_args, with_value = extra
   if with_value:
-    extra_args = dict(extra_args, value=mean_loss)
-  mean_grads = optax.tree.cast_like(jax.tree.map(mean, sums), grads)
+    extra_args = dict(extra_args, value=summed.mean_loss)
+  mean_grads = optax.tree.cast_like(jax.tree.map(mean, summed.sums), grads)
   return inner_update(
     config, place, mean_grads, inner_state, params, extra_args, emitted
   )
@@ -122,28 +129,19 @@ def _close(config, place, grads, window, inner_state, params, extra, hold):
   between the new and the old inner state would keep both alive
   (temporaries the size of the inner state on every step).
   """
-  sums, divisor, closed = _reduce(config, place, window)
+  summed, closed = _reduce(config, place, window)
 
-  def step(acc_grads, sums, divisor, inner_state, params, mean_loss):
+  def step(acc_grads, summed, inner_state, params):
     updates, new_inner = _step(
-      config,
-      place,
-      grads,
-      extra,
-      sums,
-      divisor,
-      inner_state,
-      params,
-      mean_loss,
+      config, place, grads, extra, summed, inner_state, params
     )
     return hold(updates, acc_grads), new_inner
 
-  def no_step(acc_grads, sums, divisor, inner_state, params, mean_loss):
-    del sums, divisor, params, mean_loss
+  def no_step(acc_grads, summed, inner_state, params):
+    del summed, params
     return hold(None, acc_grads), inner_state
 
-  operands = (window.acc_grads, sums, divisor, inner_state, params)
-  operands += (closed.mean_loss,)
+  operands = (window.acc_grads, summed, inner_state, params)
   held, new_inner = place.cond(closed.emitted, step, no_step, *operands)
   return held, new_inner, closed
 
@@ -155,18 +153,10 @@ def close_now(config, place, grads, window, inner_state, params, extra):
   _, with_value = _update_shapes(
     config, place, grads, inner_state, params, extra
   )
-  sums, divisor, closed = _reduce(config, place, window)
+  summed, closed = _reduce(config, place, window)
+  extra = (extra[0], with_value)
   updates, inner_state = _step(
-    config,
-    place,
-    grads,
-    (extra[0], with_value),
-    sums,
-    divisor,
-    inner_state,
-    params,
-    closed.mean_loss,
-    closed.emitted,
+    config, place, grads, extra, summed, inner_state, params, closed.emitted
   )
   return Closing(updates, reset_if(place, True, window), inner_state, closed)
 
@@ -175,10 +165,7 @@ def keep_open(config, place, grads, window, inner_state, params, extra):
   """The window left open (the host decided: ``close=False``): -0.0
   updates shaped like ``inner``'s, and no ``inner`` work."""
   shapes, _ = _update_shapes(config, place, grads, inner_state, params, extra)
-  zero = jnp.zeros([], window.acc_tokens.dtype)
-  no_loss = jnp.zeros([], window.acc_loss.dtype)
-  closed = Closed(jnp.asarray(False), jnp.asarray(True), zero, no_loss)
-  return Closing(_zeros(shapes), window, inner_state, closed)
+  return Closing(_zeros(shapes), window, inner_state, _open(window))
 
 
 def _held(place, updates, acc_grads, *, shapes, buffer):
@@ -234,10 +221,8 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     )
 
   def accumulating(window, inner_state, params):
-    zero = jnp.zeros([], window.acc_tokens.dtype)
-    no_loss = jnp.zeros([], window.acc_loss.dtype)
-    closed = Closed(jnp.asarray(False), jnp.asarray(True), zero, no_loss)
-    return hold(None, window.acc_grads), inner_state, closed
+    del params
+    return hold(None, window.acc_grads), inner_state, _open(window)
 
   held, inner_state, closed = place.cond(
     close, closing, accumulating, window, inner_state, params

@@ -315,7 +315,7 @@ def _update(
     config.token_dtype,
     config.loss_dtype,
   )
-  _validation.grads(grads, params, state.acc_grads)
+  _validation.grads(grads, None, state.acc_grads)  # params: checked above
   _explicit.check_layout(grads, state, params)
   loss = _validation.loss(loss)
   emit_now = _validation.emit_now(emit_now)
@@ -348,8 +348,15 @@ def _update(
     closing = _closing.close_now(config, place, *args)
   else:
     closing = _closing.keep_open(config, place, *args)
+  new_state = _next_state(state, mini_step, close, closing, skip_state)
+  return closing.updates, place.leave(new_state)
+
+
+def _next_state(state, mini_step, close, closing, skip_state):
+  """The state after this call: a closed window starts afresh (its
+  parameter-sized buffers are restarted by its next micro-step)."""
   window, closed = closing.window, closing.closed
-  new_state = TokenWeightedMultiStepState(
+  return TokenWeightedMultiStepState(
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
     gradient_step=_increment_if(closed.emitted, state.gradient_step),
     acc_grads=window.acc_grads,
@@ -366,7 +373,6 @@ def _update(
       state.dropped_windows,
     ),
   )
-  return closing.updates, place.leave(new_state)
 
 
 def _increment_if(condition: jax.Array, counter: jax.Array) -> jax.Array:
