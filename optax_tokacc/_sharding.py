@@ -78,6 +78,24 @@ def _per_device_specs(state_specs: Any, axes: tuple[str, ...]) -> Any:
   )
 
 
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _follow(tx: Any, abstract: Any, specs: Any) -> Any:
+  """The specs of ``tx``'s state: parameter-shaped leaves take ``specs``'
+  (a ``MaskedNode`` of ``optax.masked`` or ``multi_transform`` stays
+  one), the others are replicated."""
+  return optax.tree_map_params(
+    tx,
+    lambda leaf, spec: leaf if _is_masked(leaf) else spec,
+    abstract,
+    specs,
+    transform_non_params=lambda _: P(),
+    is_leaf=lambda x: _is_spec(x) or _is_masked(x),
+  )
+
+
 def _param_specs(params: optax.Params, param_specs: Optional[Any]) -> Any:
   """``param_specs``, or the specs in the parameters' types (explicit
   sharding; replicated where a type carries none)."""
@@ -177,14 +195,7 @@ def state_partition_specs(
   """
   param_specs = _param_specs(params, param_specs)
   abstract = jax.eval_shape(tx.init, params)
-  specs = optax.tree_map_params(
-    tx,
-    lambda _, spec: spec,
-    abstract,
-    param_specs,
-    transform_non_params=lambda _: P(),
-    is_leaf=_is_spec,
-  )
+  specs = _follow(tx, abstract, param_specs)
   if axis_name is not None:
     axes = _manual.as_tuple(axis_name)
 
@@ -239,14 +250,7 @@ def _distributed_optimizer(
   def sharded(param, spec):
     return _zero1.shard_spec(param, axes, mesh, spec)
 
-  zero = optax.tree_map_params(
-    tx,
-    lambda _, spec: spec,
-    abstract,
-    jax.tree.map(sharded, params, param_specs),
-    transform_non_params=lambda _: P(),
-    is_leaf=_is_spec,
-  )
+  zero = _follow(tx, abstract, jax.tree.map(sharded, params, param_specs))
   nodes, treedef = jax.tree.flatten(specs, is_leaf=_is_spec_or_state)
   zero_nodes = treedef.flatten_up_to(zero)
   states = [

@@ -258,6 +258,50 @@ def test_fsdp_accumulator_sharded_like_the_params():
     assert mu.sharding.spec == spec
 
 
+def masked_adamw():
+  """AdamW on ``w`` only (``optax.masked``): its state holds a ``MaskedNode``
+  where ``v`` is."""
+  return optax.masked(harness.adamw(), {'w': True, 'v': False})
+
+
+def adamw_and_sgd():
+  """AdamW on ``w``, momentum SGD on ``v`` (``optax.multi_transform``)."""
+  return optax.multi_transform(
+    {'adamw': harness.adamw(), 'sgd': sgd()}, {'w': 'adamw', 'v': 'sgd'}
+  )
+
+
+REFERENCE_OPTIMIZERS.update(masked_adamw=masked_adamw, multi=adamw_and_sgd)
+
+
+@pytest.mark.parametrize('optimizer', ['masked_adamw', 'multi'])
+def test_fsdp_with_masked_inner_state(optimizer):
+  """``optax.masked`` and ``optax.multi_transform`` (and so
+  ``optax.contrib.muon``) keep ``MaskedNode``'s in their state where a
+  parameter is not theirs: ``init_sharded`` lays out the rest like the
+  parameters, and FSDP training equals full-batch training."""
+  windows, params = windows_and_params()
+  make = REFERENCE_OPTIMIZERS[optimizer]
+  tx = tokacc.token_weighted_multistep(make(), K)
+  actual, state = train_fsdp(tx, params, windows, fsdp_mesh())
+  expected, _ = full_batch(optimizer)
+  chex.assert_trees_all_close(
+    harness.fetch(actual), expected, rtol=TOLERANCE, atol=TOLERANCE
+  )
+  specs = tokacc.state_partition_specs(tx, params, param_specs=FSDP_SPECS)
+  leaves = jax.tree.leaves(state)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+  assert len(leaves) == len(spec_leaves)
+  mesh = fsdp_mesh()
+  for leaf, spec in zip(leaves, spec_leaves):
+    assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
+  shaped = [x for x in jax.tree.leaves(state.inner_state) if np.ndim(x) == 2]
+  w_sharding = NamedSharding(mesh, FSDP_SPECS['w'])
+  assert shaped and all(
+    x.sharding.is_equivalent_to(w_sharding, 2) for x in shaped
+  )
+
+
 def test_partial_manual_shard_map_refuses_the_full_specs():
   """Why the partial-manual step strips the specs to ``replica``: the specs
   of ``state_partition_specs`` mention ``fsdp``, which ``shard_map(...,
