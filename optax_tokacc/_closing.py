@@ -243,12 +243,17 @@ def _update_shapes(config, place, grads, inner_state, params, extra):
   extra_args, with_loss = extra
 
   def shapes(extra_args):
-    return jax.eval_shape(
-      lambda g, s, p: inner_update(config, place, g, s, p, extra_args)[0],
-      jax.tree.map(place.whole, grads),
-      inner_state,
-      params,
-    )
+    try:
+      return jax.eval_shape(
+        lambda g, s, p: inner_update(config, place, g, s, p, extra_args)[0],
+        place.reduced_types(grads),
+        inner_state,
+        params,
+      )
+    except Exception as e:
+      if place.refusal(e) is None:
+        raise
+      raise place.refusal(e) from e
 
   if with_loss:
     value = jnp.zeros([], config.loss_dtype)

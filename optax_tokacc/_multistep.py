@@ -230,12 +230,11 @@ def placement(config, params, state=None, grads=None, num_tokens=None):
   if not axes:
     return _placement.Single()
   place = _partial_sums.PartialSums.of(axes, params, state)
-  shard_axes = (
-    () if state is None else _zero1.sharded_axes(state.inner_state, axes)
+  if state is None:
+    return place
+  return _zero1.DistributedOptimizer.of(
+    place, config.inner, state.inner_state, grads
   )
-  if shard_axes:  # the distributed-optimizer (ZeRO-1) layout
-    return _zero1.DistributedOptimizer(place.axes, place.mesh, shard_axes)
-  return place
 
 
 def _init(

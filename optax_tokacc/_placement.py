@@ -28,7 +28,7 @@ top of ``init`` and ``update`` (``_multistep.placement``):
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 from jax import lax
@@ -79,6 +79,16 @@ class Single:
     """``x`` summed over the devices that hold parts of it, now (a value
     typed unreduced is reduced; any other is already whole)."""
     return _explicit.reduce_now(x)
+
+  def reduced_types(self, grads: Any) -> Any:
+    """Values typed as :meth:`reduce` types the window's sums (for shapes
+    only: ``jax.eval_shape`` of ``inner``)."""
+    return jax.tree.map(self.whole, grads)
+
+  def refusal(self, error: Exception) -> Optional[Exception]:
+    """Our error for ``inner`` failing to trace here (None: its own)."""
+    del error
+    return None
 
   def share(self, x: Any) -> Any:
     """A micro-batch's count or loss as this device's share of it."""

@@ -25,6 +25,7 @@ along which the parameter is not sharded.
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
@@ -82,15 +83,24 @@ def _is_masked(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
-def _follow(tx: Any, abstract: Any, specs: Any) -> Any:
+def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
   """The specs of ``tx``'s state: parameter-shaped leaves take ``specs``'
   (a ``MaskedNode`` of ``optax.masked`` or ``multi_transform`` stays
-  one), the others are replicated."""
+  one); the others (scalars, adafactor's factored moments) are
+  replicated."""
+
+  def follow(leaf, spec, param):
+    if _is_masked(leaf):
+      return leaf
+    shape, like = jnp.shape(leaf), jnp.shape(param)  # behind a slot axis?
+    return spec if shape[len(shape) - len(like) :] == like else _REPLICATED
+
   return optax.tree_map_params(
     tx,
-    lambda leaf, spec: leaf if _is_masked(leaf) else spec,
+    follow,
     abstract,
     specs,
+    params,
     transform_non_params=lambda _: P(),
     is_leaf=lambda x: _is_spec(x) or _is_masked(x),
   )
@@ -195,7 +205,7 @@ def state_partition_specs(
   """
   param_specs = _param_specs(params, param_specs)
   abstract = jax.eval_shape(tx.init, params)
-  specs = _follow(tx, abstract, param_specs)
+  specs = _follow(tx, abstract, param_specs, params)
   if axis_name is not None:
     axes = _manual.as_tuple(axis_name)
 
@@ -250,7 +260,9 @@ def _distributed_optimizer(
   def sharded(param, spec):
     return _zero1.shard_spec(param, axes, mesh, spec)
 
-  zero = _follow(tx, abstract, jax.tree.map(sharded, params, param_specs))
+  zero = _follow(
+    tx, abstract, jax.tree.map(sharded, params, param_specs), params
+  )
   nodes, treedef = jax.tree.flatten(specs, is_leaf=_is_spec_or_state)
   zero_nodes = treedef.flatten_up_to(zero)
   states = [

@@ -22,14 +22,20 @@ straight into the optimizer's shards (``lax.psum_scatter`` on each device's
 share). ``inner`` runs on the shards, and its updates are all-gathered to
 the parameters' type. A window moves the bytes of one all-reduce, and each
 device holds 1/N of the optimizer state.
+
+The layout is read from the state's types, leaf by leaf: each gradient is
+scattered as the state of its parameter is sharded (optax's
+``tree_map_params`` says which state belongs to which parameter), so
+moments resharded by hand are followed.
 """
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
+import optax
 
 from optax_tokacc import _explicit
 from optax_tokacc import _partial_sums
@@ -52,96 +58,168 @@ def shard_spec(x: Any, axes: tuple, mesh: Any, found: Any = None) -> P:
   found = _explicit.spec(x) if found is None else found
   parts = _explicit.partitions(found) if found is not None else ()
   parts += (None,) * (len(x.shape) - len(parts))
-  size = 1
-  for axis in axes:
-    size *= mesh.shape[axis]
-  dim = shard_dim(tuple(x.shape), parts, size)
+  dim = shard_dim(tuple(x.shape), parts, _size(mesh, axes))
   if dim is None:
     return P(*parts)
   lead = axes[0] if len(axes) == 1 else tuple(axes)
   return P(*parts[:dim], lead, *parts[dim + 1 :])
 
 
-def sharded_axes(inner_state: Any, axes: frozenset) -> tuple:
-  """The data axes some leaf of ``inner``'s state is sharded over."""
-  found = set()
-  for leaf in jax.tree.leaves(inner_state):
-    found |= _explicit.sharded(leaf) & axes
-  return tuple(sorted(found))
+def _size(mesh: Any, axes: Any) -> int:
+  size = 1
+  for axis in _names(axes):
+    size *= mesh.shape[axis]
+  return size
+
+
+def _names(entry: Any) -> tuple:
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+class Target(NamedTuple):
+  """Where a gradient's window goes: scattered on ``dim`` over ``axes``
+  (an entry of a spec), into shards typed ``spec``."""
+
+  dim: int
+  axes: Any
+  spec: P
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedOptimizer(_partial_sums.PartialSums):
-  """Partial sums, reduce-scattered into ``inner``'s shards over
-  ``shard_axes`` when the window closes."""
+  """Partial sums, reduce-scattered into the shards of ``inner``'s state
+  when the window closes; ``targets``: per gradient leaf, a ``Target``, or
+  None where its parameter's state is whole (all-reduced)."""
 
-  shard_axes: tuple = ()
+  targets: tuple = ()
 
-  def _spec(self, x: Any) -> P:
-    return shard_spec(x, self.shard_axes, self.mesh)
-
-  def _dim(self, spec: P) -> Optional[int]:
-    for dim, entry in enumerate(_explicit.partitions(spec)):
-      if entry in (self.shard_axes, self.shard_axes[0]):
-        return dim
-    return None
+  @classmethod
+  def of(cls, place, inner, inner_state, grads) -> Any:
+    """``place`` itself unless some of ``inner``'s state is sharded over
+    its data axes: the distributed-optimizer layout."""
+    if not any(
+      _explicit.sharded(x) & place.axes for x in jax.tree.leaves(inner_state)
+    ):
+      return place
+    targets = _targets(inner, inner_state, grads, place.axes)
+    if all(t is None for t in targets):
+      return place
+    return cls(place.axes, place.mesh, targets)
 
   def reduce(self, sums, acc_tokens, acc_loss):
     """One reduce-scatter of each leaf of partial sums into its shards (an
-    all-reduce for a leaf that no dimension divides), and the scalars in
-    one ``psum``."""
+    all-reduce for a leaf whose state is whole), and the scalars in one
+    ``psum``."""
     leaves, treedef = jax.tree.flatten(sums)
-    plans = [self._plan(leaf) for leaf in leaves]
+    targets = list(map(_scattered, leaves, self.targets))
+    sum_over = [_explicit.unreduced(x) for x in leaves]  # typed here only
     axes = tuple(sorted(self.axes))
 
     def reduce(leaves, acc_tokens, acc_loss):
       out = []
-      for leaf, (over, dim, _) in zip(leaves, plans):
-        if dim is not None:
+      for leaf, target, over in zip(leaves, targets, sum_over):
+        over = tuple(sorted(over))
+        if target is not None:
           leaf = lax.psum_scatter(
-            leaf, self.shard_axes, scatter_dimension=dim, tiled=True
+            leaf, target.axes, scatter_dimension=target.dim, tiled=True
           )
-          over = tuple(a for a in over if a not in self.shard_axes)
+          over = tuple(a for a in over if a not in _names(target.axes))
         out.append(lax.psum(leaf, over) if over else leaf)
       return out, lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
 
-    out_specs = ([spec for _, _, spec in plans], (P(), P()))
+    out_specs = (
+      [
+        _explicit.spec(x, unreduced=False) or P() if t is None else t.spec
+        for x, t in zip(leaves, targets)
+      ],
+      (P(), P()),
+    )
     reduced, (parts, loss) = _explicit.local(
       reduce, (leaves, acc_tokens, acc_loss), out_specs
     )
     return _placement.Reduced(treedef.unflatten(reduced), parts, loss)
 
-  def _plan(self, leaf):
-    """How a leaf is reduced: the axes it is summed over, the dimension
-    its sum is scattered on (None: not scattered), and its spec after."""
-    over = tuple(sorted(_explicit.unreduced(leaf)))
-    spec = self._spec(leaf)
-    dim = self._dim(spec)
-    if dim is None or not set(self.shard_axes) <= set(over):
-      return over, None, _explicit.spec(leaf, unreduced=False) or P()
-    return over, dim, spec
+  def reduced_types(self, grads):
+    leaves, treedef = jax.tree.flatten(grads)
+    return treedef.unflatten(
+      self.whole(x) if t is None else jax.reshard(self.whole(x), t.spec)
+      for x, t in zip(leaves, map(_scattered, leaves, self.targets))
+    )
 
-  def for_inner(self, tree):
-    """Reduced types dropped, and parameter-shaped leaves that are whole
-    sliced to this device's shard (free): what ``inner`` runs on."""
-
-    def shard(x):
-      x = _explicit.without_reduced(x)
-      if not hasattr(x, 'shape') or _explicit.sharded(x) & set(self.shard_axes):
-        return x
-      spec = self._spec(x)
-      return x if self._dim(spec) is None else jax.reshard(x, spec)
-
-    return jax.tree.map(shard, tree)
+  def refusal(self, error):
+    """``inner`` failing on the shards of its state (a sharding error)."""
+    if 'shard' not in str(error).lower():
+      return None
+    return ValueError(
+      'inner cannot run on the shards of its state, sharded over data axes '
+      '(shard_optimizer_over): it needs whole gradients, as the '
+      'orthogonalization of optax.contrib.muon does. Leave '
+      f'shard_optimizer_over out. (inner raised: {error})'
+    )
 
   def like(self, tree, reference):
     """Shards all-gathered where ``reference`` is whole, then typed like it."""
 
     def gather(x, ref):
-      if _explicit.sharded(x) & set(self.shard_axes) and not (
-        _explicit.sharded(ref) & set(self.shard_axes)
+      if _explicit.sharded(x) & self.axes and not (
+        _explicit.sharded(ref) & self.axes
       ):
         x = jax.reshard(x, P(*_explicit.partitions(_explicit.spec(ref))))
       return x
 
     return _explicit.like(jax.tree.map(gather, tree, reference), reference)
+
+
+def _scattered(leaf: Any, target: Optional[Target]) -> Optional[Target]:
+  """``target``, where ``leaf`` holds partial sums over its axes."""
+  if target is None or not set(_names(target.axes)) <= _explicit.unreduced(
+    leaf
+  ):
+    return None
+  return target
+
+
+def _targets(inner, inner_state, grads, axes) -> tuple:
+  """Per gradient leaf, the ``Target`` its parameter's state gives."""
+  leaves, treedef = jax.tree.flatten(grads)
+  found = [set() for _ in leaves]
+
+  def record(leaf, index):
+    if (
+      not isinstance(leaf, optax.MaskedNode)
+      and jax.numpy.shape(leaf) == jax.numpy.shape(leaves[index])
+      and _explicit.sharded(leaf) & axes
+    ):
+      found[index].add(P(*_explicit.partitions(_explicit.spec(leaf))))
+    return leaf
+
+  optax.tree_map_params(
+    inner,
+    record,
+    inner_state,
+    treedef.unflatten(range(len(leaves))),
+    is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+  )
+  return tuple(_target(x, specs, axes) for x, specs in zip(leaves, found))
+
+
+def _target(grad: Any, specs: set, axes: frozenset) -> Optional[Target]:
+  """The one ``Target`` of ``grad`` its state's ``specs`` describe."""
+  if not specs:
+    return None
+  spec = sorted(specs, key=str)[0]
+  parts = _explicit.partitions(spec)
+  grad_parts = _explicit.partitions(_explicit.spec(grad))
+  changed = [d for d, (a, b) in enumerate(zip(parts, grad_parts)) if a != b]
+  if len(specs) == 1 and len(changed) == 1:
+    dim = changed[0]
+    entry = parts[dim]
+    if grad_parts[dim] is None and set(_names(entry)) <= axes:
+      return Target(dim, entry, spec)
+  raise ValueError(
+    f'The optimizer state of a gradient typed {jax.typeof(grad)} is sharded '
+    f'as {sorted(map(str, specs))}: the window can be reduce-scattered into '
+    'one layout, that of the gradient with one more dimension split over '
+    'data axes. Lay the state out with tokacc.init_sharded(tx, params, '
+    'mesh, shard_optimizer_over=...).'
+  )

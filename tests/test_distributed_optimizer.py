@@ -183,14 +183,17 @@ def init_state(tx, params, mesh, layout='ddp'):
   )
 
 
-def train(windows, interrupt_at=None, layout='ddp', host_closes=False):
+def train(
+  windows, interrupt_at=None, layout='ddp', host_closes=False, init=init_state
+):
   """ZeRO-1 training; ``interrupt_at``: the micro-step after which the
   state goes through ``to_checkpoint`` / ``from_checkpoint``;
-  ``host_closes``: ``close=False`` / ``True`` from the host."""
+  ``host_closes``: ``close=False`` / ``True`` from the host; ``init``:
+  ``(tx, params, mesh, layout)`` to the initial state."""
   mesh, tx, step = make_run(layout)
   with jax.set_mesh(mesh):
     params, place = placed(mesh, layout)
-    state = init_state(tx, params, mesh, layout)
+    state = init(tx, params, mesh, layout)
     calls = 0
     for window in windows:
       for i, batch in enumerate(window):
@@ -224,8 +227,14 @@ def test_equals_full_batch_training(layout, host_closes):
   update, plus one rounding of the parameter per window.
   """
   windows = make_windows()
-  expected, largest = full_batch(windows)
   params, state = train(windows, layout=layout, host_closes=host_closes)
+  assert_equals_full_batch(windows, params)
+  assert int(state.gradient_step) == len(windows)
+
+
+def assert_equals_full_batch(windows, params):
+  """Within the bound derived in ``test_equals_full_batch_training``."""
+  expected, largest = full_batch(windows)
   n = max(int(sum(b['mask'].sum() for b in w)) for w in windows)
   m = n + harness.FEATURES + OUTPUTS + 20
   gamma = m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)
@@ -235,7 +244,6 @@ def test_equals_full_batch_training(layout, host_closes):
       4 * gamma * largest + UNIT_ROUNDOFF * np.abs(expected[name])
     )
     assert np.all(np.abs(got - expected[name]) <= bound), (got, expected)
-  assert int(state.gradient_step) == len(windows)
 
 
 @pytest.mark.parametrize(
@@ -303,6 +311,193 @@ def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
   for site in closing:
     if site.collective == 'all-reduce':
       assert w_shape not in site.shapes and w_shard not in site.shapes, site
+
+
+def on_last_dimension(tx, params, mesh, layout):
+  """DDP's state, its moments of ``w`` resharded by hand over 'data' on
+  their last dimension (``OUTPUTS`` = 4 = the devices), not the first that
+  ``shard_optimizer_over`` would choose."""
+  state = tokacc.init_sharded(tx, params, mesh)
+
+  def move(x):
+    return jax.reshard(x, P(None, 'data')) if x.ndim == 2 else x
+
+  return state._replace(inner_state=jax.tree.map(move, state.inner_state))
+
+
+def test_moments_resharded_by_hand_are_followed():
+  """The layout is read from the state's types, leaf by leaf: the window
+  is reduce-scattered into the last dimension's shards, the step keeps the
+  moments where the user put them, and training is exact."""
+  windows = make_windows()
+  params, state = train(windows, init=on_last_dimension)
+  assert_equals_full_batch(windows, params)
+  trace = state.inner_state[1][0].trace['w']
+  assert trace.sharding.spec == P(None, 'data')
+  assert {s.data.shape for s in trace.addressable_shards} == {
+    (harness.FEATURES, OUTPUTS // NUM_DEVICES)
+  }
+  mesh, tx, step = make_run()
+  with jax.set_mesh(mesh):
+    params, place = placed(mesh)
+    state = on_last_dimension(tx, params, mesh, 'ddp')
+    batch = place(make_windows()[0][0])
+    text = step.lower(params, state, batch).compile().as_text()
+  sites = explicit_ddp.sites_of(text)
+  closing = [s for s, path in sites if explicit_ddp.closing_only(path)]
+  shard = ('f32', (harness.FEATURES, OUTPUTS // NUM_DEVICES))
+  scatters = [s for s in closing if s.collective == 'reduce-scatter']
+  assert [s.shapes for s in scatters] == [(shard,)], closing
+
+
+def adamw_on_w():
+  return optax.masked(optax.adamw(0.1), {'w': True, 'b': False})
+
+
+def adamw_and_sgd():
+  labels = {'w': 'adamw', 'b': 'sgd'}
+  inners = {'adamw': optax.adamw(0.1), 'sgd': optax.sgd(0.1, momentum=0.9)}
+  return optax.multi_transform(inners, labels)
+
+
+COMPOSITIONS = {
+  'adamw': lambda: optax.adamw(0.1),
+  'lion': lambda: optax.lion(0.01),
+  'lamb': lambda: optax.lamb(0.1),  # trust ratios: norms of leaves
+  'adafactor': lambda: optax.adafactor(0.1),  # clips by a leaf's RMS
+  'masked': adamw_on_w,
+  'multi_transform': adamw_and_sgd,
+  'inject_hyperparams': lambda: optax.inject_hyperparams(optax.adamw)(0.1),
+  'apply_if_finite': lambda: optax.apply_if_finite(optax.adam(0.1), 3),
+  'schedule_free': lambda: optax.contrib.schedule_free_adamw(0.1),
+}
+
+
+def integer_case():
+  """Parameters and micro-batches of small integers, the loss of
+  ``loss_sum``: every partial sum and sum of one window's gradient is an
+  integer below 2**24, exact in float32 whatever the order of addition."""
+  rng = np.random.default_rng(11)
+  params = {
+    'w': rng.integers(-2, 3, (harness.FEATURES, OUTPUTS)).astype(np.float32),
+    'b': rng.integers(-2, 3, (3,)).astype(np.float32),
+  }
+  batches = []
+  for _ in range(K):
+    x = rng.integers(-2, 3, (NUM_DEVICES, 3, harness.FEATURES))
+    y = rng.integers(-2, 3, (NUM_DEVICES, 3, OUTPUTS))
+    mask = rng.integers(0, 2, (NUM_DEVICES, 3))
+    batches.append(
+      dict(x=x.astype(np.float32), y=y.astype(np.float32), mask=mask)
+    )
+  return params, batches
+
+
+def one_window(make_inner, shard_over):
+  """Parameters and ``inner``'s state after one window of explicit DDP,
+  with ``inner``'s state sharded over ``shard_over`` or whole (None)."""
+  mesh = test_explicit.ddp_mesh()
+  tx = tokacc.token_weighted_multistep(make_inner(), K)
+  values, batches = integer_case()
+  data = NamedSharding(mesh, P('data'))
+
+  @jax.jit
+  def step(params, state, batch):
+    grads = jax.grad(loss_sum)(params, batch)
+    num_tokens = jnp.einsum(
+      'bt->', batch['mask'], out_sharding=P(unreduced={'data'})
+    )
+    updates, state = tx.update(grads, state, params, num_tokens=num_tokens)
+    return optax.apply_updates(params, updates), state
+
+  with jax.set_mesh(mesh):
+    params = {
+      k: jax.device_put(v, LAYOUTS['ddp'].specs[k]) for k, v in values.items()
+    }
+    state = tokacc.init_sharded(
+      tx, params, mesh, shard_optimizer_over=shard_over
+    )
+    for batch in batches:
+      params, state = step(params, state, jax.device_put(batch, data))
+    return jax.device_get((params, state.inner_state)), state.inner_state
+
+
+NORMS = ('lamb', 'adafactor')
+
+
+@pytest.mark.parametrize('name', sorted(COMPOSITIONS))
+def test_compositions_equal_explicit_ddp(name):
+  """Every ``inner`` of the list runs on the shards and gives explicit
+  DDP's parameters and state after a window: bit for bit where ``inner``
+  is elementwise, since the window's gradient is exact
+  (``integer_case``). A norm of a leaf (``NORMS``) is summed in another
+  order over shards than whole: within ``gamma(n)`` of it relatively (n
+  its elements, Higham), and so is the scale it gives, applied once and
+  once more through the trust ratio or clip: the parameters agree within
+  ``4 gamma(n)`` of the update, plus one rounding of the parameter."""
+  values, _ = integer_case()
+  expected, _ = one_window(COMPOSITIONS[name], None)
+  actual, inner_state = one_window(COMPOSITIONS[name], ('data',))
+  if name not in NORMS:
+    jax.tree.map(np.testing.assert_array_equal, actual, expected)
+  else:
+    n = harness.FEATURES * OUTPUTS
+    gamma = n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF)
+    for key, value in values.items():
+      got, want = actual[0][key], expected[0][key]
+      update = np.max(np.abs(want - value))
+      bound = 4 * gamma * update + UNIT_ROUNDOFF * np.abs(want)
+      assert np.all(np.abs(got - want) <= bound), (key, got - want)
+  assert any(
+    _explicit.sharded(leaf) == {'data'} for leaf in jax.tree.leaves(inner_state)
+  )
+
+
+def test_an_inner_that_needs_whole_gradients_is_refused():
+  """``optax.contrib.muon`` orthogonalizes each whole gradient matrix, which
+  JAX cannot do on shards typed this way: refused at trace time."""
+  with pytest.raises(ValueError, match='shard_optimizer_over') as error:
+    one_window(lambda: optax.contrib.muon(0.1), ('data',))
+  assert 'needs whole gradients' in str(error.value)
+
+
+REFUSED_LAYOUTS = {
+  # mu and nu of w over 'data' on different dimensions
+  'two_ways': ('ddp', (P('data', None), P(None, 'data'))),
+  # w's fsdp-split dimension split over 'replica' as well
+  'split_dimension': ('hsdp', (P(('fsdp', 'replica'), None),) * 2),
+}
+
+
+@pytest.mark.parametrize('case', sorted(REFUSED_LAYOUTS))
+def test_a_state_the_window_cannot_be_scattered_into_is_refused(case):
+  """A layout of the moments that no reduce-scatter of the window gives is
+  refused at trace time, pointing to ``shard_optimizer_over``."""
+  layout, (mu_spec, nu_spec) = REFUSED_LAYOUTS[case]
+  mesh = LAYOUTS[layout].mesh()
+  tx = tokacc.token_weighted_multistep(optax.adam(0.1), K)
+  with jax.set_mesh(mesh):
+    params, place = placed(mesh, layout)
+    state = tokacc.init_sharded(tx, params, mesh)
+    adam = state.inner_state[0]
+    adam = adam._replace(
+      mu=dict(adam.mu, w=jax.reshard(adam.mu['w'], mu_spec)),
+      nu=dict(adam.nu, w=jax.reshard(adam.nu['w'], nu_spec)),
+    )
+    state = state._replace(inner_state=(adam,) + state.inner_state[1:])
+    batch = place(make_windows()[0][0])
+
+    @jax.jit
+    def step(params, state, batch):
+      grads = jax.grad(loss_sum)(params, batch)
+      num_tokens = jnp.einsum(
+        'bt->', batch['mask'], out_sharding=P(unreduced=set(mesh.axis_names))
+      )
+      return tx.update(grads, state, params, num_tokens=num_tokens)
+
+    with pytest.raises(ValueError, match='shard_optimizer_over') as error:
+      step(params, state, batch)
+  assert 'is sharded as' in str(error.value)
 
 
 FSDP_GROUPS = [[0, 1], [2, 3]]  # hsdp_mesh: devices (2 r + f) at (r, f)

@@ -271,15 +271,25 @@ def adamw_and_sgd():
   )
 
 
-REFERENCE_OPTIMIZERS.update(masked_adamw=masked_adamw, multi=adamw_and_sgd)
+def factored_adafactor():
+  """Adafactor with ``w``'s second moment factored into a row and a column
+  (leaves of ``tree_map_params`` that are not shaped like ``w``)."""
+  return optax.adafactor(harness.LEARNING_RATE, min_dim_size_to_factor=2)
 
 
-@pytest.mark.parametrize('optimizer', ['masked_adamw', 'multi'])
-def test_fsdp_with_masked_inner_state(optimizer):
+REFERENCE_OPTIMIZERS.update(
+  masked_adamw=masked_adamw, multi=adamw_and_sgd, adafactor=factored_adafactor
+)
+
+
+@pytest.mark.parametrize('optimizer', ['masked_adamw', 'multi', 'adafactor'])
+def test_fsdp_with_masked_or_factored_inner_state(optimizer):
   """``optax.masked`` and ``optax.multi_transform`` (and so
   ``optax.contrib.muon``) keep ``MaskedNode``'s in their state where a
-  parameter is not theirs: ``init_sharded`` lays out the rest like the
-  parameters, and FSDP training equals full-batch training."""
+  parameter is not theirs, factored Adafactor keeps moments of other
+  shapes: ``init_sharded`` lays out the parameter-shaped rest like the
+  parameters (the others replicated), and FSDP training equals full-batch
+  training."""
   windows, params = windows_and_params()
   make = REFERENCE_OPTIMIZERS[optimizer]
   tx = tokacc.token_weighted_multistep(make(), K)
@@ -289,17 +299,22 @@ def test_fsdp_with_masked_inner_state(optimizer):
     harness.fetch(actual), expected, rtol=TOLERANCE, atol=TOLERANCE
   )
   specs = tokacc.state_partition_specs(tx, params, param_specs=FSDP_SPECS)
+  mesh = fsdp_mesh()
+  state = tokacc.init_sharded(
+    tx, harness.put_tree(params, mesh, FSDP_SPECS), mesh, param_specs=FSDP_SPECS
+  )
   leaves = jax.tree.leaves(state)
   spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
   assert len(leaves) == len(spec_leaves)
-  mesh = fsdp_mesh()
   for leaf, spec in zip(leaves, spec_leaves):
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
-  shaped = [x for x in jax.tree.leaves(state.inner_state) if np.ndim(x) == 2]
+  w_shape = np.shape(params['w'])
+  inner = jax.tree.leaves(state.inner_state)
+  shaped = [x for x in inner if x.shape == w_shape]
   w_sharding = NamedSharding(mesh, FSDP_SPECS['w'])
-  assert shaped and all(
-    x.sharding.is_equivalent_to(w_sharding, 2) for x in shaped
-  )
+  assert all(x.sharding.is_equivalent_to(w_sharding, 2) for x in shaped)
+  # Adafactor keeps w's moment as a row and a column.
+  assert bool(shaped) == (optimizer != 'adafactor')
 
 
 def test_partial_manual_shard_map_refuses_the_full_specs():
