@@ -164,15 +164,12 @@ def _real_scalar(value: Any, name: str, what: str, fix: str = '') -> None:
   """Checks that ``value`` (what ``name`` holds) is a real scalar."""
   try:
     kind = jnp.result_type(value)
-  except TypeError as e:
+  except TypeError:
+    kind = None  # Not a number at all.
+  if kind is None or kind == jnp.bool_ or not jnp.issubdtype(kind, jnp.number):
     raise TypeError(
       f'{name} must be a real scalar ({what}); got {value!r} of type '
-      f'{type(value).__name__}.'
-    ) from e
-  if kind == jnp.bool_ or not jnp.issubdtype(kind, jnp.number):
-    raise TypeError(
-      f'{name} must be a real scalar ({what}); got {value!r} of dtype '
-      f'{kind}.{fix}'
+      f'{type(value).__name__}.{fix}'
     )
   if jnp.shape(value) != ():
     raise ValueError(
@@ -233,15 +230,11 @@ def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
   """``close``: None (the device decides), or a Python bool (the host)."""
   if value is None:
     return
-  if isinstance(value, jax.core.Tracer):
+  if not isinstance(value, bool):  # Also a traced value.
     raise TypeError(
-      'close must be None or a Python bool, static under jax.jit; got a '
-      'traced value. To close on a decision made on the device, pass emit_now.'
-    )
-  if not isinstance(value, bool):
-    raise TypeError(
-      'close must be None or a Python bool; got '
-      f'close={value!r} of type {type(value).__name__}.'
+      'close must be None or a Python bool (static under jax.jit, not '
+      'traced: to close on a decision made on the device, pass emit_now); '
+      f'got close={value!r} of type {type(value).__name__}.'
     )
   if tokens_per_update is not None:
     raise ValueError(
