@@ -239,8 +239,7 @@ def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
   if tokens_per_update is not None:
     raise ValueError(
       f'close={value} decides on the host and tokens_per_update='
-      f'{tokens_per_update} on the device: pass close=None, or build the '
-      'transform without tokens_per_update.'
+      f'{tokens_per_update} on the device: pass one of them.'
     )
   if emit_now is not None:
     raise ValueError(
