@@ -117,8 +117,7 @@ def without_device_slot(state: 'TokenWeightedMultiStepState'):
         raise ValueError(
           f'With axis_name, state.{name} needs a leading device-slot axis of '
           f'length 1; got a leaf of shape {jnp.shape(leaf)}. Initialize it '
-          'with tokacc.init_sharded(tx, params, mesh, ...) for shard_map, or '
-          'jax.pmap(tx.init) / tx.init replicated for pmap.'
+          'with tokacc.init_sharded (shard_map) or jax.pmap(tx.init) (pmap).'
         )
   return map_per_device(lambda x: x[0], state)
 
@@ -231,9 +230,7 @@ def window_loss(opt_state: optax.OptState) -> jax.Array:
 
 
 def apply_if_updated(
-  params: optax.Params,
-  updates: optax.Updates,
-  opt_state: optax.OptState,
+  params: optax.Params, updates: optax.Updates, opt_state: optax.OptState
 ) -> optax.Params:
   """Applies ``updates`` to ``params``; kept from 0.1, now ``apply_updates``.
 

@@ -76,9 +76,8 @@ class _Accumulating:
     (saturating) if ``gradient_step`` did.
     """
     emitted = self._gradient_step() != before
-    step = jnp.asarray(step)
     step = jnp.where(emitted, optax.safe_increment(step), step)
-    return step, optax.safe_increment(jnp.asarray(micro_step)), emitted
+    return step, optax.safe_increment(micro_step), emitted
 
   @property
   def window_loss(self) -> jax.Array:
