@@ -21,6 +21,7 @@ turns every leaf into an ordinary array, moving no data, and
 :func:`from_checkpoint` restores the types bit for bit.
 """
 
+import math
 from typing import Any
 
 import jax
@@ -28,11 +29,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_tokacc import _explicit
-
-
-def _mesh_order(x: Any, axes: frozenset) -> tuple:
-  names = _explicit.mesh_of(x).axis_names
-  return tuple(a for a in names if a in axes)
 
 
 def to_checkpoint(tree: Any) -> Any:
@@ -89,9 +85,9 @@ def to_checkpoint(tree: Any) -> Any:
     axes = _explicit.unreduced(x)
     if not axes:
       return _explicit.without_reduced(x)
-    found = _explicit.spec(x)
-    lead = _mesh_order(x, axes)
-    out = P(lead[0] if len(lead) == 1 else lead, *_explicit.partitions(found))
+    lead = tuple(a for a in _explicit.mesh_of(x).axis_names if a in axes)
+    parts = _explicit.partitions(_explicit.spec(x))
+    out = P(lead[0] if len(lead) == 1 else lead, *parts)
     return _explicit.local(lambda v: v[None], (x,), out)
 
   return jax.tree.map(split, tree)
@@ -120,8 +116,8 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
     if jnp.shape(x) != (_num_devices(ref),) + tuple(jnp.shape(ref)):
       raise ValueError(
         f'from_checkpoint: a leaf of shape {jnp.shape(x)} does not hold the '
-        f'partial sums of {jax.typeof(ref)}; pass what to_checkpoint gave (or '
-        'its checkpoint) and, as like, the tree it was made from.'
+        f'partial sums of {jax.typeof(ref)}: like must be the tree given to '
+        'to_checkpoint.'
       )
     return _explicit.local(lambda v: v[0], (x,), _explicit.spec(ref))
 
@@ -130,7 +126,4 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
 
 def _num_devices(x: Any) -> int:
   mesh = _explicit.mesh_of(x)
-  size = 1
-  for axis in _explicit.unreduced(x):
-    size *= mesh.shape[axis]
-  return size
+  return math.prod(mesh.shape[axis] for axis in _explicit.unreduced(x))

@@ -79,9 +79,6 @@ def with_input_checks(
     token_weighted_multistep: num_tokens=-3 is negative ... mini_step=0, ...
   """
 
-  def init_fn(params: optax.Params) -> optax.OptState:
-    return tx.init(params)
-
   def update_fn(
     updates: optax.Updates,
     state: optax.OptState,
@@ -92,10 +89,7 @@ def with_input_checks(
     **extra_args: Any,
   ) -> tuple[optax.Updates, optax.OptState]:
     before = find_state(state)
-    where = {
-      'mini_step': before.mini_step,
-      'gradient_step': before.gradient_step,
-    }
+    where = dict(mini_step=before.mini_step, gradient_step=before.gradient_step)
     if num_tokens is not None and jnp.shape(num_tokens) == ():
       checkify.check(
         jnp.asarray(num_tokens) >= 0,
@@ -122,12 +116,11 @@ def with_input_checks(
     checkify.check(
       after.dropped_windows == before.dropped_windows,
       'token_weighted_multistep: the window closed at mini_step={mini_step}, '
-      'gradient_step={gradient_step} was dropped: its token count, summed '
-      'over the window and the devices, does not fit token_dtype (2**31 - 1 '
-      'for int32), or a micro-step had a negative, NaN or (under an integer '
-      'counter) fractional num_tokens.',
+      'gradient_step={gradient_step} was dropped: its token count (window '
+      'and devices) overflows token_dtype, or a num_tokens was negative, NaN '
+      'or fractional under an integer counter.',
       **where,
     )
     return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)

@@ -35,22 +35,20 @@ def _check_inputs(
   if logits.ndim < 1:
     raise ValueError(
       'logits must have a trailing vocabulary axis, e.g. shape [batch, '
-      f'length, vocab]; got a scalar of shape {logits.shape}.'
+      f'length, vocab]; got shape {logits.shape}.'
     )
   if not jnp.issubdtype(logits.dtype, jnp.floating):
     raise TypeError(f'logits must be floating point; got dtype {logits.dtype}.')
   if labels.shape != logits.shape[:-1]:
     raise ValueError(
-      'labels must have the shape of logits without the vocabulary axis: '
-      f'logits have shape {logits.shape}, so labels need shape '
-      f'{logits.shape[:-1]}; got {labels.shape}. For next-token prediction '
+      f'labels must have the shape {logits.shape[:-1]} of logits without the '
+      f'vocabulary axis; got {labels.shape}. For next-token prediction '
       'shift first, e.g. logits[:, :-1] with labels tokens[:, 1:].'
     )
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise TypeError(
       f'labels must be integer class indices; got dtype {labels.dtype}. '
-      'Use labels.astype(jnp.int32) for index labels, or '
-      'optax.losses.softmax_cross_entropy for one-hot targets.'
+      'For one-hot targets use optax.losses.softmax_cross_entropy.'
     )
   if where is None:
     return
@@ -59,14 +57,10 @@ def _check_inputs(
       f'where must have the shape of labels {labels.shape} (one flag or '
       f'weight per token); got {where.shape}.'
     )
-  if not (
-    where.dtype == jnp.bool_
-    or jnp.issubdtype(where.dtype, jnp.integer)
-    or jnp.issubdtype(where.dtype, jnp.floating)
-  ):
+  real = (jnp.bool_, jnp.integer, jnp.floating)
+  if not any(jnp.issubdtype(where.dtype, kind) for kind in real):
     raise TypeError(
-      'where must be a bool mask or real token weights; got dtype '
-      f'{where.dtype}.'
+      f'where must be a bool mask or real token weights; got {where.dtype}.'
     )
 
 
@@ -80,10 +74,9 @@ def _token_weights(
   """
   if where is None:
     where = jnp.ones(labels.shape, jnp.bool_)
-  if jnp.issubdtype(where.dtype, jnp.floating):
-    weights = where.astype(jnp.promote_types(where.dtype, jnp.float32))
-  else:
-    weights = where.astype(jnp.int32)
+  floating = jnp.issubdtype(where.dtype, jnp.floating)
+  dtype = jnp.promote_types(where.dtype, jnp.float32) if floating else jnp.int32
+  weights = where.astype(dtype)
   if ignore_index is not None:
     weights = jnp.where(labels != ignore_index, weights, 0)
   return weights

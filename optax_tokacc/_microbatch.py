@@ -22,6 +22,7 @@ divided by the count, a plain optimizer.
 """
 
 from collections.abc import Callable
+import math
 from typing import Any
 
 import jax
@@ -32,28 +33,13 @@ import numpy as np
 import optax
 
 from optax_tokacc import _explicit
+from optax_tokacc import _validation
 
 Batch = Any
 TokenLossFn = Callable[[optax.Params, Batch], tuple[jax.Array, jax.Array]]
 TokenValueAndGradFn = Callable[
   [optax.Params, Batch], tuple[tuple[jax.Array, jax.Array], optax.Updates]
 ]
-
-
-def _check_microbatch_size(microbatch_size: Any) -> int:
-  if isinstance(microbatch_size, (bool, np.bool_)) or not isinstance(
-    microbatch_size, (int, np.integer)
-  ):
-    raise TypeError(
-      'microbatch_size must be a Python int >= 1 (examples per micro-batch); '
-      f'got {microbatch_size!r} of type {type(microbatch_size).__name__}.'
-    )
-  if microbatch_size < 1:
-    raise ValueError(
-      f'microbatch_size must be >= 1 (examples per micro-batch); got '
-      f'{microbatch_size}.'
-    )
-  return int(microbatch_size)
 
 
 def _batch_size(batch: Batch, microbatch_size: int) -> int:
@@ -72,9 +58,9 @@ def _batch_size(batch: Batch, microbatch_size: int) -> int:
   if batch_size % microbatch_size:
     raise ValueError(
       f'The batch size {batch_size} is not divisible by microbatch_size='
-      f'{microbatch_size}. Choose a microbatch_size that divides it (e.g. '
-      f'{np.gcd(batch_size, microbatch_size)}), or pad the batch to a '
-      'multiple of it with rows whose tokens do not count.'
+      f'{microbatch_size}. Use a divisor such as '
+      f'{np.gcd(batch_size, microbatch_size)}, or pad the batch with rows '
+      'whose tokens do not count.'
     )
   return batch_size
 
@@ -128,15 +114,11 @@ def microbatched_value_and_grad(
     >>> grads['w']
     Array(64., dtype=float32)
   """
-  microbatch_size = _check_microbatch_size(microbatch_size)
+  kinds = 'a Python int >= 1 (examples per micro-batch)'
+  microbatch_size = _validation.positive_int(
+    microbatch_size, 'microbatch_size', kinds
+  )
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-
-  def value_and_grad_in_float32(params, batch):
-    (loss_sum, num_tokens), grads = value_and_grad(params, batch)
-    grads = jax.tree.map(
-      lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads
-    )
-    return (loss_sum, num_tokens), grads
 
   def microbatched_fn(params, batch):
     num_microbatches = _batch_size(batch, microbatch_size) // microbatch_size
@@ -144,16 +126,15 @@ def microbatched_value_and_grad(
 
     def one(index):
       microbatch = jax.tree.map(lambda x: x[index], split)
-      return value_and_grad_in_float32(params, microbatch)
+      sums, grads = value_and_grad(params, microbatch)
+      return sums, jax.tree.map(_at_least_float32, grads)
 
     def add(index, total):
       return jax.tree.map(jnp.add, total, one(index))
 
     zeros = jax.tree.map(_zeros, jax.eval_shape(one, 0))
-    (loss_sum, num_tokens), grads_sum = lax.fori_loop(
-      0, num_microbatches, add, zeros
-    )
-    return (loss_sum, num_tokens), optax.tree.cast_like(grads_sum, params)
+    sums, grads_sum = lax.fori_loop(0, num_microbatches, add, zeros)
+    return sums, optax.tree.cast_like(grads_sum, params)
 
   return microbatched_fn
 
@@ -166,18 +147,15 @@ def _split(x: jax.Array, microbatch_size: int) -> jax.Array:
   (optax 0.2.8 compares JAX versions as strings and does not)."""
   rows = (microbatch_size, -1) + tuple(jnp.shape(x)[1:])
   found = _explicit.spec(x)
-  if found is None or all(p is None for p in _explicit.partitions(found)):
+  parts = () if found is None else _explicit.partitions(found)
+  if all(p is None for p in parts):
     return jnp.swapaxes(x.reshape(rows), 0, 1)
-  parts = _explicit.partitions(found)
-  mesh = jax.typeof(x).sharding.mesh
-  splits = 1
-  for axis in (parts[0],) if isinstance(parts[0], str) else parts[0] or ():
-    splits *= mesh.shape[axis]
+  axes = (parts[0],) if isinstance(parts[0], str) else parts[0] or ()
+  splits = math.prod(_explicit.mesh_of(x).shape[a] for a in axes)
   if microbatch_size % splits:
     raise ValueError(
       f'microbatch_size={microbatch_size} must be a multiple of the {splits} '
-      'devices the batch is split over, so that every micro-batch stays '
-      'split over them.'
+      'devices the batch is split over.'
     )
   grouped = jnp.reshape(x, rows, out_sharding=P(parts[0], None, *parts[1:]))
   return jnp.swapaxes(grouped, 0, 1)
@@ -185,7 +163,9 @@ def _split(x: jax.Array, microbatch_size: int) -> jax.Array:
 
 def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
   """Zeros of ``shape``, typed like it (unreduced gradients included)."""
-  sharding = getattr(shape, 'sharding', None)
-  if _explicit.spec(shape) is None:
-    return jnp.zeros(shape.shape, shape.dtype)
+  sharding = None if _explicit.spec(shape) is None else shape.sharding
   return jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding)
+
+
+def _at_least_float32(x: jax.Array) -> jax.Array:
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))

@@ -100,11 +100,8 @@ PER_DEVICE_FIELDS = (
 
 def map_per_device(fn: Any, state: 'TokenWeightedMultiStepState'):
   """``state`` with ``fn`` applied to every leaf of its per-device fields."""
-  return state._replace(
-    **{
-      name: jax.tree.map(fn, getattr(state, name)) for name in PER_DEVICE_FIELDS
-    }
-  )
+  per_device = {name: getattr(state, name) for name in PER_DEVICE_FIELDS}
+  return state._replace(**jax.tree.map(fn, per_device))
 
 
 def without_device_slot(state: 'TokenWeightedMultiStepState'):
@@ -116,13 +113,11 @@ def without_device_slot(state: 'TokenWeightedMultiStepState'):
   """
   for name in PER_DEVICE_FIELDS:
     for leaf in jax.tree.leaves(getattr(state, name)):
-      if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != 1:
+      if jnp.shape(leaf)[:1] != (1,):
         raise ValueError(
-          f'With axis_name, state.{name} carries a leading device-slot axis '
-          f'of length 1 on each device; got a leaf of shape '
-          f'{jnp.shape(leaf)}. Initialize the state with '
-          'tokacc.init_sharded(tx, params, mesh, ...) for shard_map, or '
-          'jax.pmap(tx.init) / tx.init replicated for pmap.'
+          f'With axis_name, state.{name} needs a leading device-slot axis of '
+          f'length 1; got a leaf of shape {jnp.shape(leaf)}. Initialize it '
+          'with tokacc.init_sharded (shard_map) or jax.pmap(tx.init) (pmap).'
         )
   return map_per_device(lambda x: x[0], state)
 
@@ -159,15 +154,12 @@ def find_state(opt_state: optax.OptState) -> TokenWeightedMultiStepState:
     >>> int(tokacc.find_state(state).gradient_step)
     0
   """
-  if _is_state(opt_state):
-    return opt_state
   leaves = jax.tree.leaves(opt_state, is_leaf=_is_state)
   found = [leaf for leaf in leaves if _is_state(leaf)]
   if len(found) != 1:
     raise ValueError(
-      'Expected the optimizer state to hold exactly one '
-      f'TokenWeightedMultiStepState, found {len(found)}. Pass the state of '
-      'token_weighted_multistep, or of a chain containing it once.'
+      'opt_state must hold exactly one TokenWeightedMultiStepState; found '
+      f'{len(found)}.'
     )
   return found[0]
 
@@ -238,9 +230,7 @@ def window_loss(opt_state: optax.OptState) -> jax.Array:
 
 
 def apply_if_updated(
-  params: optax.Params,
-  updates: optax.Updates,
-  opt_state: optax.OptState,
+  params: optax.Params, updates: optax.Updates, opt_state: optax.OptState
 ) -> optax.Params:
   """Applies ``updates`` to ``params``; kept from 0.1, now ``apply_updates``.
 
@@ -278,9 +268,8 @@ def check_is_state(state: Any) -> None:
   """``state`` must be the transform's own state."""
   if type(state).__name__ != 'TokenWeightedMultiStepState':
     raise TypeError(
-      'state must be the TokenWeightedMultiStepState returned by tx.init '
-      f'of this transform; got {type(state).__name__}. Inside optax.chain, '
-      "pass the chain's state to the chain's update."
+      'state must be the TokenWeightedMultiStepState of tx.init; got '
+      f"{type(state).__name__}. With optax.chain, pass the chain's state."
     )
 
 
@@ -294,32 +283,26 @@ def check_matches(
   """Refuses a state made (or restored) for another configuration."""
   acc_leaves = jax.tree.leaves(state.acc_grads)
   for leaf, expected in zip(acc_leaves, acc_dtypes):
-    if jnp.result_type(leaf) != expected:
-      _mismatch('acc_grads', jnp.result_type(leaf), expected)
+    _check_dtype('acc_grads', leaf, expected)
   has_compensation = bool(jax.tree.leaves(state.acc_compensation))
   if acc_leaves and has_compensation != bool(compensated):
     raise TypeError(
-      f'The state was made with compensated={has_compensation}, but this '
-      f'transform has compensated={bool(compensated)}. Restore into '
-      'tx.init(params) of this transform, or build it with '
-      f'compensated={has_compensation}.'
+      f'state has compensated={has_compensation}, but this transform has '
+      f'compensated={bool(compensated)}. Restore into its tx.init(params), '
+      f'or build it with compensated={has_compensation}.'
     )
-  for name, expected in (
-    ('acc_tokens', token_dtype),
-    ('last_tokens', token_dtype),
-    ('acc_loss', loss_dtype),
-    ('last_loss', loss_dtype),
-  ):
-    found = jnp.result_type(getattr(state, name))
-    if found != expected:
-      _mismatch(name, found, expected)
+  for name in ('acc_tokens', 'last_tokens'):
+    _check_dtype(name, getattr(state, name), token_dtype)
+  for name in ('acc_loss', 'last_loss'):
+    _check_dtype(name, getattr(state, name), loss_dtype)
 
 
-def _mismatch(field: str, found: Any, expected: Any) -> None:
-  raise TypeError(
-    f'state.{field} has dtype {found}, but this transform keeps it in '
-    f'{expected}: the state was made (or restored) for another '
-    'configuration. Restore into tx.init(params) of this transform as the '
-    'target, or build the transform with the dtypes of the state '
-    '(accumulator_dtype=..., token_dtype=...).'
-  )
+def _check_dtype(field: str, value: Any, expected: Any) -> None:
+  """``state.field`` (``value``) must have the dtype this transform keeps."""
+  found = jnp.result_type(value)
+  if found != expected:
+    raise TypeError(
+      f'state.{field} has dtype {found}, but this transform keeps it in '
+      f'{expected}. Restore into its tx.init(params), or build it with the '
+      "state's dtypes (accumulator_dtype=..., token_dtype=...)."
+    )

@@ -37,49 +37,60 @@ import optax_tokacc
 _OVERWRITE_WITH_GRADIENT = '_overwrite_with_gradient'
 
 
-def _find_state(
-  opt_state: optax.OptState, owner: str, plain: str
-) -> optax_tokacc.TokenWeightedMultiStepState:
-  """The accumulator's state, or an error naming ``owner``."""
-  try:
-    return optax_tokacc.find_state(opt_state)
-  except ValueError as e:
-    raise ValueError(
-      f'{owner} needs tx to be optax_tokacc.token_weighted_multistep(...) or '
-      f'a transformation that contains it once (e.g. optax.chain); {e} For a '
-      f'plain optimizer use {plain}.'
-    ) from e
-
-
 def _value(x: Any) -> jax.Array:
   """The array held by ``x``, an array or an ``nnx.Variable``."""
   return jnp.asarray(x[...] if isinstance(x, nnx.Variable) else x)
 
 
-def _gradient_step(
-  opt_state: optax.OptState, owner: str, plain: str
-) -> jax.Array:
-  """The accumulator's count of optimizer updates.
+class _Accumulating:
+  """What both classes read from the accumulator's state in ``opt_state``.
 
-  Unlike the state's ``emitted`` flag, whether it advanced cannot go stale
-  when a wrapper such as ``optax.apply_if_finite`` returns the previous state.
+  A subclass names in ``_PLAIN`` the Flax class to use for a plain optimizer.
   """
-  return _value(_find_state(opt_state, owner, plain).gradient_step)
+
+  def _acc_state(self) -> optax_tokacc.TokenWeightedMultiStepState:
+    """The accumulator's state, or an error naming the fix."""
+    try:
+      return optax_tokacc.find_state(self.opt_state)
+    except ValueError as e:
+      raise ValueError(
+        f'{type(self).__module__}.{type(self).__qualname__} needs tx to be '
+        'optax_tokacc.token_weighted_multistep(...) or a chain containing it '
+        f'once; {e} For a plain optimizer use {self._PLAIN}.'
+      ) from e
+
+  def _gradient_step(self) -> jax.Array:
+    """The accumulator's count of optimizer updates.
+
+    Unlike the state's ``emitted`` flag, whether it advanced cannot go stale
+    when a wrapper such as ``optax.apply_if_finite`` returns the previous
+    state.
+    """
+    return _value(self._acc_state().gradient_step)
+
+  def _counters(self, before: jax.Array, step: Any, micro_step: Any) -> tuple:
+    """``(step, micro_step, emitted)`` after one micro-batch.
+
+    ``before`` is the accumulator's ``gradient_step`` before the micro-batch,
+    ``step`` and ``micro_step`` the counts before it; ``step`` advances
+    (saturating) if ``gradient_step`` did.
+    """
+    emitted = self._gradient_step() != before
+    step = jnp.where(emitted, optax.safe_increment(step), step)
+    return step, optax.safe_increment(micro_step), emitted
+
+  @property
+  def window_loss(self) -> jax.Array:
+    """Token-mean loss of the last emitted window.
+
+    Returns:
+      A floating scalar: NaN before the first window and when ``loss`` was
+      never passed (see :func:`optax_tokacc.window_loss`).
+    """
+    return _value(self._acc_state().last_loss)
 
 
-def _advance(step: jax.typing.ArrayLike, emitted: jax.Array) -> jax.Array:
-  """``step + 1`` where ``emitted``, else ``step`` (saturating)."""
-  step = jnp.asarray(step)
-  return jnp.where(emitted, optax.safe_increment(step), step)
-
-
-_LINEN = (
-  'optax_tokacc.flax.TrainState',
-  'flax.training.train_state.TrainState',
-)
-
-
-class TrainState(train_state.TrainState):
+class TrainState(train_state.TrainState, _Accumulating):
   r"""A linen ``TrainState`` whose ``step`` counts optimizer updates.
 
   ``tx`` is :func:`optax_tokacc.token_weighted_multistep` (or a transformation
@@ -130,6 +141,7 @@ class TrainState(train_state.TrainState):
 
   micro_step: jax.typing.ArrayLike = 0
   has_updated: jax.typing.ArrayLike = False
+  _PLAIN = 'flax.training.train_state.TrainState'
 
   @classmethod
   def create(cls, *, apply_fn, params, tx, **kwargs) -> 'TrainState':
@@ -150,11 +162,9 @@ class TrainState(train_state.TrainState):
         :class:`optax_tokacc.TokenWeightedMultiStepState`.
     """
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
-    _find_state(state.opt_state, *_LINEN)
+    state._acc_state()
     return state.replace(
-      step=jnp.zeros([], jnp.int32),
-      micro_step=jnp.zeros([], jnp.int32),
-      has_updated=jnp.zeros([], jnp.bool_),
+      step=jnp.int32(0), micro_step=jnp.int32(0), has_updated=jnp.bool_(False)
     )
 
   def apply_gradients(
@@ -191,11 +201,10 @@ class TrainState(train_state.TrainState):
     """
     if isinstance(grads, dict) and _OVERWRITE_WITH_GRADIENT in grads:
       raise ValueError(
-        'optax_tokacc.flax.TrainState does not support fp8 '
-        f'{_OVERWRITE_WITH_GRADIENT!r} collections: accumulating them over '
-        'micro-steps is not defined. Use flax.training.train_state.TrainState.'
+        f'grads holds an fp8 {_OVERWRITE_WITH_GRADIENT!r} collection, which '
+        'cannot be accumulated; use flax.training.train_state.TrainState.'
       )
-    updates, new_opt_state = self.tx.update(
+    updates, opt_state = self.tx.update(
       grads,
       self.opt_state,
       self.params,
@@ -203,32 +212,15 @@ class TrainState(train_state.TrainState):
       loss=loss,
       **kwargs,
     )
-    emitted = _gradient_step(new_opt_state, *_LINEN) != _gradient_step(
-      self.opt_state, *_LINEN
+    params = optax.apply_updates(self.params, updates)
+    new = self.replace(params=params, opt_state=opt_state)
+    step, micro_step, emitted = new._counters(
+      self._gradient_step(), self.step, self.micro_step
     )
-    return self.replace(
-      step=_advance(self.step, emitted),
-      micro_step=optax.safe_increment(jnp.asarray(self.micro_step)),
-      has_updated=emitted,
-      params=optax.apply_updates(self.params, updates),
-      opt_state=new_opt_state,
-    )
-
-  @property
-  def window_loss(self) -> jax.Array:
-    """Token-mean loss of the last emitted window.
-
-    Returns:
-      A floating scalar: NaN before the first window and when ``loss`` was
-      never passed (see :func:`optax_tokacc.window_loss`).
-    """
-    return _value(_find_state(self.opt_state, *_LINEN).last_loss)
+    return new.replace(step=step, micro_step=micro_step, has_updated=emitted)
 
 
-_NNX = ('optax_tokacc.flax.Optimizer', 'flax.nnx.Optimizer')
-
-
-class Optimizer(nnx.Optimizer):
+class Optimizer(nnx.Optimizer, _Accumulating):
   r"""An ``nnx.Optimizer`` whose ``step`` counts optimizer updates.
 
   ``tx`` is :func:`optax_tokacc.token_weighted_multistep` (or a transformation
@@ -277,6 +269,8 @@ class Optimizer(nnx.Optimizer):
     True
   """
 
+  _PLAIN = 'flax.nnx.Optimizer'
+
   def __init__(
     self,
     model: nnx.Module,
@@ -300,7 +294,7 @@ class Optimizer(nnx.Optimizer):
         :class:`optax_tokacc.TokenWeightedMultiStepState`.
     """
     super().__init__(model, tx, wrt=wrt, **kwargs)
-    _find_state(self.opt_state, *_NNX)
+    self._acc_state()
     self.micro_step = nnx.OptState(jnp.zeros([], jnp.uint32))
     self.emitted = nnx.OptState(jnp.zeros([], jnp.bool_))
 
@@ -329,15 +323,13 @@ class Optimizer(nnx.Optimizer):
     Returns:
       What ``nnx.Optimizer.update`` returns (the updates in recent Flax).
     """
-    step = self.step[...]
-    gradient_step = _gradient_step(self.opt_state, *_NNX)
+    step, before = self.step[...], self._gradient_step()
     updates = super().update(
       model, grads, num_tokens=num_tokens, loss=loss, **kwargs
     )
-    emitted = _gradient_step(self.opt_state, *_NNX) != gradient_step
-    self.step[...] = _advance(step, emitted)
-    self.micro_step[...] = optax.safe_increment(self.micro_step[...])
-    self.emitted[...] = emitted
+    self.step[...], self.micro_step[...], self.emitted[...] = self._counters(
+      before, step, self.micro_step[...]
+    )
     return updates
 
   @property
@@ -348,13 +340,3 @@ class Optimizer(nnx.Optimizer):
       A boolean scalar.
     """
     return _value(self.emitted)
-
-  @property
-  def window_loss(self) -> jax.Array:
-    """Token-mean loss of the last emitted window.
-
-    Returns:
-      A floating scalar: NaN before the first window and when ``loss`` was
-      never passed (see :func:`optax_tokacc.window_loss`).
-    """
-    return _value(_find_state(self.opt_state, *_NNX).last_loss)

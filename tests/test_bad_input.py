@@ -31,7 +31,12 @@ def build(**kwargs):
 CONSTRUCTOR_CASES = [
   ('inner_is_factory', {'inner': optax.adam}, TypeError, r'inner must be an'),
   ('inner_none', {'inner': None}, TypeError, r'optax\.GradientTransformation'),
-  ('k_zero', {'every_k_schedule': 0}, ValueError, r'must be >= 1; got 0'),
+  (
+    'k_zero',
+    {'every_k_schedule': 0},
+    ValueError,
+    r'must be >= 1; got every_k_schedule=0',
+  ),
   ('k_negative', {'every_k_schedule': -3}, ValueError, r'must be >= 1'),
   ('k_float', {'every_k_schedule': 2.0}, TypeError, r'an int >= 1 or a'),
   ('k_str', {'every_k_schedule': '4'}, TypeError, r'every_k_schedule=4'),

@@ -256,7 +256,7 @@ def test_gradient_matches_reference_mean():
   ('logits_shape', 'labels_shape', 'where_shape', 'error', 'message'),
   [
     ((), (), None, ValueError, 'vocabulary axis'),
-    ((2, 3, 7), (2, 4), None, ValueError, r'labels need shape \(2, 3\)'),
+    ((2, 3, 7), (2, 4), None, ValueError, r'shape \(2, 3\) of logits'),
     ((2, 3, 7), (2, 3, 7), None, ValueError, 'labels must have the shape'),
     ((2, 3, 7), (2, 3), (2, 4), ValueError, 'where must have the shape'),
   ],
