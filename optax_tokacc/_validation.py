@@ -162,11 +162,12 @@ def token_dtype(dtype: Any) -> jnp.dtype:
 
 def _real_scalar(value: Any, name: str, what: str, fix: str = '') -> None:
   """Checks that ``value`` (what ``name`` holds) is a real scalar."""
-  try:
-    kind = jnp.result_type(value)
+  try:  # a str is no number, though jnp.result_type reads 'f4' as a dtype
+    kind = None if isinstance(value, str) else jnp.result_type(value)
   except TypeError:
     kind = None  # Not a number at all.
-  if kind is None or kind == jnp.bool_ or not jnp.issubdtype(kind, jnp.number):
+  real = (jnp.integer, jnp.floating)
+  if kind is None or not any(jnp.issubdtype(kind, k) for k in real):
     raise TypeError(
       f'{name} must be a real scalar ({what}); got {value!r} of type '
       f'{type(value).__name__}.{fix}'
@@ -193,8 +194,10 @@ def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
 
 
 def _check_concrete_count(value: Any, dtype: jnp.dtype) -> None:
-  if not value >= 0:  # Also NaN.
-    raise ValueError(f'num_tokens must be >= 0; got num_tokens={value}.')
+  if not 0 <= value < np.inf:  # Also NaN.
+    raise ValueError(
+      f'num_tokens must be a finite count >= 0; got num_tokens={value}.'
+    )
   if not jnp.issubdtype(dtype, jnp.integer):
     return
   if float(value) != int(value):

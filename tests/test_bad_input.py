@@ -188,6 +188,12 @@ UPDATE_CASES = [
   ),
   ('num_tokens_bool', {'num_tokens': True}, TypeError, r'num_tokens must be'),
   ('num_tokens_str', {'num_tokens': '3'}, TypeError, r'num_tokens must be'),
+  # A string that names a dtype: jnp.result_type reads it as one.
+  ('num_tokens_dtype_name', {'num_tokens': 'f4'}, TypeError, r'num_tokens'),
+  ('num_tokens_inf', {'num_tokens': np.inf}, ValueError, r'num_tokens=inf'),
+  ('num_tokens_complex', {'num_tokens': 3j}, TypeError, r'num_tokens must'),
+  ('loss_complex', {'loss': 1j}, TypeError, r'loss must be a real scalar'),
+  ('loss_dtype_name', {'loss': 'float32'}, TypeError, r'loss must be a real'),
   ('emit_now_str', {'emit_now': 'False'}, TypeError, r'emit_now must be'),
   (
     'loss_vector',
