@@ -22,6 +22,7 @@ devices' shares along their leading slot axis, split over the data axes
 along which the parameter is not sharded.
 """
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -207,45 +208,50 @@ def state_partition_specs(
   abstract = jax.eval_shape(tx.init, params)
   specs = _follow(tx, abstract, param_specs, params)
   if axis_name is not None:
-    axes = _manual.as_tuple(axis_name)
-
-    def fix(node):
-      if isinstance(node, _state.TokenWeightedMultiStepState):
-        return _per_device_specs(node, axes)
-      return node
-
+    layout = functools.partial(
+      _per_device_specs, axes=_manual.as_tuple(axis_name)
+    )
   else:
-    data_axes = frozenset().union(
-      *(s.reduced for s in jax.tree.leaves(param_specs, is_leaf=_is_spec))
+    reduced = (
+      s.reduced for s in jax.tree.leaves(param_specs, is_leaf=_is_spec)
     )
-
-    def fix(node):
-      if isinstance(node, _state.TokenWeightedMultiStepState):
-        return _partial_sum_specs(node, data_axes)
-      return node
-
-  specs = jax.tree.map(fix, specs, is_leaf=_is_spec_or_state)
+    layout = functools.partial(
+      _partial_sum_specs, data_axes=frozenset().union(*reduced)
+    )
+  zero = specs
   if shard_optimizer_over is not None:
-    specs = _distributed_optimizer(
-      tx,
-      params,
-      param_specs,
-      abstract,
-      specs,
-      shard_optimizer_over,
-      axis_name,
-      mesh,
+    zero = _distributed_optimizer(
+      tx, params, param_specs, abstract, shard_optimizer_over, axis_name, mesh
     )
+    if _inner_states(zero) == _inner_states(specs):
+      raise ValueError(
+        f'shard_optimizer_over={shard_optimizer_over!r}: inner keeps no '
+        'parameter-shaped state that the axes divide, so there is nothing to '
+        'shard. Use it with an optimizer that keeps moments (e.g. '
+        'optax.adamw), or leave it out.'
+      )
+
+  def fix(node, zero_node):
+    if not isinstance(node, _state.TokenWeightedMultiStepState):
+      return node
+    return layout(node)._replace(inner_state=zero_node.inner_state)
+
+  specs = jax.tree.map(fix, specs, zero, is_leaf=_is_spec_or_state)
   if manual_axes is None:
     return specs
   return _only_manual(specs, axis_name, manual_axes)
 
 
+def _inner_states(specs: Any) -> list:
+  nodes = jax.tree.leaves(specs, is_leaf=_is_spec_or_state)
+  return [n.inner_state for n in nodes if not _is_spec(n)]
+
+
 def _distributed_optimizer(
-  tx, params, param_specs, abstract, specs, shard_over, axis_name, mesh
+  tx, params, param_specs, abstract, shard_over, axis_name, mesh
 ):
-  """``specs`` with ``inner``'s parameter-shaped state of every
-  :class:`TokenWeightedMultiStepState` sharded over ``shard_over``."""
+  """The specs of ``tx``'s state with ``inner``'s parameter-shaped leaves
+  sharded over ``shard_over``."""
   if axis_name is not None:
     raise ValueError(
       f'shard_optimizer_over={shard_over!r} with axis_name={axis_name!r}: '
@@ -260,27 +266,8 @@ def _distributed_optimizer(
   def sharded(param, spec):
     return _zero1.shard_spec(param, axes, mesh, spec)
 
-  zero = _follow(
+  return _follow(
     tx, abstract, jax.tree.map(sharded, params, param_specs), params
-  )
-  nodes, treedef = jax.tree.flatten(specs, is_leaf=_is_spec_or_state)
-  zero_nodes = treedef.flatten_up_to(zero)
-  states = [
-    (node, z)
-    for node, z in zip(nodes, zero_nodes)
-    if isinstance(node, _state.TokenWeightedMultiStepState)
-  ]
-  if all(node.inner_state == z.inner_state for node, z in states):
-    raise ValueError(
-      f'shard_optimizer_over={shard_over!r}: inner keeps no parameter-shaped '
-      'state that the axes divide, so there is nothing to shard. Use it with '
-      'an optimizer that keeps moments (e.g. optax.adamw), or leave it out.'
-    )
-  return treedef.unflatten(
-    node._replace(inner_state=z.inner_state)
-    if isinstance(node, _state.TokenWeightedMultiStepState)
-    else node
-    for node, z in zip(nodes, zero_nodes)
   )
 
 
