@@ -62,10 +62,15 @@ class PartialSums(_placement.Single):
   def share(self, x):
     """A replicated value is put on one device (free); one unreduced over
     other axes is summed there."""
-    return _explicit.partial_sums(x, self.axes)
+    return _explicit.to_type(x, P(unreduced=self.axes))
 
   def scale(self, grad, factor):
-    return _explicit.scale(grad, factor)
+    """An unreduced gradient takes ``factor`` typed reduced (the product is
+    then linear in it)."""
+    axes = _explicit.unreduced(grad)
+    if axes:
+      factor = _explicit.to_type(factor, P(reduced=axes))
+    return grad * factor
 
   def per_device(self, fn, args, like):
     return _explicit.local(fn, args, _explicit.specs(like))
@@ -76,7 +81,7 @@ class PartialSums(_placement.Single):
     all-reduce per micro-step. That is exact for ``skip_not_finite`` (a sum
     is not finite when a partial sum is not); any other function sees the
     reduced gradients, at the cost of their all-reduce per micro-step."""
-    if not _explicit.any_unreduced(grads):
+    if not any(map(_explicit.unreduced, jax.tree.leaves(grads))):
       return super().judge(skip_fn, grads, step, params, exact)
     params = _explicit.without_reduced(params)
     if not exact:
@@ -89,13 +94,7 @@ class PartialSums(_placement.Single):
       result = _validation.call_skip_fn(skip_fn, grads, step, params)
       return _psum_tree(result, axes)
 
-    out_shape = jax.eval_shape(
-      lambda *args: _validation.call_skip_fn(skip_fn, *args),
-      *_explicit.unsharded_shapes((grads, step, params)),
-    )
-    return _explicit.local(
-      decide, (grads, step, params), _explicit.replicated(out_shape)
-    )
+    return _explicit.local(decide, (grads, step, params), P())
 
   def total(self, fn, x):
     axes = tuple(sorted(self.axes))
@@ -128,11 +127,9 @@ class PartialSums(_placement.Single):
 
 def _warn_reduced_skip():
   warnings.warn(
-    'token_weighted_multistep: should_skip_update_fn sees the reduced '
-    'gradients, which are unreduced partial sums here (explicit sharding): '
-    'this costs an all-reduce of the gradients on every micro-step. '
-    'tokacc.skip_not_finite decides on the partial sums instead (a scalar '
-    'all-reduce).',
+    'token_weighted_multistep: should_skip_update_fn sees reduced gradients,'
+    ' which costs an all-reduce of the gradients per micro-step under '
+    'explicit sharding; tokacc.skip_not_finite decides on the partial sums.',
     stacklevel=5,
   )
 
