@@ -103,26 +103,16 @@ class PartialSums(_placement.Single):
   def reduce(self, sums, acc_tokens, acc_loss):
     """The partial sums reduced on each device in one ``psum`` per distinct
     set of axes (one all-reduce in data parallelism)."""
-    leaves, treedef = jax.tree.flatten(sums)
-    partial = [i for i, leaf in enumerate(leaves) if _explicit.unreduced(leaf)]
+    over = [sorted(_explicit.unreduced(x)) for x in jax.tree.leaves(sums)]
     sum_over = _manual.Manual(
-      axes=tuple(sorted(self.axes)),
-      grad_axes=tuple(
-        tuple(sorted(_explicit.unreduced(leaves[i]))) for i in partial
-      ),
+      tuple(sorted(self.axes)), grad_axes=tuple(map(tuple, over))
     )
-    partial_leaves = [leaves[i] for i in partial]
-    out_specs = _placement.Reduced(
-      [_explicit.spec(leaf, unreduced=False) for leaf in partial_leaves],
-      P(),
-      P(),
+    specs = jax.tree.map(lambda x: _explicit.spec(x, unreduced=False), sums)
+    return _explicit.local(
+      sum_over.reduce,
+      (sums, acc_tokens, acc_loss),
+      _placement.Reduced(specs, P(), P()),
     )
-    reduced, parts, loss = _explicit.local(
-      sum_over.reduce, (partial_leaves, acc_tokens, acc_loss), out_specs
-    )
-    for i, leaf in zip(partial, reduced):
-      leaves[i] = leaf
-    return _placement.Reduced(treedef.unflatten(leaves), parts, loss)
 
 
 def _warn_reduced_skip():
