@@ -86,12 +86,9 @@ def accumulate(
   is not compensated.
   """
   if not compensated:
-    acc_grads = jax.tree.map(
-      lambda total, value: total + value.astype(total.dtype),
-      _restarted(acc_grads, restart, select),
-      addends,
-    )
-    return acc_grads, ()
+    acc_grads = _restarted(acc_grads, restart, select)
+    addends = optax.tree.cast_like(addends, acc_grads)
+    return jax.tree.map(jnp.add, acc_grads, addends), ()
   acc_grads, acc_compensation = _restarted(
     (acc_grads, acc_compensation), restart, select
   )

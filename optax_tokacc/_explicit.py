@@ -43,13 +43,7 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
   """The ``PartitionSpec`` in ``x``'s type, padded to its rank (None where
   the type carries no named sharding); ``unreduced=False`` drops the
   unreduced axes (the type of ``x`` once reduced)."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    sharding = x.sharding
-  elif isinstance(x, jax.Array):  # Python and NumPy values carry no layout
-    sharding = getattr(jax.typeof(x), 'sharding', None)
-  else:
-    return None
-  found = getattr(sharding, 'spec', None)
+  found = getattr(_sharding(x), 'spec', None)
   if not isinstance(found, P):
     return None
   parts = partitions(found)
@@ -64,10 +58,16 @@ def partitions(found: P) -> tuple:
   return tuple(getattr(found, 'partitions', found._partitions))
 
 
-def mesh_of(x: Any) -> Any:
+def _sharding(x: Any) -> Any:
   if isinstance(x, jax.ShapeDtypeStruct):
-    return x.sharding.mesh
-  return jax.typeof(x).sharding.mesh
+    return x.sharding
+  if isinstance(x, jax.Array):  # Python and NumPy values carry no layout
+    return getattr(jax.typeof(x), 'sharding', None)
+  return None
+
+
+def mesh_of(x: Any) -> Any:
+  return _sharding(x).mesh
 
 
 def deferred(axes: Any, mesh: Any) -> frozenset:

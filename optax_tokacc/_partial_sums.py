@@ -90,9 +90,8 @@ class PartialSums(_placement.Single):
       return super().judge(skip_fn, grads, step, params, exact)
     axes = tuple(sorted(self.axes))
 
-    def decide(grads, step, params):
-      result = _validation.call_skip_fn(skip_fn, grads, step, params)
-      return _psum_tree(result, axes)
+    def decide(*args):
+      return _psum_tree(_validation.call_skip_fn(skip_fn, *args), axes)
 
     return _explicit.local(decide, (grads, step, params), P())
 
