@@ -153,8 +153,8 @@ def check_bound(axis_name: AxisName) -> None:
   except NameError as e:
     raise ValueError(
       f'axis_name={axis_name!r} is not bound here. Call update inside '
-      'jax.pmap or jax.shard_map over that axis, or pass axis_name=None under '
-      'jax.jit with NamedSharding.'
+      'jax.pmap or jax.shard_map over that axis; under jax.jit with '
+      'NamedSharding, leave axis_name=None.'
     ) from e
 
 
