@@ -101,9 +101,8 @@ def reduce_trivial(tree: Any) -> Any:
     found, kept = spec(x), unreduced(x)
     if found is None or kept == found.unreduced:
       return x
-    return jax.reshard(
-      x, P(*partitions(found), reduced=found.reduced, unreduced=kept)
-    )
+    parts = partitions(found)
+    return jax.reshard(x, P(*parts, reduced=found.reduced, unreduced=kept))
 
   return jax.tree.map(reduce, tree)
 
