@@ -86,27 +86,16 @@ def accumulate(
   is not compensated.
   """
   if not compensated:
-    acc_grads = jax.tree.map(
-      lambda total, value: total + value.astype(total.dtype),
-      _restarted(acc_grads, restart, select),
-      addends,
-    )
-    return acc_grads, ()
+    acc_grads = _restarted(acc_grads, restart, select)
+    addends = optax.tree.cast_like(addends, acc_grads)
+    return jax.tree.map(jnp.add, acc_grads, addends), ()
   acc_grads, acc_compensation = _restarted(
     (acc_grads, acc_compensation), restart, select
   )
-  treedef = jax.tree.structure(acc_grads)
-  sums = [
-    _compensated_add(total, error, value)
-    for total, error, value in zip(
-      treedef.flatten_up_to(acc_grads),
-      treedef.flatten_up_to(acc_compensation),
-      treedef.flatten_up_to(addends),
-    )
-  ]
+  sums = jax.tree.map(_compensated_add, acc_grads, acc_compensation, addends)
   return (
-    treedef.unflatten([total for total, _ in sums]),
-    treedef.unflatten([error for _, error in sums]),
+    jax.tree.map(lambda _, pair: pair[0], acc_grads, sums),
+    jax.tree.map(lambda _, pair: pair[1], acc_grads, sums),
   )
 
 
@@ -116,10 +105,9 @@ def window_sums(
   """The window's sums: with compensation, ``total + error`` in >= float32."""
   if not compensated:
     return acc_grads
-  return jax.tree.map(
-    lambda total, error: (
-      total.astype(_wide(total.dtype)) + error.astype(_wide(total.dtype))
-    ),
-    acc_grads,
-    acc_compensation,
-  )
+
+  def window_sum(total, error):
+    wide = _wide(total.dtype)
+    return total.astype(wide) + error.astype(wide)
+
+  return jax.tree.map(window_sum, acc_grads, acc_compensation)

@@ -31,7 +31,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MIN_JAX = (0, 10, 0)
@@ -44,13 +43,7 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
   """The ``PartitionSpec`` in ``x``'s type, padded to its rank (None where
   the type carries no named sharding); ``unreduced=False`` drops the
   unreduced axes (the type of ``x`` once reduced)."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    sharding = x.sharding
-  elif isinstance(x, jax.Array):  # Python and NumPy values carry no layout
-    sharding = getattr(jax.typeof(x), 'sharding', None)
-  else:
-    return None
-  found = getattr(sharding, 'spec', None)
+  found = getattr(_sharding(x), 'spec', None)
   if not isinstance(found, P):
     return None
   parts = partitions(found)
@@ -65,10 +58,16 @@ def partitions(found: P) -> tuple:
   return tuple(getattr(found, 'partitions', found._partitions))
 
 
-def mesh_of(x: Any) -> Any:
+def _sharding(x: Any) -> Any:
   if isinstance(x, jax.ShapeDtypeStruct):
-    return x.sharding.mesh
-  return jax.typeof(x).sharding.mesh
+    return x.sharding
+  if isinstance(x, jax.Array):  # Python and NumPy values carry no layout
+    return getattr(jax.typeof(x), 'sharding', None)
+  return None
+
+
+def mesh_of(x: Any) -> Any:
+  return _sharding(x).mesh
 
 
 def deferred(axes: Any, mesh: Any) -> frozenset:
@@ -91,8 +90,7 @@ def _deferred(x: Any, axes: Any) -> frozenset:
 def unreduced(x: Any) -> frozenset:
   """The mesh axes over which ``x`` holds per-device partial sums (axes of
   size 1 aside: see :func:`reduce_trivial`)."""
-  found = spec(x)
-  return _deferred(x, getattr(found, 'unreduced', None))
+  return _deferred(x, getattr(spec(x), 'unreduced', None))
 
 
 def reduce_trivial(tree: Any) -> Any:
@@ -100,11 +98,8 @@ def reduce_trivial(tree: Any) -> Any:
   a partial sum over one device is the sum."""
 
   def reduce(x):
-    found = spec(x)
-    if found is None or not found.unreduced:
-      return x
-    kept = unreduced(x)
-    if kept == found.unreduced:
+    found, kept = spec(x), unreduced(x)
+    if found is None or kept == found.unreduced:
       return x
     parts = partitions(found)
     return jax.reshard(x, P(*parts, reduced=found.reduced, unreduced=kept))
@@ -114,22 +109,13 @@ def reduce_trivial(tree: Any) -> Any:
 
 def reduced(x: Any) -> frozenset:
   """The mesh axes over which ``x`` is typed reduced."""
-  found = spec(x)
-  return frozenset(getattr(found, 'reduced', ()) or ())
+  return frozenset(getattr(spec(x), 'reduced', ()))
 
 
 def sharded(x: Any) -> frozenset:
   """The mesh axes ``x`` is split over."""
-  axes = set()
-  found = spec(x)
-  for entry in partitions(found) if found is not None else ():
-    if entry is not None:
-      axes.update((entry,) if isinstance(entry, str) else entry)
-  return frozenset(axes)
-
-
-def _retyped(x: Any, new_spec: P) -> NamedSharding:
-  return jax.typeof(x).sharding.update(spec=new_spec)
+  found = spec(x)  # entries: None, an axis, or a tuple of axes
+  return frozenset(jax.tree.leaves(() if found is None else partitions(found)))
 
 
 def check_supported(tree: Any, what: str) -> None:
@@ -148,10 +134,8 @@ def check_supported(tree: Any, what: str) -> None:
 def data_axes(params: Any) -> frozenset:
   """The axes whose gradient reduction is deferred: those over which some
   parameter is typed reduced."""
-  axes = frozenset()
-  for leaf in jax.tree.leaves(params):
-    axes |= _deferred(leaf, reduced(leaf))
-  return axes
+  leaves = jax.tree.leaves(params)
+  return frozenset().union(*(_deferred(x, reduced(x)) for x in leaves))
 
 
 def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
@@ -161,7 +145,7 @@ def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
     return jnp.zeros_like(param, dtype=dtype)
   found = spec(param)
   gradient = P(*partitions(found), unreduced=_deferred(param, found.reduced))
-  sharding = _retyped(param, gradient)
+  sharding = jax.typeof(param).sharding.update(spec=gradient)
   return jnp.zeros(jnp.shape(param), dtype, out_sharding=sharding)
 
 
@@ -172,12 +156,6 @@ def to_type(x: Any, new_spec: P) -> jax.Array:
   if spec(x) == new_spec:
     return x
   return jax.reshard(x, new_spec)
-
-
-def partial_sums(x: Any, axes: frozenset) -> jax.Array:
-  """A scalar as partial sums over ``axes``: replicated values are put on
-  one device (free), values unreduced over other axes are summed there."""
-  return to_type(x, P(unreduced=axes))
 
 
 def without_reduced(tree: Any) -> Any:
@@ -205,15 +183,6 @@ def like(tree: Any, reference: Any) -> Any:
   return jax.tree.map(retype, tree, reference)
 
 
-def scale(grad: jax.Array, factor: jax.Array) -> jax.Array:
-  """``grad * factor`` for a replicated scalar ``factor``; an unreduced
-  gradient takes it typed reduced (the product is then linear in it)."""
-  axes = unreduced(grad)
-  if axes:
-    factor = to_type(factor, P(reduced=axes))
-  return grad * factor
-
-
 def local(fn: Callable, args: tuple, out_specs: Any) -> Any:
   """``fn(*args)`` on each device's share, partial sums included.
 
@@ -232,25 +201,9 @@ def local(fn: Callable, args: tuple, out_specs: Any) -> Any:
   )(*args)
 
 
-def any_unreduced(tree: Any) -> bool:
-  return any(unreduced(leaf) for leaf in jax.tree.leaves(tree))
-
-
 def specs(tree: Any) -> Any:
   """The specs of a tree's types (replicated where none)."""
   return jax.tree.map(lambda x: P() if spec(x) is None else spec(x), tree)
-
-
-def replicated(tree: Any) -> Any:
-  """Replicated specs for every leaf of ``tree``."""
-  return jax.tree.map(lambda _: P(), tree)
-
-
-def unsharded_shapes(tree: Any) -> Any:
-  """Shapes and dtypes of ``tree``, without types of sharding."""
-  return jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree
-  )
 
 
 def reduce_now(x: Any) -> Any:
@@ -260,18 +213,11 @@ def reduce_now(x: Any) -> Any:
   return jax.reshard(x, spec(x, unreduced=False))
 
 
-def same_type(a: Any, b: Any) -> bool:
-  """Whether ``a`` and ``b`` are reduced and unreduced over the same axes."""
-  return reduced(a) == reduced(b) and unreduced(a) == unreduced(b)
-
-
 def same_layout(a: Any, b: Any) -> bool:
   """Whether ``a`` and ``b`` split their dimensions alike (reduced and
   unreduced axes aside); true where either carries no named sharding."""
-  spec_a, spec_b = spec(a), spec(b)
-  if spec_a is None or spec_b is None:
-    return True
-  return partitions(spec_a) == partitions(spec_b)
+  found = [partitions(s) for s in (spec(a), spec(b)) if s is not None]
+  return len(found) < 2 or found[0] == found[1]
 
 
 def retype_same_values(x: Any, like: Any) -> Any:
@@ -285,7 +231,7 @@ def retype_same_values(x: Any, like: Any) -> Any:
   a manual region. The accumulator's buffer holds the updates this way
   under explicit sharding, as it does elsewhere.
   """
-  if same_type(x, like):
+  if reduced(x) == reduced(like) and unreduced(x) == unreduced(like):
     return x
   if unreduced(x) or unreduced(like):
     return local(lambda v: v, (x,), spec(like))
@@ -303,20 +249,14 @@ def check_layout(grads: Any, state: Any, params: Any) -> None:
   axes = unreduced(state.acc_tokens)
   if unreduced(state.acc_loss) != axes:
     raise TypeError(
-      f'state.acc_tokens is unreduced over {sorted(axes)} but state.acc_loss'
-      f' over {sorted(unreduced(state.acc_loss))}: the state was restored '
-      'with another type. Restore into tx.init(params) as the target, with '
-      'tokacc.from_checkpoint.'
+      f'state.acc_loss is unreduced over {sorted(unreduced(state.acc_loss))}'
+      f' but state.acc_tokens over {sorted(axes)}: restored with another '
+      'type. Restore it with tokacc.from_checkpoint into tx.init(params).'
     )
-  param_leaves = (
-    [None] * len(jax.tree.leaves(grads))
-    if params is None
-    else jax.tree.leaves(params)
-  )
-  leaves = zip(
-    jax.tree.leaves(grads), jax.tree.leaves(state.acc_grads), param_leaves
-  )
-  for grad, acc, param in leaves:
+  grad_leaves = jax.tree.leaves(grads)
+  param_leaves = jax.tree.leaves(params) or [None] * len(grad_leaves)
+  acc_leaves = jax.tree.leaves(state.acc_grads)
+  for grad, acc, param in zip(grad_leaves, acc_leaves, param_leaves):
     _check_leaf(grad, acc, param, axes)
 
 
@@ -324,18 +264,14 @@ def _check_leaf(grad: Any, acc: Any, param: Any, axes: frozenset) -> None:
   if param is not None and unreduced(grad) & sharded(param):
     raise ValueError(
       f'A gradient is unreduced over {sorted(unreduced(grad) & sharded(param))}'
-      f', along which its parameter ({jax.typeof(param)}) is split: its '
-      'partial sums would add different shards. Type the parameter reduced '
-      'only over the axes it is replicated on, e.g. '
-      "P('fsdp', reduced={'replica'})."
+      f', along which its parameter {jax.typeof(param)} is split. Type the '
+      "parameter reduced only where replicated: P('fsdp', reduced={'replica'})."
     )
   if unreduced(grad) == unreduced(acc) and unreduced(acc) <= axes:
     return
   typed = '' if param is None else f' (the parameter is {jax.typeof(param)})'
   raise TypeError(
     f'A gradient is {jax.typeof(grad)}{typed} but its accumulator is '
-    f'{jax.typeof(acc)}: the state was built or restored for parameters '
-    'typed otherwise. Build it from the parameters as they are placed, '
-    'tx.init(params) or tokacc.init_sharded(tx, params, mesh); '
-    'optax.apply_updates keeps their type from step to step.'
+    f'{jax.typeof(acc)}: the state was built or restored for other types. '
+    'Build it with tx.init(params) or tokacc.init_sharded(tx, params, mesh).'
   )

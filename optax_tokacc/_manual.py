@@ -61,15 +61,17 @@ class Manual(_placement.Single):
       return cls(axes)
     check_bound(config.axis_name)
     tracked = tracks_variance(axes)
-    if tracked:
-      check_complete(num_tokens, grads, params, axes)
-    else:
-      check_untracked(axes)
-    grad_axes = grad_sum_axes(grads, params, axes, tracked, config.mean_loss)
     param_axes = None
     if params is not None:
       param_axes = tuple(varying_axes(p) for p in jax.tree.leaves(params))
-    return cls(axes, tracked, tuple(grad_axes), param_axes)
+    if tracked:
+      check_complete(num_tokens, grads, param_axes, axes)
+    else:
+      check_untracked(axes)
+    grad_axes = grad_sum_axes(
+      grads, param_axes, axes, tracked, config.mean_loss
+    )
+    return cls(axes, tracked, grad_axes, param_axes)
 
   def enter(self, state):
     return _state.without_device_slot(state)
@@ -83,33 +85,26 @@ class Manual(_placement.Single):
 
   def any(self, flag):
     over = sum_axes(flag, self.axes, self.tracked)
-    if not over:
-      return flag
-    return lax.pmax(flag.astype('int32'), over) > 0
+    return lax.pmax(flag.astype('int32'), over) > 0 if over else flag
 
   def reduce(self, sums, acc_tokens, acc_loss):
     """One ``psum`` per distinct set of axes: in data parallelism every
     leaf and the scalars share them, a single all-reduce per window."""
     leaves, treedef = jax.tree.flatten(sums)
-    scalars = (_tokens.to_parts(acc_tokens), acc_loss)
+    values = [*leaves, _tokens.to_parts(acc_tokens), acc_loss]
     scalar_axes = sum_axes(acc_tokens, self.axes, self.tracked)
-    groups: dict[tuple[str, ...], list[int]] = {scalar_axes: []}
-    for index, leaf_axes in enumerate(self.grad_axes):
-      groups.setdefault(leaf_axes, []).append(index)
-    for group_axes, indices in groups.items():
-      if not group_axes:
-        continue
-      with_scalars = group_axes == scalar_axes
-      summed, summed_scalars = lax.psum(
-        ([leaves[i] for i in indices], scalars if with_scalars else ()),
-        group_axes,
-      )
-      scalars = summed_scalars if with_scalars else scalars
-      for i, leaf in zip(indices, summed):
-        leaves[i] = leaf
+    groups = {scalar_axes: []}
+    for i, over in enumerate((*self.grad_axes, scalar_axes, scalar_axes)):
+      groups.setdefault(over, []).append(i)
+    for over, indices in groups.items():
+      if over:
+        summed = lax.psum([values[i] for i in indices], over)
+        for i, value in zip(indices, summed):
+          values[i] = value
+    *leaves, parts, loss = values
     if self.param_axes is not None:
       leaves = [self._invariant(x, s) for x, s in zip(leaves, self.param_axes)]
-    return _placement.Reduced(treedef.unflatten(leaves), *scalars)
+    return _placement.Reduced(treedef.unflatten(leaves), parts, loss)
 
   def _invariant(self, x: jax.Array, sharded: frozenset) -> jax.Array:
     """``x``, equal on the devices of ``axes`` it is not sharded over, made
@@ -147,8 +142,7 @@ def as_tuple(axis_name: AxisName) -> tuple[str, ...]:
 
 def make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
   """Marks ``x`` as varying over ``axes`` too (no work at run time)."""
-  missing = sorted(axes - varying_axes(x))
-  return _compat.pcast_to_varying(x, missing) if missing else x
+  return _compat.pcast_to_varying(x, sorted(axes - varying_axes(x)))
 
 
 def check_bound(axis_name: AxisName) -> None:
@@ -158,10 +152,9 @@ def check_bound(axis_name: AxisName) -> None:
       lax.axis_index(axis)
   except NameError as e:
     raise ValueError(
-      f'axis_name={axis_name!r} is not bound here: update the transform '
-      'inside jax.pmap(..., axis_name=...) or jax.shard_map over a mesh with '
-      'that axis. Under jax.jit with NamedSharding (global arrays), leave '
-      'axis_name=None.'
+      f'axis_name={axis_name!r} is not bound here. Call update inside '
+      'jax.pmap or jax.shard_map over that axis; under jax.jit with '
+      'NamedSharding, leave axis_name=None.'
     ) from e
 
 
@@ -170,22 +163,19 @@ def check_untracked(axes: Sequence[str]) -> None:
   refuses what could not be told apart: several data axes (sharded from
   replicated parameters), or manual axes that ``axis_name`` leaves out
   (the batch may be split over them)."""
-  axes = tuple(axes)
   if len(axes) > 1:
     raise ValueError(
-      f'axis_name={axes!r} names several data axes, but JAX does not track '
-      'here which values vary over them (pmap, or shard_map with '
-      'check_vma=False), so sharded and replicated parameters cannot be '
-      'told apart. Use jax.shard_map with check_vma=True (the default).'
+      f'axis_name={axes!r} names several data axes, where sharded and '
+      'replicated parameters cannot be told apart without variance tracking.'
+      ' Use jax.shard_map with check_vma=True (the default).'
     )
   others = _compat.manual_axes(lax.axis_index(axes[0])) - set(axes)
   if others:
     raise ValueError(
-      f'shard_map is manual over {sorted(others)} too, which '
-      f'axis_name={axes!r} leaves out, and JAX does not track here which '
-      'values vary over them (check_vma=False): whether the batch is split '
-      'there cannot be told. Use jax.shard_map with check_vma=True (the '
-      'default), or name every axis the batch is split over.'
+      f'shard_map is manual over {sorted(others)} too, which axis_name='
+      f'{axes!r} leaves out: without check_vma, whether the batch is split '
+      'there cannot be told. Use check_vma=True (the default), or name every '
+      'axis the batch is split over.'
     )
 
 
@@ -203,11 +193,11 @@ def sum_axes(x: Any, axes: Sequence[str], tracked: bool) -> tuple[str, ...]:
 
 def grad_sum_axes(
   grads: optax.Updates,
-  params: Optional[optax.Params],
+  param_axes: Optional[tuple],
   axes: Sequence[str],
   tracked: bool,
-  mean_loss: bool = False,
-) -> list[tuple[str, ...]]:
+  mean_loss: bool,
+) -> tuple:
   """Per gradient leaf, the axes to sum it over when the window closes.
 
   Never an axis along which the parameter is sharded. A gradient that is
@@ -217,48 +207,34 @@ def grad_sum_axes(
   which no scaling makes token-weighted: refused.
   """
   grad_leaves = jax.tree.leaves(grads)
-  if params is None:
-    param_axes = [frozenset()] * len(grad_leaves)
-  else:
-    param_axes = [varying_axes(p) for p in jax.tree.leaves(params)]
   if not tracked:
-    return [tuple(axes)] * len(grad_leaves)
-  per_leaf = [
-    tuple(a for a in sum_axes(g, axes, tracked) if a not in sharded)
-    for g, sharded in zip(grad_leaves, param_axes)
-  ]
-  summed = {
-    a
-    for g, sharded in zip(grad_leaves, param_axes)
-    for a in axes
-    if a not in varying_axes(g) and a not in sharded
-  }
+    return (tuple(axes),) * len(grad_leaves)
+  per_leaf, summed = [], set()
+  for grad, sharded in zip(grad_leaves, param_axes or [()] * len(grad_leaves)):
+    kept = [a for a in axes if a not in sharded]
+    per_leaf.append(tuple(a for a in kept if a in varying_axes(grad)))
+    summed |= {a for a in kept if a not in varying_axes(grad)}
+  pcast = f'jax.lax.pcast(params, {tuple(axes)!r}, to="varying")'
   if summed and mean_loss:
     raise ValueError(
-      "loss_reduction='mean' cannot be exact here: the gradients arrive "
-      f'already summed over {sorted(summed)} (shard_map autodiff reduced '
-      'them, since the parameters are invariant there), and a sum of the '
-      "devices' mean gradients cannot be token-weighted. Differentiate with "
-      f'respect to jax.lax.pcast(params, {tuple(axes)!r}, to="varying"), or '
-      "pass loss_reduction='sum' with a token-summed loss."
+      "loss_reduction='mean' cannot be exact: the gradients arrive already "
+      f'summed over {sorted(summed)} (the parameters are invariant there). '
+      f"Differentiate with respect to {pcast}, or pass loss_reduction='sum'."
     )
   if summed:
     warnings.warn(
-      f'token_weighted_multistep: gradients arrive already summed over '
-      f'{sorted(summed)} (shard_map autodiff reduced them on this '
-      'micro-step, since the parameters are invariant there). They are not '
-      'summed again, so the result is exact, but each micro-step pays an '
-      'all-reduce. For one reduction per window, differentiate with respect '
-      f'to jax.lax.pcast(params, {tuple(axes)!r}, to="varying").',
+      'token_weighted_multistep: gradients arrive already summed over '
+      f'{sorted(summed)}, an all-reduce per micro-step (exact). For one per '
+      f'window, differentiate with respect to {pcast}.',
       stacklevel=5,
     )
-  return per_leaf
+  return tuple(per_leaf)
 
 
 def check_complete(
   count: jax.Array,
   grads: optax.Updates,
-  params: Optional[optax.Params],
+  param_axes: Optional[tuple],
   axes: Sequence[str],
 ) -> None:
   """Refuses layouts where the sums would be silently wrong.
@@ -269,27 +245,23 @@ def check_complete(
   data axis (replicas stacked per device, typed as varying) would not be
   summed at all. Both are errors at trace time.
   """
-  param_leaves = [] if params is None else jax.tree.leaves(params)
-  if param_leaves and all(set(axes) <= varying_axes(p) for p in param_leaves):
+  if param_axes and all(set(axes) <= varying for varying in param_axes):
     raise ValueError(
-      f'Every parameter varies over all of axis_name={tuple(axes)!r}, so '
-      'no gradient would be summed over the devices. Parameters that are '
-      'replicas stacked per device (pmap style) must enter shard_map '
-      'replicated (in_specs P()): lay the state out with '
-      'tokacc.state_partition_specs / tokacc.init_sharded. Parameters '
-      'sharded over the data axes are summed only where they are replicated.'
+      f'Every parameter varies over all of axis_name={tuple(axes)!r}, so no '
+      'gradient would be summed. Parameters stacked per device (pmap style) '
+      'enter shard_map replicated (in_specs P()): lay the state out with '
+      'tokacc.state_partition_specs / tokacc.init_sharded.'
     )
   missing = varying_axes(count) - set(axes)
   what = 'num_tokens'
-  if not missing and params is not None:
-    for grad, param in zip(jax.tree.leaves(grads), jax.tree.leaves(params)):
-      missing |= varying_axes(grad) - set(axes) - varying_axes(param)
+  if not missing and param_axes is not None:
+    for grad, varying in zip(jax.tree.leaves(grads), param_axes):
+      missing |= varying_axes(grad) - set(axes) - varying
     what = 'a gradient of a parameter replicated there'
   if missing:
     raise ValueError(
       f'{what} varies over the mesh axes {sorted(missing)}, which '
       f'axis_name={tuple(axes)!r} leaves out: the window would be summed '
-      'over only some of the devices that hold its data. Pass axis_name='
-      f'{tuple(axes) + tuple(sorted(missing))!r} (every axis the batch is '
-      'split over).'
+      'over only some of the devices holding its data. Pass axis_name='
+      f'{tuple(axes) + tuple(sorted(missing))!r}.'
     )

@@ -62,10 +62,15 @@ class PartialSums(_placement.Single):
   def share(self, x):
     """A replicated value is put on one device (free); one unreduced over
     other axes is summed there."""
-    return _explicit.partial_sums(x, self.axes)
+    return _explicit.to_type(x, P(unreduced=self.axes))
 
   def scale(self, grad, factor):
-    return _explicit.scale(grad, factor)
+    """An unreduced gradient takes ``factor`` typed reduced (the product is
+    then linear in it)."""
+    axes = _explicit.unreduced(grad)
+    if axes:
+      factor = _explicit.to_type(factor, P(reduced=axes))
+    return grad * factor
 
   def per_device(self, fn, args, like):
     return _explicit.local(fn, args, _explicit.specs(like))
@@ -76,7 +81,7 @@ class PartialSums(_placement.Single):
     all-reduce per micro-step. That is exact for ``skip_not_finite`` (a sum
     is not finite when a partial sum is not); any other function sees the
     reduced gradients, at the cost of their all-reduce per micro-step."""
-    if not _explicit.any_unreduced(grads):
+    if not any(map(_explicit.unreduced, jax.tree.leaves(grads))):
       return super().judge(skip_fn, grads, step, params, exact)
     params = _explicit.without_reduced(params)
     if not exact:
@@ -85,17 +90,10 @@ class PartialSums(_placement.Single):
       return super().judge(skip_fn, grads, step, params, exact)
     axes = tuple(sorted(self.axes))
 
-    def decide(grads, step, params):
-      result = _validation.call_skip_fn(skip_fn, grads, step, params)
-      return _psum_tree(result, axes)
+    def decide(*args):
+      return _psum_tree(_validation.call_skip_fn(skip_fn, *args), axes)
 
-    out_shape = jax.eval_shape(
-      lambda *args: _validation.call_skip_fn(skip_fn, *args),
-      *_explicit.unsharded_shapes((grads, step, params)),
-    )
-    return _explicit.local(
-      decide, (grads, step, params), _explicit.replicated(out_shape)
-    )
+    return _explicit.local(decide, (grads, step, params), P())
 
   def total(self, fn, x):
     axes = tuple(sorted(self.axes))
@@ -104,35 +102,23 @@ class PartialSums(_placement.Single):
   def reduce(self, sums, acc_tokens, acc_loss):
     """The partial sums reduced on each device in one ``psum`` per distinct
     set of axes (one all-reduce in data parallelism)."""
-    leaves, treedef = jax.tree.flatten(sums)
-    partial = [i for i, leaf in enumerate(leaves) if _explicit.unreduced(leaf)]
+    over = [sorted(_explicit.unreduced(x)) for x in jax.tree.leaves(sums)]
     sum_over = _manual.Manual(
-      axes=tuple(sorted(self.axes)),
-      grad_axes=tuple(
-        tuple(sorted(_explicit.unreduced(leaves[i]))) for i in partial
-      ),
+      tuple(sorted(self.axes)), grad_axes=tuple(map(tuple, over))
     )
-    partial_leaves = [leaves[i] for i in partial]
-    out_specs = _placement.Reduced(
-      [_explicit.spec(leaf, unreduced=False) for leaf in partial_leaves],
-      P(),
-      P(),
+    specs = jax.tree.map(lambda x: _explicit.spec(x, unreduced=False), sums)
+    return _explicit.local(
+      sum_over.reduce,
+      (sums, acc_tokens, acc_loss),
+      _placement.Reduced(specs, P(), P()),
     )
-    reduced, parts, loss = _explicit.local(
-      sum_over.reduce, (partial_leaves, acc_tokens, acc_loss), out_specs
-    )
-    for i, leaf in zip(partial, reduced):
-      leaves[i] = leaf
-    return _placement.Reduced(treedef.unflatten(leaves), parts, loss)
 
 
 def _warn_reduced_skip():
   warnings.warn(
-    'token_weighted_multistep: should_skip_update_fn sees the reduced '
-    'gradients, which are unreduced partial sums here (explicit sharding): '
-    'this costs an all-reduce of the gradients on every micro-step. '
-    'tokacc.skip_not_finite decides on the partial sums instead (a scalar '
-    'all-reduce).',
+    'token_weighted_multistep: should_skip_update_fn sees reduced gradients,'
+    ' which costs an all-reduce of the gradients per micro-step under '
+    'explicit sharding; tokacc.skip_not_finite decides on the partial sums.',
     stacklevel=5,
   )
 

@@ -30,6 +30,7 @@ INVALID = -1
 # stay below 2**24, the float32 range of exact integers.
 _PART_BITS = 11
 _NUM_PARTS = 3
+_MASK = (1 << _PART_BITS) - 1
 
 
 def as_count(num_tokens: jax.typing.ArrayLike, token_dtype) -> jax.Array:
@@ -59,7 +60,6 @@ def as_count(num_tokens: jax.typing.ArrayLike, token_dtype) -> jax.Array:
 
 def add(total: jax.Array, count: jax.Array) -> jax.Array:
   """``total + count``, or -1 if either is invalid or the sum overflows."""
-  valid = jnp.logical_and(total >= 0, count >= 0)
   if jnp.issubdtype(total.dtype, jnp.integer):
     top = jnp.iinfo(total.dtype).max
     fits = count <= top - jnp.maximum(total, 0)
@@ -67,7 +67,7 @@ def add(total: jax.Array, count: jax.Array) -> jax.Array:
   else:
     new_total = total + count
     fits = jnp.isfinite(new_total)
-  valid = jnp.logical_and(valid, fits)
+  valid = (total >= 0) & (count >= 0) & fits
   return jnp.where(valid, new_total, jnp.asarray(INVALID, total.dtype))
 
 
@@ -81,8 +81,7 @@ def to_parts(count: jax.Array) -> jax.Array:
   count = jnp.maximum(count, 0)
   if not jnp.issubdtype(count.dtype, jnp.integer):
     return jnp.stack([count.astype(jnp.float32), invalid])
-  mask = (1 << _PART_BITS) - 1
-  parts = [(count >> (_PART_BITS * i)) & mask for i in range(_NUM_PARTS)]
+  parts = [(count >> (_PART_BITS * i)) & _MASK for i in range(_NUM_PARTS)]
   return jnp.stack([p.astype(jnp.float32) for p in parts] + [invalid])
 
 
@@ -92,12 +91,11 @@ def from_parts(parts: jax.Array, token_dtype) -> tuple[jax.Array, jax.Array]:
   if not jnp.issubdtype(token_dtype, jnp.integer):
     total = parts[0].astype(token_dtype)
     return total, jnp.logical_and(no_invalid, jnp.isfinite(total))
-  mask = (1 << _PART_BITS) - 1
   total = jnp.zeros([], token_dtype)
   carry = jnp.zeros([], jnp.int32)
   for i in range(_NUM_PARTS - 1):
     part = parts[i].astype(jnp.int32) + carry
-    total = total | ((part & mask) << (_PART_BITS * i)).astype(token_dtype)
+    total = total | ((part & _MASK) << (_PART_BITS * i)).astype(token_dtype)
     carry = part >> _PART_BITS
   high = parts[_NUM_PARTS - 1].astype(jnp.int32) + carry
   shift = _PART_BITS * (_NUM_PARTS - 1)
