@@ -22,10 +22,12 @@ without a conditional (:func:`close_now`, :func:`keep_open`). Where the sums
 live and how they are reduced is the placement's (``_placement``).
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import optax
 
 from optax_tokacc import _compensated
@@ -60,9 +62,7 @@ def inner_update(
   )
   new_inner = optax.tree.cast_like(new_inner, inner_state)
   if emitted is not None:
-    updates = jax.tree.map(
-      lambda u: jnp.where(emitted, u, _signed(jnp.zeros_like(u))), updates
-    )
+    updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
     new_inner = jax.tree.map(
       lambda new, old: jnp.where(emitted, new, old), new_inner, plain_inner
     )
@@ -101,9 +101,7 @@ def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
   return _Sums(sums, divisor, mean_loss), closed
 
 
-def _step(
-  config, place, grads, extra, summed, inner_state, params, emitted=None
-):
+def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
   """``inner`` run once on the window's token-mean gradient, with
   ``value=`` the window's token-mean loss when ``loss`` was passed."""
 
@@ -116,11 +114,11 @@ def _step(
     extra_args = dict(extra_args, value=summed.mean_loss)
   mean_grads = optax.tree.cast_like(jax.tree.map(mean, summed.sums), grads)
   return inner_update(
-    config, place, mean_grads, inner_state, params, extra_args, emitted
+    config, place, mean_grads, opt_state, params, extra_args, emitted
   )
 
 
-def _close(config, place, grads, window, inner_state, params, extra, hold):
+def _close(config, place, grads, extra, hold, window, inner_state, params):
   """Closes the window on the device, inside the outer ``cond``.
 
   Returns ``(held, inner_state, closed)``, with ``held = hold(updates,
@@ -150,11 +148,8 @@ def close_now(config, place, grads, window, inner_state, params, extra):
   """Closes the window without a conditional (the host decided: ``close=
   True``): the reduction sits in the program beside the backward pass.
   Returns a :class:`Closing`, as :func:`close_if`."""
-  _, with_value = _update_shapes(
-    config, place, grads, inner_state, params, extra
-  )
+  _, extra = _inner_shapes(config, place, grads, inner_state, params, extra)
   summed, closed = _reduce(config, place, window)
-  extra = (extra[0], with_value)
   updates, inner_state = _step(
     config, place, grads, extra, summed, inner_state, params, closed.emitted
   )
@@ -164,36 +159,8 @@ def close_now(config, place, grads, window, inner_state, params, extra):
 def keep_open(config, place, grads, window, inner_state, params, extra):
   """The window left open (the host decided: ``close=False``): -0.0
   updates shaped like ``inner``'s, and no ``inner`` work."""
-  shapes, _ = _update_shapes(config, place, grads, inner_state, params, extra)
+  shapes, _ = _inner_shapes(config, place, grads, inner_state, params, extra)
   return Closing(_zeros(shapes), window, inner_state, _open(window))
-
-
-def _held(place, updates, acc_grads, *, shapes, buffer):
-  """What the closing branch returns in place of the updates (None: no
-  updates): written into the accumulator's buffer where it can hold them
-  exactly (``buffer``), so that a micro-step writes no parameter-sized
-  zeros and copies nothing; fresh zeros otherwise. Where the buffer is
-  typed otherwise (partial sums), it holds the updates typed like itself."""
-  if not buffer:
-    return _zeros(shapes) if updates is None else updates
-  if updates is None:
-    return acc_grads
-  held = optax.tree.cast_like(updates, acc_grads)
-  return jax.tree.map(place.same_values, held, acc_grads)
-
-
-def _release(place, held, shapes, emitted):
-  """The updates from the buffer that held them: -0.0 unless ``emitted``
-  (the buffer holds the window's sums on a micro-step), typed and cast like
-  ``inner``'s updates. The value picked is the same on every device."""
-
-  def pick(h, emitted):
-    return jnp.where(emitted, h, _signed(jnp.zeros_like(h)))
-
-  def release(h, s):
-    return place.per_device(pick, (h, emitted), s).astype(s.dtype)
-
-  return jax.tree.map(release, held, shapes)
 
 
 def close_if(config, place, close, grads, window, inner_state, params, extra):
@@ -206,19 +173,26 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
   a closure: a buffer that reaches the ``cond`` twice is copied on every
   micro-step.
   """
-  shapes, with_value = _update_shapes(
+  shapes, extra = _inner_shapes(
     config, place, grads, inner_state, params, extra
   )
-  extra = (extra[0], with_value)
   buffer = _holds_exactly(place, window.acc_grads, shapes)
 
   def hold(updates, acc_grads):
-    return _held(place, updates, acc_grads, shapes=shapes, buffer=buffer)
+    """What the closing branch returns in place of the updates (None: no
+    updates): written into the accumulator's buffer where it can hold them
+    exactly (``buffer``), so that a micro-step writes no parameter-sized
+    zeros and copies nothing; fresh zeros otherwise. Where the buffer is
+    typed otherwise (partial sums), it holds the updates typed like
+    itself."""
+    if not buffer:
+      return _zeros(shapes) if updates is None else updates
+    if updates is None:
+      return acc_grads
+    held = optax.tree.cast_like(updates, acc_grads)
+    return jax.tree.map(place.same_values, held, acc_grads)
 
-  def closing(window, inner_state, params):
-    return _close(
-      config, place, grads, window, inner_state, params, extra, hold
-    )
+  closing = functools.partial(_close, config, place, grads, extra, hold)
 
   def accumulating(window, inner_state, params):
     del params
@@ -230,26 +204,32 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
   window = reset_if(place, close, window)
   if not buffer:
     return Closing(held, window, inner_state, closed)
-  updates = _release(place, held, shapes, closed.emitted)
+
+  def release(h, s):
+    """The update from the buffer that held it: -0.0 unless emitted (the
+    buffer holds the window's sums on a micro-step), typed and cast like
+    ``inner``'s. The value picked is the same on every device."""
+    return place.per_device(_or_zeros, (h, closed.emitted), s).astype(s.dtype)
+
+  updates = jax.tree.map(release, held, shapes)
   return Closing(updates, window._replace(acc_grads=held), inner_state, closed)
 
 
-def _update_shapes(config, place, grads, inner_state, params, extra):
-  """The shapes, dtypes and types of ``inner``'s updates, and whether
-  ``inner`` takes ``value``: with ``loss`` passed it gets the window's
+def _inner_shapes(config, place, grads, inner_state, params, extra):
+  """The shapes, dtypes and types of ``inner``'s updates, and ``(extra_args,
+  whether inner takes value)``: with ``loss`` passed it gets the window's
   loss unless it accepts no ``value`` keyword (``optax.contrib.sam``).
   Without ``loss``, if ``inner`` needs ``value``, the error names ``loss``.
   """
   extra_args, with_loss = extra
 
   def shapes(extra_args):
+    def updates(g, s, p):
+      return inner_update(config, place, g, s, p, extra_args)[0]
+
     try:
-      return jax.eval_shape(
-        lambda g, s, p: inner_update(config, place, g, s, p, extra_args)[0],
-        place.reduced_types(grads),
-        inner_state,
-        params,
-      )
+      types = place.reduced_types(grads)
+      return jax.eval_shape(updates, types, inner_state, params)
     except Exception as e:
       if place.refusal(e) is None:
         raise
@@ -258,12 +238,12 @@ def _update_shapes(config, place, grads, inner_state, params, extra):
   if with_loss:
     value = jnp.zeros([], config.loss_dtype)
     try:
-      return shapes(dict(extra_args, value=value)), True
+      return shapes(dict(extra_args, value=value)), (extra_args, True)
     except TypeError as e:
       if "unexpected keyword argument 'value'" not in str(e):
         raise
   try:
-    return shapes(extra_args), False
+    return shapes(extra_args), (extra_args, False)
   except TypeError as e:
     error = _validation.needs_value_error(e)
     if error is None or with_loss:
@@ -291,17 +271,17 @@ def _zeros(shapes: Any) -> Any:
   them leaves every parameter bit-identical (-0.0 + 0.0 is +0.0)."""
 
   def zeros(shape):
-    sharding = getattr(shape, 'sharding', None)
-    spec = getattr(sharding, 'spec', None)
-    if spec is not None and (
-      any(e is not None for e in _explicit.partitions(spec))
-      or spec.reduced
-      or spec.unreduced
-    ):
-      return _signed(jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding))
-    return _signed(jnp.zeros(shape.shape, shape.dtype))
+    found = _explicit.spec(shape)
+    plain = found is None or found == P(*[None] * len(shape.shape))
+    sharding = None if plain else shape.sharding
+    return _signed(jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding))
 
   return jax.tree.map(zeros, shapes)
+
+
+def _or_zeros(x: jax.Array, keep: jax.Array) -> jax.Array:
+  """``x`` where ``keep``, else -0.0 (see :func:`_zeros`)."""
+  return jnp.where(keep, x, _signed(jnp.zeros_like(x)))
 
 
 def _signed(zeros: jax.Array) -> jax.Array:

@@ -243,23 +243,17 @@ def _init(
   _explicit.check_supported(params, 'Parameters')
   place = placement(config, params)
 
-  def zeros_like_gradients():
-    return jax.tree.map(
-      lambda p: place.gradient_zeros(p, config.acc_dtype(p)), params
-    )
+  def zeros(dtype_of):
+    return jax.tree.map(lambda p: place.gradient_zeros(p, dtype_of(p)), params)
 
   skip_state = ()
   if config.should_skip_update_fn is not None:
-    zero_grads = jax.tree.map(
-      lambda p: place.gradient_zeros(p, jnp.result_type(p)), params
-    )
-    _, skip_state = _judge(
-      config, place, zero_grads, jnp.zeros([], jnp.int32), params
-    )
+    step = jnp.zeros([], jnp.int32)
+    _, skip_state = _judge(config, place, zeros(jnp.result_type), step, params)
   state = TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
-    acc_grads=zeros_like_gradients(),
+    acc_grads=zeros(config.acc_dtype),
     acc_tokens=place.scalar_zeros(config.token_dtype),
     acc_loss=place.scalar_zeros(config.loss_dtype),
     inner_state=config.inner.init(params),
@@ -267,7 +261,7 @@ def _init(
     last_tokens=jnp.zeros([], config.token_dtype),
     skip_state=skip_state,
     emitted=jnp.zeros([], jnp.bool_),
-    acc_compensation=zeros_like_gradients() if config.compensated else (),
+    acc_compensation=zeros(config.acc_dtype) if config.compensated else (),
     dropped_windows=jnp.zeros([], jnp.int32),
   )
   return place.leave(state)
@@ -275,15 +269,11 @@ def _init(
 
 def _judge(config, place, grads, gradient_step, params):
   """Whether to keep the micro-batch (None: always), and the skip state."""
-  if config.should_skip_update_fn is None:
+  skip_fn = config.should_skip_update_fn
+  if skip_fn is None:
     return None, ()
-  skip, skip_state = place.judge(
-    config.should_skip_update_fn,
-    grads,
-    gradient_step,
-    params,
-    config.skip_on_partial_sums,
-  )
+  exact = config.skip_on_partial_sums
+  skip, skip_state = place.judge(skip_fn, grads, gradient_step, params, exact)
   return jnp.logical_not(skip), skip_state
 
 
@@ -307,12 +297,9 @@ def _update(
   num_tokens = _validation.num_tokens(num_tokens, config.token_dtype)
   place = placement(config, params, state, grads, num_tokens)
   state = place.enter(state)
+  acc_dtypes = [config.acc_dtype(g) for g in jax.tree.leaves(grads)]
   _state.check_matches(
-    state,
-    [config.acc_dtype(g) for g in jax.tree.leaves(grads)],
-    config.compensated,
-    config.token_dtype,
-    config.loss_dtype,
+    state, acc_dtypes, config.compensated, config.token_dtype, config.loss_dtype
   )
   _validation.grads(grads, None, state.acc_grads)  # params: checked above
   _explicit.check_layout(grads, state, params)
@@ -331,13 +318,8 @@ def _update(
   mini_step = optax.safe_increment(state.mini_step)
   if keep is not None and not place.advances_rejected:
     mini_step = jnp.where(keep, mini_step, state.mini_step)
-  args = (
-    grads,
-    window,
-    state.inner_state,
-    params,
-    (extra_args, loss is not None),
-  )
+  extra = (extra_args, loss is not None)
+  args = (grads, window, state.inner_state, params, extra)
   if close is None:
     close = _window.should_close(
       config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now
@@ -355,6 +337,7 @@ def _next_state(state, mini_step, close, closing, skip_state):
   """The state after this call: a closed window starts afresh (its
   parameter-sized buffers are restarted by its next micro-step)."""
   window, closed = closing.window, closing.closed
+  dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
   return TokenWeightedMultiStepState(
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
     gradient_step=_increment_if(closed.emitted, state.gradient_step),
@@ -367,10 +350,7 @@ def _next_state(state, mini_step, close, closing, skip_state):
     skip_state=skip_state,
     emitted=closed.emitted,
     acc_compensation=window.acc_compensation,
-    dropped_windows=_increment_if(
-      jnp.logical_and(close, jnp.logical_not(closed.valid)),
-      state.dropped_windows,
-    ),
+    dropped_windows=_increment_if(dropped, state.dropped_windows),
   )
 
 

@@ -65,15 +65,13 @@ def micro_batch(config, place, grads, num_tokens, loss, keep) -> MicroBatch:
   """The micro-batch as the window adds it. Under a mean loss the gradient
   is scaled by the count it is the mean over, validated now; otherwise the
   count is validated on each device's share when it is added."""
-  count = num_tokens
+  count = jnp.asarray(num_tokens)
   if config.mean_loss:
-    count = _tokens.as_count(
-      place.whole(jnp.asarray(count)), config.token_dtype
-    )
+    count = _tokens.as_count(place.whole(count), config.token_dtype)
   if loss is None:  # No loss: the window's loss is unknown, NaN.
     loss = jnp.full([], jnp.nan, config.loss_dtype)
   loss = jnp.asarray(loss).astype(config.loss_dtype)
-  return MicroBatch(grads, jnp.asarray(count), loss, keep)
+  return MicroBatch(grads, count, loss, keep)
 
 
 def _adds(config, micro: MicroBatch) -> Optional[jax.Array]:
@@ -109,15 +107,10 @@ def add(
       acc_grads, acc_compensation, addends, restart, config.compensated, select
     )
 
-  args = (
-    window.acc_grads,
-    window.acc_compensation,
-    jax.tree.map(addend, window.acc_grads, micro.grads),
-    restart,
-  )
+  addends = jax.tree.map(addend, window.acc_grads, micro.grads)
+  args = (window.acc_grads, window.acc_compensation, addends, restart)
   if config.compensated or select:  # not linear: on each device's share
-    like = (window.acc_grads, window.acc_compensation)
-    acc_grads, acc_compensation = place.per_device(accumulate, args, like)
+    acc_grads, acc_compensation = place.per_device(accumulate, args, args[:2])
   else:
     acc_grads, acc_compensation = accumulate(*args)
   acc_tokens, acc_loss = _add_scalars(config, place, window, micro, adds)
@@ -169,10 +162,8 @@ def window_tokens(place, acc_tokens) -> jax.Array:
     lambda acc: _tokens.to_parts(jnp.maximum(acc, 0)), acc_tokens
   )
   total, fits = _tokens.from_parts(parts, acc_tokens.dtype)
-  if jnp.issubdtype(acc_tokens.dtype, jnp.integer):
-    top = jnp.iinfo(acc_tokens.dtype).max
-  else:
-    top = jnp.finfo(acc_tokens.dtype).max
+  integer = jnp.issubdtype(acc_tokens.dtype, jnp.integer)
+  top = (jnp.iinfo if integer else jnp.finfo)(acc_tokens.dtype).max
   return jnp.where(fits, total, jnp.asarray(top, acc_tokens.dtype))
 
 
@@ -185,7 +176,6 @@ def reset_if(place, close, window: Window) -> Window:
       jnp.where(close, jnp.zeros_like(x), x) for x in (acc_tokens, acc_loss)
     )
 
-  scalars = (window.acc_tokens, window.acc_loss)
-  args = (*scalars, jnp.asarray(close))
-  acc_tokens, acc_loss = place.per_device(reset, args, scalars)
+  args = (window.acc_tokens, window.acc_loss, jnp.asarray(close))
+  acc_tokens, acc_loss = place.per_device(reset, args, args[:2])
   return window._replace(acc_tokens=acc_tokens, acc_loss=acc_loss)
