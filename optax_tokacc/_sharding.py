@@ -243,10 +243,7 @@ def _distributed_optimizer(
   axes = _manual.as_tuple(shard_over)
   mesh = _mesh(params) if mesh is None else mesh
   _check_shard_axes(axes, param_specs, mesh, shard_over)
-
-  def sharded(param, spec):
-    return _zero1.shard_spec(param, axes, mesh, spec)
-
+  sharded = functools.partial(_zero1.shard_spec, axes=axes, mesh=mesh)
   return _follow(
     tx, abstract, jax.tree.map(sharded, params, param_specs), params
   )
