@@ -86,10 +86,6 @@ def _layout(axis_name: Any, param_specs: Any) -> tuple:
   return like_gradient, P(unreduced=_explicit.deferred(data_axes, mesh))
 
 
-def _is_masked(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
-
-
 def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
   """The specs of ``tx``'s state: parameter-shaped leaves take ``specs``'
   (a ``MaskedNode`` of ``optax.masked`` or ``multi_transform`` stays
@@ -97,7 +93,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
   replicated."""
 
   def follow(leaf, spec, param):
-    if _is_masked(leaf):
+    if isinstance(leaf, optax.MaskedNode):
       return leaf
     shape, like = jnp.shape(leaf), jnp.shape(param)  # behind a slot axis?
     return spec if shape[len(shape) - len(like) :] == like else _REPLICATED
@@ -109,7 +105,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
     specs,
     params,
     transform_non_params=lambda _: P(),
-    is_leaf=lambda x: _is_spec(x) or _is_masked(x),
+    is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)),
   )
 
 
