@@ -86,8 +86,7 @@ def to_checkpoint(tree: Any) -> Any:
     if not axes:
       return _explicit.without_reduced(x)
     lead = tuple(a for a in _explicit.mesh_of(x).axis_names if a in axes)
-    parts = _explicit.partitions(_explicit.spec(x))
-    out = P(lead[0] if len(lead) == 1 else lead, *parts)
+    out = P(lead, *_explicit.partitions(_explicit.spec(x)))
     return _explicit.local(lambda v: v[None], (x,), out)
 
   return jax.tree.map(split, tree)
@@ -113,7 +112,9 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
       return _explicit.to_type(x, _explicit.spec(ref))
     if not _explicit.unreduced(ref):
       return x
-    if jnp.shape(x) != (_num_devices(ref),) + tuple(jnp.shape(ref)):
+    sizes = _explicit.mesh_of(ref).shape
+    num_devices = math.prod(sizes[a] for a in _explicit.unreduced(ref))
+    if jnp.shape(x) != (num_devices,) + tuple(jnp.shape(ref)):
       raise ValueError(
         f'from_checkpoint: a leaf of shape {jnp.shape(x)} does not hold the '
         f'partial sums of {jax.typeof(ref)}: like must be the tree given to '
@@ -122,8 +123,3 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
     return _explicit.local(lambda v: v[0], (x,), _explicit.spec(ref))
 
   return jax.tree.map(merge, tree, like)
-
-
-def _num_devices(x: Any) -> int:
-  mesh = _explicit.mesh_of(x)
-  return math.prod(mesh.shape[axis] for axis in _explicit.unreduced(x))

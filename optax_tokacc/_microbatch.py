@@ -49,10 +49,9 @@ def _batch_size(batch: Batch, microbatch_size: int) -> int:
     raise ValueError('batch has no arrays to split into micro-batches.')
   sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
   if None in sizes or len(sizes) != 1:
-    shapes = [np.shape(leaf) for leaf in leaves]
     raise ValueError(
       'Every array of the batch must have the same leading (batch) axis to '
-      f'split into micro-batches; got shapes {shapes}.'
+      f'split into micro-batches; got shapes {[np.shape(x) for x in leaves]}.'
     )
   (batch_size,) = sizes
   if batch_size % microbatch_size:

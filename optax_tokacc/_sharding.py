@@ -41,14 +41,15 @@ def _is_spec(x: Any) -> bool:
   return isinstance(x, P)
 
 
-def _spec_axes(spec: P) -> set:
+def _spec_axes(spec: P) -> frozenset:
   """The mesh axes a spec shards over."""
-  used = set()
-  for entry in _explicit.partitions(spec):
-    if entry is None:
-      continue
-    used.update((entry,) if isinstance(entry, str) else entry)
-  return used
+  return frozenset(jax.tree.leaves(_explicit.partitions(spec)))
+
+
+def _reduced_axes(param_specs: Any) -> frozenset:
+  """The axes some parameter is typed reduced over (the data axes)."""
+  specs = jax.tree.leaves(param_specs, is_leaf=_is_spec)
+  return frozenset().union(*(s.reduced for s in specs))
 
 
 _REPLICATED = P()
@@ -56,32 +57,33 @@ _REPLICATED = P()
 
 def _slot(axes: tuple[str, ...], spec: P = _REPLICATED) -> P:
   """``spec`` behind a slot axis split over the data axes it leaves free."""
-  free = tuple(a for a in axes if a not in _spec_axes(spec))
-  lead = None if not free else free[0] if len(free) == 1 else free
-  return P(lead, *spec)
+  return P(tuple(a for a in axes if a not in _spec_axes(spec)), *spec)
 
 
 def _is_spec_or_state(x: Any) -> bool:
   return _is_spec(x) or isinstance(x, _state.TokenWeightedMultiStepState)
 
 
-def _per_device_specs(state_specs: Any, axes: tuple[str, ...]) -> Any:
-  def slot_all(tree):
-    return jax.tree.map(lambda s: _slot(axes, s), tree, is_leaf=_is_spec)
+def _layout(axis_name: Any, param_specs: Any) -> tuple:
+  """How the per-device fields are laid out: the map of the accumulator's
+  specs, and the spec of the scalars.
 
-  return state_specs._replace(
-    acc_grads=slot_all(state_specs.acc_grads),
-    acc_compensation=slot_all(state_specs.acc_compensation),
-    acc_tokens=_slot(axes),
-    acc_loss=_slot(axes),
-    skip_state=jax.tree.map(
-      lambda _: _slot(axes), state_specs.skip_state, is_leaf=_is_spec
-    ),
-  )
+  With ``axis_name``, behind a slot axis (see :func:`_slot`). Under
+  explicit sharding, the accumulator typed like the gradients (reduced
+  axes turned unreduced), the window's count and loss unreduced over every
+  axis some parameter is reduced over; partial sums over one device are
+  the sum."""
+  if axis_name is not None:
+    axes = _manual.as_tuple(axis_name)
+    return functools.partial(_slot, axes), _slot(axes)
+  mesh = jax.sharding.get_abstract_mesh()
 
+  def like_gradient(spec):
+    unreduced = _explicit.deferred(spec.reduced, mesh)
+    return P(*_explicit.partitions(spec), unreduced=unreduced)
 
-def _is_masked(x: Any) -> bool:
-  return isinstance(x, optax.MaskedNode)
+  data_axes = _reduced_axes(param_specs)
+  return like_gradient, P(unreduced=_explicit.deferred(data_axes, mesh))
 
 
 def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
@@ -91,7 +93,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
   replicated."""
 
   def follow(leaf, spec, param):
-    if _is_masked(leaf):
+    if isinstance(leaf, optax.MaskedNode):
       return leaf
     shape, like = jnp.shape(leaf), jnp.shape(param)  # behind a slot axis?
     return spec if shape[len(shape) - len(like) :] == like else _REPLICATED
@@ -103,7 +105,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
     specs,
     params,
     transform_non_params=lambda _: P(),
-    is_leaf=lambda x: _is_spec(x) or _is_masked(x),
+    is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)),
   )
 
 
@@ -115,38 +117,12 @@ def _param_specs(params: optax.Params, param_specs: Optional[Any]) -> Any:
 
   def of(p):
     found = _explicit.spec(p)
-    if found is None or not (
+    typed = found is not None and (
       _spec_axes(found) or found.reduced or found.unreduced
-    ):
-      return _REPLICATED
-    return found
+    )
+    return found if typed else _REPLICATED
 
   return jax.tree.map(of, params)
-
-
-def _partial_sum_specs(state_specs: Any, data_axes: frozenset) -> Any:
-  """Explicit sharding: the accumulator typed like the gradients (reduced
-  axes turned unreduced), the window's count and loss unreduced over every
-  axis some parameter is reduced over."""
-
-  mesh = jax.sharding.get_abstract_mesh()
-
-  def deferred(axes):  # partial sums over one device are the sum
-    return _explicit.deferred(axes, mesh)
-
-  def like_gradient(spec):
-    return P(*_explicit.partitions(spec), unreduced=deferred(spec.reduced))
-
-  def gradient_specs(tree):
-    return jax.tree.map(like_gradient, tree, is_leaf=_is_spec)
-
-  scalar = P(unreduced=deferred(data_axes))
-  return state_specs._replace(
-    acc_grads=gradient_specs(state_specs.acc_grads),
-    acc_compensation=gradient_specs(state_specs.acc_compensation),
-    acc_tokens=scalar,
-    acc_loss=scalar,
-  )
 
 
 def state_partition_specs(
@@ -207,17 +183,7 @@ def state_partition_specs(
   param_specs = _param_specs(params, param_specs)
   abstract = jax.eval_shape(tx.init, params)
   specs = _follow(tx, abstract, param_specs, params)
-  if axis_name is not None:
-    layout = functools.partial(
-      _per_device_specs, axes=_manual.as_tuple(axis_name)
-    )
-  else:
-    reduced = (
-      s.reduced for s in jax.tree.leaves(param_specs, is_leaf=_is_spec)
-    )
-    layout = functools.partial(
-      _partial_sum_specs, data_axes=frozenset().union(*reduced)
-    )
+  gradient, scalar = _layout(axis_name, param_specs)
   zero = specs
   if shard_optimizer_over is not None:
     zero = _distributed_optimizer(
@@ -234,7 +200,18 @@ def state_partition_specs(
   def fix(node, zero_node):
     if not isinstance(node, _state.TokenWeightedMultiStepState):
       return node
-    return layout(node)._replace(inner_state=zero_node.inner_state)
+    per_device = functools.partial(jax.tree.map, gradient, is_leaf=_is_spec)
+    skip_state = node.skip_state
+    if axis_name is not None:
+      skip_state = jax.tree.map(lambda _: scalar, skip_state, is_leaf=_is_spec)
+    return node._replace(
+      acc_grads=per_device(node.acc_grads),
+      acc_compensation=per_device(node.acc_compensation),
+      acc_tokens=scalar,
+      acc_loss=scalar,
+      skip_state=skip_state,
+      inner_state=zero_node.inner_state,
+    )
 
   specs = jax.tree.map(fix, specs, zero, is_leaf=_is_spec_or_state)
   if manual_axes is None:
@@ -262,10 +239,7 @@ def _distributed_optimizer(
   axes = _manual.as_tuple(shard_over)
   mesh = _mesh(params) if mesh is None else mesh
   _check_shard_axes(axes, param_specs, mesh, shard_over)
-
-  def sharded(param, spec):
-    return _zero1.shard_spec(param, axes, mesh, spec)
-
+  sharded = functools.partial(_zero1.shard_spec, axes=axes, mesh=mesh)
   return _follow(
     tx, abstract, jax.tree.map(sharded, params, param_specs), params
   )
@@ -287,14 +261,13 @@ def _mesh(params):
 def _check_shard_axes(axes, param_specs, mesh, shard_over):
   """Refuses axes the optimizer state cannot be sharded over."""
   specs = jax.tree.leaves(param_specs, is_leaf=_is_spec)
-  data_axes = frozenset().union(*(s.reduced for s in specs))
-  split = set().union(*(_spec_axes(s) for s in specs))
+  split = frozenset().union(*map(_spec_axes, specs))
   for axis in axes:
     if axis not in mesh.axis_names:
       problem = f'{axis!r} is not an axis of the mesh {mesh.axis_names}'
     elif axis in split:
       problem = f'the parameters are sharded over {axis!r}'
-    elif axis not in data_axes:
+    elif axis not in _reduced_axes(param_specs):
       problem = (
         f'{axis!r} is not a data axis: no parameter is typed reduced over '
         'it (jax.P(reduced={...}))'
@@ -316,10 +289,8 @@ def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
       f'(manual_axes={manual_axes!r}): the transform sums over manual axes.'
     )
 
-  def keep(entry):
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    names = tuple(n for n in names if n in manual)
-    return None if not names else names[0] if len(names) == 1 else names
+  def keep(entry):  # None, an axis or a tuple of axes
+    return tuple(a for a in jax.tree.leaves(entry) if a in manual)
 
   return jax.tree.map(
     lambda spec: P(*(keep(entry) for entry in spec)), specs, is_leaf=_is_spec
@@ -418,19 +389,18 @@ def init_sharded(
     >>> state.acc_grads['w'].shape  # one accumulator slot per device
     (2, 8, 2)
   """
-  param_specs = _param_specs(params, param_specs)
-  layout = dict(param_specs=param_specs, axis_name=axis_name)
+  layout = dict(
+    param_specs=_param_specs(params, param_specs),
+    axis_name=axis_name,
+    shard_optimizer_over=shard_optimizer_over,
+  )
   if axis_name is None:
-    shardings = state_shardings(
-      tx, params, mesh, shard_optimizer_over=shard_optimizer_over, **layout
-    )
+    shardings = state_shardings(tx, params, mesh, **layout)
     return jax.jit(tx.init, out_shardings=shardings)(params)
-  if shard_optimizer_over is not None:
-    state_partition_specs(
-      tx, params, shard_optimizer_over=shard_optimizer_over, **layout
-    )
-  specs = state_partition_specs(tx, params, **layout)
   init = jax.shard_map(
-    tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=specs
+    tx.init,
+    mesh=mesh,
+    in_specs=(layout['param_specs'],),
+    out_specs=state_partition_specs(tx, params, **layout),
   )
   return jax.jit(init)(params)

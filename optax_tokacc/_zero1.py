@@ -30,6 +30,7 @@ moments resharded by hand are followed.
 """
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -43,37 +44,17 @@ from optax_tokacc import _placement
 from optax_tokacc import _tokens
 
 
-def shard_dim(shape: tuple, partitions: tuple, size: int) -> Optional[int]:
-  """The dimension a leaf's optimizer state is sharded on: the first one
-  that is not already split and that ``size`` divides (None: replicated)."""
-  for dim, (length, entry) in enumerate(zip(shape, partitions)):
-    if entry is None and length % size == 0 and length >= size:
-      return dim
-  return None
-
-
-def shard_spec(x: Any, axes: tuple, mesh: Any, found: Any = None) -> P:
-  """The spec of ``x``'s optimizer state, sharded over ``axes`` (``x``'s
-  own spec, or ``found``, gives how it is split otherwise)."""
-  found = _explicit.spec(x) if found is None else found
-  parts = _explicit.partitions(found) if found is not None else ()
+def shard_spec(x: Any, found: P, axes: tuple, mesh: Any) -> P:
+  """The spec of ``x``'s optimizer state: ``x``'s own spec ``found``,
+  sharded over ``axes`` on the first dimension that is not already split
+  and that the axes' size divides (as ``found`` where none does)."""
+  parts = _explicit.partitions(found)
   parts += (None,) * (len(x.shape) - len(parts))
-  dim = shard_dim(tuple(x.shape), parts, _size(mesh, axes))
-  if dim is None:
-    return P(*parts)
-  lead = axes[0] if len(axes) == 1 else tuple(axes)
-  return P(*parts[:dim], lead, *parts[dim + 1 :])
-
-
-def _size(mesh: Any, axes: Any) -> int:
-  size = 1
-  for axis in _names(axes):
-    size *= mesh.shape[axis]
-  return size
-
-
-def _names(entry: Any) -> tuple:
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+  size = math.prod(mesh.shape[axis] for axis in axes)
+  for dim, (length, entry) in enumerate(zip(x.shape, parts)):
+    if entry is None and length % size == 0 and length >= size:
+      return P(*parts[:dim], axes, *parts[dim + 1 :])
+  return P(*parts)
 
 
 class Target(NamedTuple):
@@ -112,30 +93,28 @@ class DistributedOptimizer(_partial_sums.PartialSums):
     ``psum``."""
     leaves, treedef = jax.tree.flatten(sums)
     targets = list(map(_scattered, leaves, self.targets))
-    sum_over = [_explicit.unreduced(x) for x in leaves]  # typed here only
+    # the axes to sum over, known from the types here only
+    sum_over = [tuple(sorted(_explicit.unreduced(x))) for x in leaves]
     axes = tuple(sorted(self.axes))
 
     def reduce(leaves, acc_tokens, acc_loss):
       out = []
       for leaf, target, over in zip(leaves, targets, sum_over):
-        over = tuple(sorted(over))
         if target is not None:
           leaf = lax.psum_scatter(
             leaf, target.axes, scatter_dimension=target.dim, tiled=True
           )
-          over = tuple(a for a in over if a not in _names(target.axes))
+          scattered = jax.tree.leaves(target.axes)
+          over = tuple(a for a in over if a not in scattered)
         out.append(lax.psum(leaf, over) if over else leaf)
       return out, lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
 
-    out_specs = (
-      [
-        _explicit.spec(x, unreduced=False) or P() if t is None else t.spec
-        for x, t in zip(leaves, targets)
-      ],
-      (P(), P()),
-    )
+    specs = [
+      _explicit.spec(x, unreduced=False) or P() if t is None else t.spec
+      for x, t in zip(leaves, targets)
+    ]
     reduced, (parts, loss) = _explicit.local(
-      reduce, (leaves, acc_tokens, acc_loss), out_specs
+      reduce, (leaves, acc_tokens, acc_loss), (specs, (P(), P()))
     )
     return _placement.Reduced(treedef.unflatten(reduced), parts, loss)
 
@@ -172,9 +151,8 @@ class DistributedOptimizer(_partial_sums.PartialSums):
 
 def _scattered(leaf: Any, target: Optional[Target]) -> Optional[Target]:
   """``target``, where ``leaf`` holds partial sums over its axes."""
-  if target is None or not set(_names(target.axes)) <= _explicit.unreduced(
-    leaf
-  ):
+  partial = _explicit.unreduced(leaf)
+  if target is None or not partial.issuperset(jax.tree.leaves(target.axes)):
     return None
   return target
 
@@ -207,15 +185,14 @@ def _target(grad: Any, specs: set, axes: frozenset) -> Optional[Target]:
   """The one ``Target`` of ``grad`` its state's ``specs`` describe."""
   if not specs:
     return None
-  spec = sorted(specs, key=str)[0]
+  spec = min(specs, key=str)
   parts = _explicit.partitions(spec)
   grad_parts = _explicit.partitions(_explicit.spec(grad))
   changed = [d for d, (a, b) in enumerate(zip(parts, grad_parts)) if a != b]
   if len(specs) == 1 and len(changed) == 1:
-    dim = changed[0]
-    entry = parts[dim]
-    if grad_parts[dim] is None and set(_names(entry)) <= axes:
-      return Target(dim, entry, spec)
+    (dim,) = changed
+    if grad_parts[dim] is None and set(jax.tree.leaves(parts[dim])) <= axes:
+      return Target(dim, parts[dim], spec)
   raise ValueError(
     f'The optimizer state of a gradient typed {jax.typeof(grad)} is sharded '
     f'as {sorted(map(str, specs))}: the window can be reduce-scattered into '
