@@ -89,37 +89,37 @@ def with_input_checks(
     **extra_args: Any,
   ) -> tuple[optax.Updates, optax.OptState]:
     before = find_state(state)
-    where = dict(mini_step=before.mini_step, gradient_step=before.gradient_step)
+
+    def check(ok, message, **values):
+      at = dict(mini_step=before.mini_step, gradient_step=before.gradient_step)
+      checkify.check(ok, f'token_weighted_multistep: {message}', **values, **at)
+
     if num_tokens is not None and jnp.shape(num_tokens) == ():
-      checkify.check(
+      check(
         jnp.asarray(num_tokens) >= 0,
-        'token_weighted_multistep: num_tokens={num_tokens} is negative (or '
-        'NaN) at mini_step={mini_step}, gradient_step={gradient_step}; '
-        'without checks this window is dropped.',
+        'num_tokens={num_tokens} is negative (or NaN) at mini_step={mini_step}'
+        ', gradient_step={gradient_step}; without checks this window is '
+        'dropped.',
         num_tokens=jnp.asarray(num_tokens),
-        **where,
       )
     if loss is not None:
       extra_args['loss'] = loss
       if jnp.shape(loss) == ():
-        checkify.check(
+        check(
           jnp.isfinite(loss),
-          'token_weighted_multistep: loss={loss} is not finite at '
-          'mini_step={mini_step}, gradient_step={gradient_step}.',
+          'loss={loss} is not finite at mini_step={mini_step}, '
+          'gradient_step={gradient_step}.',
           loss=jnp.asarray(loss),
-          **where,
         )
     new_updates, new_state = tx.update(
       updates, state, params, num_tokens=num_tokens, **extra_args
     )
-    after = find_state(new_state)
-    checkify.check(
-      after.dropped_windows == before.dropped_windows,
-      'token_weighted_multistep: the window closed at mini_step={mini_step}, '
-      'gradient_step={gradient_step} was dropped: its token count (window '
-      'and devices) overflows token_dtype, or a num_tokens was negative, NaN '
-      'or fractional under an integer counter.',
-      **where,
+    check(
+      find_state(new_state).dropped_windows == before.dropped_windows,
+      'the window closed at mini_step={mini_step}, gradient_step='
+      '{gradient_step} was dropped: its token count (window and devices) '
+      'overflows token_dtype, or a num_tokens was negative, NaN or '
+      'fractional under an integer counter.',
     )
     return new_updates, new_state
 

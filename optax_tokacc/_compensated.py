@@ -93,9 +93,8 @@ def accumulate(
     (acc_grads, acc_compensation), restart, select
   )
   sums = jax.tree.map(_compensated_add, acc_grads, acc_compensation, addends)
-  return (
-    jax.tree.map(lambda _, pair: pair[0], acc_grads, sums),
-    jax.tree.map(lambda _, pair: pair[1], acc_grads, sums),
+  return jax.tree.transpose(
+    jax.tree.structure(acc_grads), jax.tree.structure((0, 0)), sums
   )
 
 

@@ -29,7 +29,7 @@ import optax
 
 
 def _check_inputs(
-  logits: jax.Array, labels: jax.Array, where: Optional[jax.Array]
+  logits: jax.Array, labels: jax.Array, where: jax.Array
 ) -> None:
   """Validates shapes and dtypes at trace time."""
   if logits.ndim < 1:
@@ -50,8 +50,6 @@ def _check_inputs(
       f'labels must be integer class indices; got dtype {labels.dtype}. '
       'For one-hot targets use optax.losses.softmax_cross_entropy.'
     )
-  if where is None:
-    return
   if where.shape != labels.shape:
     raise ValueError(
       f'where must have the shape of labels {labels.shape} (one flag or '
@@ -65,15 +63,13 @@ def _check_inputs(
 
 
 def _token_weights(
-  labels: jax.Array, where: Optional[jax.Array], ignore_index: Optional[int]
+  labels: jax.Array, where: jax.Array, ignore_index: Optional[int]
 ) -> jax.Array:
   """Each position's weight, 0 where the label is ``ignore_index``.
 
   int32 for no ``where``, a bool mask or integer weights (an exact count);
   floating weights keep their dtype, promoted to at least float32.
   """
-  if where is None:
-    where = jnp.ones(labels.shape, jnp.bool_)
   floating = jnp.issubdtype(where.dtype, jnp.floating)
   dtype = jnp.promote_types(where.dtype, jnp.float32) if floating else jnp.int32
   weights = where.astype(dtype)
@@ -159,7 +155,7 @@ def token_cross_entropy(
   """
   logits = jnp.asarray(logits)
   labels = jnp.asarray(labels)
-  where = None if where is None else jnp.asarray(where)
+  where = jnp.asarray(jnp.ones(labels.shape, bool) if where is None else where)
   _check_inputs(logits, labels, where)
   weights = _token_weights(labels, where, ignore_index)
   counted = weights != 0

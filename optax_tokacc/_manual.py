@@ -60,10 +60,10 @@ class Manual(_placement.Single):
     if grads is None:
       return cls(axes)
     check_bound(config.axis_name)
-    tracked = tracks_variance(axes)
-    param_axes = None
-    if params is not None:
-      param_axes = tuple(varying_axes(p) for p in jax.tree.leaves(params))
+    # whether JAX tracks which values vary over ``axes`` (check_vma)
+    tracked = all(a in varying_axes(lax.axis_index(a)) for a in axes)
+    leaves = None if params is None else jax.tree.leaves(params)
+    param_axes = None if params is None else tuple(map(varying_axes, leaves))
     if tracked:
       check_complete(num_tokens, grads, param_axes, axes)
     else:
@@ -128,10 +128,7 @@ class Manual(_placement.Single):
     )
 
     def matched(fn):
-      def fn_with_vma(*args):
-        return jax.tree.map(make_varying, fn(*args), target)
-
-      return fn_with_vma
+      return lambda *args: jax.tree.map(make_varying, fn(*args), target)
 
     return lax.cond(pred, matched(true_fn), matched(false_fn), *ops)
 
@@ -177,11 +174,6 @@ def check_untracked(axes: Sequence[str]) -> None:
       'there cannot be told. Use check_vma=True (the default), or name every '
       'axis the batch is split over.'
     )
-
-
-def tracks_variance(axes: Sequence[str]) -> bool:
-  """Whether JAX tracks which values vary over ``axes`` (``check_vma``)."""
-  return all(a in varying_axes(lax.axis_index(a)) for a in axes)
 
 
 def sum_axes(x: Any, axes: Sequence[str], tracked: bool) -> tuple[str, ...]:

@@ -72,9 +72,8 @@ def check_options(
     )
   if should_skip_update_fn is not None and not callable(should_skip_update_fn):
     raise TypeError(
-      'should_skip_update_fn must be None or a function (grads, gradient_step,'
-      ' params) -> (should_skip, skip_state) such as tokacc.skip_not_finite;'
-      f' got {should_skip_update_fn!r}.'
+      'should_skip_update_fn must be None or a function such as '
+      f'tokacc.skip_not_finite; got {should_skip_update_fn!r}.'
     )
   if loss_reduction not in _LOSS_REDUCTIONS:
     raise ValueError(
@@ -183,8 +182,7 @@ def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
   if value is None:
     raise TypeError(
       'tx.update needs num_tokens, the counted tokens of this micro-batch: '
-      'call tx.update(grads, state, params, num_tokens=n) (inside '
-      "optax.chain, the chain's update)."
+      'call tx.update(grads, state, params, num_tokens=n).'
     )
   what = 'the counted tokens of this micro-batch on this device'
   _real_scalar(value, 'num_tokens', what, ' Sum a mask: num_tokens=mask.sum().')
@@ -235,18 +233,14 @@ def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
     return
   if not isinstance(value, bool):  # Also a traced value.
     raise TypeError(
-      'close must be None or a Python bool (static under jax.jit, not '
-      'traced: to close on a decision made on the device, pass emit_now); '
-      f'got close={value!r} of type {type(value).__name__}.'
+      'close must be None or a Python bool, not traced (to close on the '
+      f'device, pass emit_now); got close={value!r}.'
     )
-  if tokens_per_update is not None:
+  if tokens_per_update is not None or emit_now is not None:
+    other = f'tokens_per_update={tokens_per_update}'
+    other = 'emit_now' if tokens_per_update is None else other
     raise ValueError(
-      f'close={value} decides on the host and tokens_per_update='
-      f'{tokens_per_update} on the device: pass one of them.'
-    )
-  if emit_now is not None:
-    raise ValueError(
-      f'close={value} decides on the host and emit_now on the device: pass '
+      f'close={value} decides on the host and {other} on the device: pass '
       'one of them.'
     )
 
@@ -273,8 +267,7 @@ def grads(grads: Any, params: Any, accumulator: Any) -> None:
       raise ValueError(
         f'A gradient has shape {jnp.shape(grad)} where the parameter (and '
         f'the accumulator) has shape {jnp.shape(acc)}. Under pmap or '
-        'shard_map, initialize with the per-device shapes, e.g. with '
-        'tokacc.init_sharded.'
+        'shard_map, initialize with tokacc.init_sharded.'
       )
 
 
@@ -328,18 +321,15 @@ def extra_args(extra: dict[str, Any]) -> None:
   """
   if 'value' in extra:
     raise TypeError(
-      "tx.update got value=...; inner gets the window's token-mean loss as "
-      "value= from the transform. Pass this micro-batch's token-summed loss "
-      'as loss= instead.'
+      'tx.update got value=..., which inner gets from the transform. Pass '
+      "this micro-batch's token-summed loss as loss= instead."
     )
   for name, arg in extra.items():
     if name in _OBJECTIVE_FNS or callable(arg):
       raise TypeError(
         f'tx.update got {name}={arg!r}, a function that re-evaluates the '
-        'objective, but a window of micro-batches has none to evaluate at '
-        'new parameters. Use an optimizer that does not, e.g. '
-        'optax.lbfgs(linesearch=None) or optax.contrib.sam(..., '
-        'opaque_mode=False).'
+        'objective, which a window has not. Use e.g. optax.lbfgs('
+        'linesearch=None) or optax.contrib.sam(..., opaque_mode=False).'
       )
 
 
