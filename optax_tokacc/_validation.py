@@ -328,7 +328,7 @@ def extra_args(extra: dict[str, Any]) -> None:
     if name in _OBJECTIVE_FNS or callable(arg):
       raise TypeError(
         f'tx.update got {name}={arg!r}, a function that re-evaluates the '
-        'objective, which a window has not. Use e.g. optax.lbfgs('
+        'objective; a window has none. Use e.g. optax.lbfgs('
         'linesearch=None) or optax.contrib.sam(..., opaque_mode=False).'
       )
 
