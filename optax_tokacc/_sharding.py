@@ -289,6 +289,14 @@ def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
       f'(manual_axes={manual_axes!r}): the transform sums over manual axes.'
     )
 
+  leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+  if any(spec.reduced or spec.unreduced for spec in leaves):
+    raise ValueError(
+      f'manual_axes={manual_axes!r} is for a partial-manual shard_map with '
+      'axis_name; parameters typed reduced are explicit sharding under '
+      'jax.jit, whose specs need no manual_axes. Leave it out.'
+    )
+
   def keep(entry):  # None, an axis or a tuple of axes
     return tuple(a for a in jax.tree.leaves(entry) if a in manual)
 

@@ -927,3 +927,19 @@ def test_ddp_micro_step_copies_nothing_parameter_sized():
       and ('f32', (8, 8)) in i.shapes
     ]
     assert not big, (name, big)
+
+
+def test_manual_axes_with_reduced_parameters_names_the_argument():
+  """``manual_axes`` describes a partial-manual ``shard_map``; parameters
+  typed reduced are explicit sharding under ``jax.jit``, whose state specs
+  keep their reduced and unreduced axes: the mix is refused naming
+  ``manual_axes`` (JAX's own error about unpacking a spec came first)."""
+  mesh = ddp_mesh()
+  tx = tokacc.token_weighted_multistep(optax.adam(0.1), 3)
+  with jax.set_mesh(mesh):
+    params = {
+      'w': jax.device_put(np.zeros((8, 4), np.float32), P(reduced={'data'}))
+    }
+    with pytest.raises(ValueError, match='manual_axes') as error:
+      tokacc.state_partition_specs(tx, params, manual_axes=('data',))
+  assert 'explicit sharding' in str(error.value)
