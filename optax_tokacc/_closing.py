@@ -231,9 +231,10 @@ def _inner_shapes(config, place, grads, inner_state, params, extra):
       types = place.reduced_types(grads)
       return jax.eval_shape(updates, types, inner_state, params)
     except Exception as e:
-      if place.refusal(e) is None:
+      refusal = place.refusal(e)
+      if refusal is None:
         raise
-      raise place.refusal(e) from e
+      raise refusal from e
 
   if with_loss:
     value = jnp.zeros([], config.loss_dtype)

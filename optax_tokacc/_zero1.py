@@ -70,7 +70,8 @@ class Target(NamedTuple):
 class DistributedOptimizer(_partial_sums.PartialSums):
   """Partial sums, reduce-scattered into the shards of ``inner``'s state
   when the window closes; ``targets``: per gradient leaf, a ``Target``, or
-  None where its parameter's state is whole (all-reduced)."""
+  None where its parameter's state is whole or the gradient holds no
+  partial sums over the target's axes (all-reduced, or kept)."""
 
   targets: tuple = ()
 
@@ -85,21 +86,22 @@ class DistributedOptimizer(_partial_sums.PartialSums):
     targets = _targets(inner, inner_state, grads, place.axes)
     if all(t is None for t in targets):
       return place
-    return cls(place.axes, place.mesh, targets)
+    # the window's sums are typed like the gradients (_explicit.check_layout)
+    leaves = jax.tree.leaves(grads)
+    return cls(place.axes, place.mesh, tuple(map(_scattered, leaves, targets)))
 
   def reduce(self, sums, acc_tokens, acc_loss):
     """One reduce-scatter of each leaf of partial sums into its shards (an
     all-reduce for a leaf whose state is whole), and the scalars in one
     ``psum``."""
     leaves, treedef = jax.tree.flatten(sums)
-    targets = list(map(_scattered, leaves, self.targets))
     # the axes to sum over, known from the types here only
     sum_over = [tuple(sorted(_explicit.unreduced(x))) for x in leaves]
     axes = tuple(sorted(self.axes))
 
     def reduce(leaves, acc_tokens, acc_loss):
       out = []
-      for leaf, target, over in zip(leaves, targets, sum_over):
+      for leaf, target, over in zip(leaves, self.targets, sum_over):
         if target is not None:
           leaf = lax.psum_scatter(
             leaf, target.axes, scatter_dimension=target.dim, tiled=True
@@ -111,7 +113,7 @@ class DistributedOptimizer(_partial_sums.PartialSums):
 
     specs = [
       _explicit.spec(x, unreduced=False) or P() if t is None else t.spec
-      for x, t in zip(leaves, targets)
+      for x, t in zip(leaves, self.targets)
     ]
     reduced, (parts, loss) = _explicit.local(
       reduce, (leaves, acc_tokens, acc_loss), (specs, (P(), P()))
@@ -122,7 +124,7 @@ class DistributedOptimizer(_partial_sums.PartialSums):
     leaves, treedef = jax.tree.flatten(grads)
     return treedef.unflatten(
       self.whole(x) if t is None else jax.reshard(self.whole(x), t.spec)
-      for x, t in zip(leaves, map(_scattered, leaves, self.targets))
+      for x, t in zip(leaves, self.targets)
     )
 
   def refusal(self, error):
