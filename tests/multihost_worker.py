@@ -23,6 +23,7 @@ with ``tokens_per_update``.
 
 import argparse
 import functools
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -123,6 +124,60 @@ def train_full_batch(optimizer, params, windows):
     params, opt_state, loss = step(params, opt_state, batch)
     losses.append(loss)
   return params, jnp.stack(losses)
+
+
+UNIT_ROUND_OFF = 2.0**-24  # float32
+# The roundings on one token's path to its gradient term, as
+# test_multistep.TERM_ROUNDINGS counts them for this model's FEATURES.
+TERM_ROUNDINGS = 2 * FEATURES + 16
+
+
+class Reference(NamedTuple):
+  """Full-batch training, and how far float32 round-off can take a run of
+  the same windows from it."""
+
+  params: dict  # the final parameters
+  loss: float  # the last window's token-mean loss
+  atol: float  # of every parameter
+  loss_atol: float  # of ``loss``
+
+
+def full_batch_with_bounds(optimizer, params, windows) -> Reference:
+  """:func:`train_full_batch` (eagerly), with its round-off bounds.
+
+  ``atol`` is ``test_multistep.round_off_atol`` (its docstring derives it),
+  with this model's ``TERM_ROUNDINGS``: per window 2 (n + m) u of the
+  gradient, doubled by an update that is linear in it (SGD, momentum, a
+  masked leaf's gradient passed through) or homogeneous of degree 0 (Adam,
+  Adafactor, a global-norm clip that binds), relative to the window's
+  largest update, plus a rounding of each parameter in each run. The last
+  window's loss is a sum of n one-signed terms (within 2 (n + m) u of it,
+  relative), taken at parameters that may differ by the windows' ``atol``
+  before it: that moves it by at most the 1-norm of its gradient times that
+  ``atol``, and a second-order term below it (twice the first covers both).
+  """
+  params = jax.tree.map(jnp.asarray, params)
+  opt_state = optimizer.init(params)
+  n = max(sum(int(np.sum(b['mask'])) for b in w) for w in windows)
+  relative = 2 * 2 * (n + TERM_ROUNDINGS) * UNIT_ROUND_OFF
+  atol = 0.0
+  for window in windows:
+    batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
+    tokens = np.sum(batch['mask'])
+    loss, grads = jax.value_and_grad(
+      lambda p, batch=batch, tokens=tokens: loss_sum(p, batch) / tokens
+    )(params)
+    gradient_norm = sum(float(jnp.sum(jnp.abs(g))) for g in grads.values())
+    loss_atol = 2 * (
+      2 * (n + TERM_ROUNDINGS) * UNIT_ROUND_OFF * float(loss)
+      + gradient_norm * atol
+    )
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    largest_update = max(float(jnp.max(jnp.abs(u))) for u in updates.values())
+    largest_param = max(float(jnp.max(jnp.abs(p))) for p in params.values())
+    atol += relative * largest_update + 2 * UNIT_ROUND_OFF * largest_param
+  return Reference(params, float(loss), atol, loss_atol)
 
 
 def put(value, sharding):
