@@ -126,7 +126,6 @@ def train_full_batch(optimizer, params, windows):
   return params, jnp.stack(losses)
 
 
-UNIT_ROUND_OFF = 2.0**-24  # float32
 # The roundings on one token's path to its gradient term, as
 # test_multistep.TERM_ROUNDINGS counts them for this model's FEATURES.
 TERM_ROUNDINGS = 2 * FEATURES + 16
@@ -146,7 +145,8 @@ def full_batch_with_bounds(optimizer, params, windows) -> Reference:
   """:func:`train_full_batch` (eagerly), with its round-off bounds.
 
   ``atol`` is ``test_multistep.round_off_atol`` (its docstring derives it),
-  with this model's ``TERM_ROUNDINGS``: per window 2 (n + m) u of the
+  with this model's ``TERM_ROUNDINGS`` and u the unit round-off of the
+  parameters' dtype: per window 2 (n + m) u of the
   gradient, doubled by an update that is linear in it (SGD, momentum, a
   masked leaf's gradient passed through) or homogeneous of degree 0 (Adam,
   Adafactor, a global-norm clip that binds), relative to the window's
@@ -157,9 +157,10 @@ def full_batch_with_bounds(optimizer, params, windows) -> Reference:
   ``atol``, and a second-order term below it (twice the first covers both).
   """
   params = jax.tree.map(jnp.asarray, params)
+  unit_round_off = float(jnp.finfo(params['w'].dtype).eps) / 2
   opt_state = optimizer.init(params)
   n = max(sum(int(np.sum(b['mask'])) for b in w) for w in windows)
-  relative = 2 * 2 * (n + TERM_ROUNDINGS) * UNIT_ROUND_OFF
+  relative = 2 * 2 * (n + TERM_ROUNDINGS) * unit_round_off
   atol = 0.0
   for window in windows:
     batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
@@ -169,14 +170,14 @@ def full_batch_with_bounds(optimizer, params, windows) -> Reference:
     )(params)
     gradient_norm = sum(float(jnp.sum(jnp.abs(g))) for g in grads.values())
     loss_atol = 2 * (
-      2 * (n + TERM_ROUNDINGS) * UNIT_ROUND_OFF * float(loss)
+      2 * (n + TERM_ROUNDINGS) * unit_round_off * float(loss)
       + gradient_norm * atol
     )
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     largest_update = max(float(jnp.max(jnp.abs(u))) for u in updates.values())
     largest_param = max(float(jnp.max(jnp.abs(p))) for p in params.values())
-    atol += relative * largest_update + 2 * UNIT_ROUND_OFF * largest_param
+    atol += relative * largest_update + 2 * unit_round_off * largest_param
   return Reference(params, float(loss), atol, loss_atol)
 
 
