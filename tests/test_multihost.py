@@ -15,11 +15,8 @@ import subprocess
 import sys
 
 import chex
-import jax
-import jax.numpy as jnp
 import multihost_worker as worker
 import numpy as np
-import optax
 import pytest
 
 NUM_PROCESSES = 2
@@ -90,15 +87,9 @@ def test_two_processes_equal_full_batch(tmp_path):
   assert int(result['num_devices']) == num_devices
 
   windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
-  expected_params, expected_losses = worker.train_full_batch(
-    worker.adamw(), worker.init_params(), windows
-  )
+  expected = full_batch(windows)
   for prefix in ('shard_map', 'jit'):
-    params = {name: result[f'{prefix}_{name}'] for name in expected_params}
-    chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(
-      result[f'{prefix}_loss'], expected_losses[-1], rtol=1e-5
-    )
+    assert_equals_full_batch(result, prefix, expected)
 
 
 def test_two_processes_hsdp_equal_full_batch(tmp_path):
@@ -111,15 +102,9 @@ def test_two_processes_hsdp_equal_full_batch(tmp_path):
   assert int(result['num_devices']) == num_devices
 
   windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
-  expected_params, expected_losses = worker.train_full_batch(
-    worker.adamw(), worker.init_params(), windows
-  )
+  expected = full_batch(windows)
   for layout in worker.MULTIHOST_HSDP_LAYOUTS:
-    params = {name: result[f'{layout}_{name}'] for name in expected_params}
-    chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(
-      result[f'{layout}_loss'], expected_losses[-1], rtol=1e-5
-    )
+    assert_equals_full_batch(result, layout, expected)
 
 
 def test_two_processes_explicit_ddp_equal_full_batch(tmp_path):
@@ -132,59 +117,29 @@ def test_two_processes_explicit_ddp_equal_full_batch(tmp_path):
   result = dict(np.load(out))
   num_devices = NUM_PROCESSES * LOCAL_DEVICES
   windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
-  expected_params, expected_losses = worker.train_full_batch(
+  assert_equals_full_batch(result, 'explicit', full_batch(windows))
+
+
+def full_batch(windows):
+  """``worker.full_batch_with_bounds`` with AdamW: full-batch training, and
+  how far float32 round-off can take a run of the same windows from it
+  (relative to each window's largest update; derived there)."""
+  return worker.full_batch_with_bounds(
     worker.adamw(), worker.init_params(), windows
   )
-  params = {name: result[f'explicit_{name}'] for name in expected_params}
-  chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(
-    result['explicit_loss'], expected_losses[-1], rtol=1e-5
+
+
+def assert_equals_full_batch(result, prefix, expected, with_loss=True):
+  """The ``result``'s parameters (and loss) named ``prefix`` are
+  ``expected`` up to its round-off bounds."""
+  params = {name: result[f'{prefix}_{name}'] for name in expected.params}
+  chex.assert_trees_all_close(
+    params, expected.params, rtol=0, atol=expected.atol
   )
-
-
-UNIT_ROUND_OFF = 2.0**-24  # float32
-# The roundings on one token's path to its gradient term, as
-# test_multistep.TERM_ROUNDINGS counts them for this model's FEATURES.
-TERM_ROUNDINGS = 2 * worker.FEATURES + 16
-
-
-def full_batch_with_bounds(windows):
-  """``worker.train_full_batch`` with AdamW, and how far float32 round-off
-  can take a run of the same windows from it: ``(params, loss, atol,
-  loss_atol)`` (``loss``: the last window's token-mean loss).
-
-  ``atol`` is ``test_multistep.round_off_atol`` (its docstring derives it),
-  with this model's ``TERM_ROUNDINGS``: per window 2 (n + m) u of the
-  gradient, doubled by Adam, relative to the window's largest update, plus
-  a rounding of each parameter in each run. The last window's loss is a
-  sum of n one-signed terms (within 2 (n + m) u of it, relative), taken at
-  parameters that may differ by the windows' ``atol`` before it: that
-  moves it by at most the 1-norm of its gradient times that ``atol``, and
-  a second-order term below it (twice the first covers both).
-  """
-  optimizer = worker.adamw()
-  params = jax.tree.map(jnp.asarray, worker.init_params())
-  opt_state = optimizer.init(params)
-  n = max(sum(int(np.sum(b['mask'])) for b in w) for w in windows)
-  relative = 2 * 2 * (n + TERM_ROUNDINGS) * UNIT_ROUND_OFF
-  atol = 0.0
-  for window in windows:
-    batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
-    tokens = np.sum(batch['mask'])
-    loss, grads = jax.value_and_grad(
-      lambda p, batch=batch, tokens=tokens: worker.loss_sum(p, batch) / tokens
-    )(params)
-    gradient_norm = sum(float(jnp.sum(jnp.abs(g))) for g in grads.values())
-    loss_atol = 2 * (
-      2 * (n + TERM_ROUNDINGS) * UNIT_ROUND_OFF * float(loss)
-      + gradient_norm * atol
+  if with_loss:
+    np.testing.assert_allclose(
+      result[f'{prefix}_loss'], expected.loss, rtol=0, atol=expected.loss_atol
     )
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    largest_update = max(float(jnp.max(jnp.abs(u))) for u in updates.values())
-    largest_param = max(float(jnp.max(jnp.abs(p))) for p in params.values())
-    atol += relative * largest_update + 2 * UNIT_ROUND_OFF * largest_param
-  return params, loss, atol, loss_atol
 
 
 def test_two_processes_zero1_equal_full_batch(tmp_path):
@@ -207,10 +162,7 @@ def test_two_processes_zero1_equal_full_batch(tmp_path):
   )
   assert tuple(result['zero1_mu_shard_v']) == (features // num_devices,)
   windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
-  expected, loss, atol, loss_atol = full_batch_with_bounds(windows)
-  params = {name: result[f'zero1_{name}'] for name in expected}
-  chex.assert_trees_all_close(params, expected, rtol=0, atol=atol)
-  np.testing.assert_allclose(result['zero1_loss'], loss, rtol=0, atol=loss_atol)
+  assert_equals_full_batch(result, 'zero1', full_batch(windows))
 
 
 def test_two_processes_token_budget_equal_full_batch(tmp_path):
@@ -232,9 +184,6 @@ def test_two_processes_token_budget_equal_full_batch(tmp_path):
   for size in sizes:
     budget_windows.append(stream[start : start + size])
     start += size
-  expected_params, _ = worker.train_full_batch(
-    worker.adamw(), worker.init_params(), budget_windows
-  )
   assert int(result['budget_updates']) == len(sizes)
-  params = {name: result[f'budget_{name}'] for name in expected_params}
-  chex.assert_trees_all_close(params, expected_params, rtol=1e-5, atol=1e-5)
+  expected = full_batch(budget_windows)
+  assert_equals_full_batch(result, 'budget', expected, with_loss=False)
