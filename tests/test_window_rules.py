@@ -25,7 +25,21 @@ from optax_tokacc import _explicit
 
 K = 3
 NUM_DEVICES = 4
+# Not derived, for the two inners that full_batch_with_bounds's argument
+# does not cover: reduce_on_plateau's SGD, compared window by window with
+# its states, and L-BFGS, whose curvature pairs difference the gradients.
+# Measured on one CPU: 1.2e-7 and 3e-8 (factors 80 and 300 below it).
 TOLERANCE = 1e-5
+
+
+def assert_within_round_off(params, expected):
+  """``params`` are ``expected.params`` (``harness.full_batch_with_bounds``)
+  within its bound, relative to each window's largest update; it holds for
+  an ``inner`` linear in the gradients (SGD, SAM's SGD steps) or homogeneous
+  of degree 0 in them (AdamW)."""
+  chex.assert_trees_all_close(
+    params, expected.params, rtol=0, atol=expected.atol
+  )
 
 
 def plateau_inner():
@@ -299,7 +313,7 @@ def test_budget_closes_windows_where_the_tokens_reach_it():
   k = BUDGET_K
   windows, sizes = budget_windows(k)
   assert len(set(sizes)) > 1 and max(sizes) == k and min(sizes) < k
-  expected, _ = harness.train_full_batch(
+  expected = harness.full_batch_with_bounds(
     harness.adamw(), harness.init_params(), windows[:-1]
   )
   tx = tokacc.token_weighted_multistep(
@@ -312,7 +326,7 @@ def test_budget_closes_windows_where_the_tokens_reach_it():
     lambda params, state, micro_steps: closed_after.append(micro_steps),
   )
   assert closed_after == list(np.cumsum(sizes[:-1]))
-  chex.assert_trees_all_close(params, expected, atol=TOLERANCE)
+  assert_within_round_off(params, expected)
 
 
 @pytest.mark.parametrize('mode', ['shard_map', 'explicit', 'pmap'])
@@ -323,7 +337,7 @@ def test_budget_over_all_devices(mode):
     pytest.skip('reduced/unreduced types need jax >= 0.10')
   k = BUDGET_K
   windows, sizes = budget_windows(k)
-  expected, _ = harness.train_full_batch(
+  expected = harness.full_batch_with_bounds(
     harness.adamw(), harness.init_params(), windows
   )
   flat = [[b for w in windows for b in w]]  # the transform finds the windows
@@ -340,7 +354,7 @@ def test_budget_over_all_devices(mode):
     params = explicit_training(tx, flat)
   else:
     params = pmap_training(k, flat)
-  chex.assert_trees_all_close(params, expected, atol=TOLERANCE)
+  assert_within_round_off(params, expected)
 
 
 def pmap_training(k, windows):
@@ -441,7 +455,9 @@ def test_inner_that_takes_no_value_gets_none():
     )
 
   windows = harness.make_windows((K,) * 4, NUM_DEVICES, seed=2)
-  expected, _ = harness.train_full_batch(sam(), harness.init_params(), windows)
+  expected = harness.full_batch_with_bounds(
+    sam(), harness.init_params(), windows
+  )
   tx = tokacc.token_weighted_multistep(sam(), K)
   params, _ = single_device(tx, windows)  # passes loss= on every micro-step
-  chex.assert_trees_all_close(params, expected, atol=TOLERANCE)
+  assert_within_round_off(params, expected)
