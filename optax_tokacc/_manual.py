@@ -23,7 +23,6 @@ Under ``pmap`` or ``shard_map(check_vma=False)`` JAX does not track
 variance, and everything is summed over all of ``axis_name``.
 """
 
-from collections.abc import Sequence
 import dataclasses
 from typing import Any, Optional, Union
 import warnings
@@ -59,17 +58,24 @@ class Manual(_placement.Single):
     axes = as_tuple(config.axis_name)
     if grads is None:
       return cls(axes)
-    check_bound(config.axis_name)
-    # whether JAX tracks which values vary over ``axes`` (check_vma)
-    tracked = all(a in varying_axes(lax.axis_index(a)) for a in axes)
-    leaves = None if params is None else jax.tree.leaves(params)
-    param_axes = None if params is None else tuple(map(varying_axes, leaves))
-    if tracked:
-      check_complete(num_tokens, grads, param_axes, axes)
-    else:
+    # every axis bound (else NameError); whether JAX tracks which values
+    # vary over ``axes`` (check_vma)
+    try:
+      tracked = all([a in varying_axes(lax.axis_index(a)) for a in axes])
+    except NameError as e:
+      raise ValueError(
+        f'axis_name={config.axis_name!r} is not bound here. Call update inside '
+        'jax.pmap or jax.shard_map over that axis; under jax.jit with '
+        'NamedSharding, leave axis_name=None.'
+      ) from e
+    if not tracked:
       check_untracked(axes)
+      return cls(axes, grad_axes=(axes,) * len(jax.tree.leaves(grads)))
+    param_axes = None
+    if params is not None:
+      param_axes = tuple(map(varying_axes, jax.tree.leaves(params)))
     grad_axes = grad_sum_axes(
-      grads, param_axes, axes, tracked, config.mean_loss
+      num_tokens, grads, param_axes, axes, config.mean_loss
     )
     return cls(axes, tracked, grad_axes, param_axes)
 
@@ -79,12 +85,18 @@ class Manual(_placement.Single):
   def leave(self, state):
     return _state.with_device_slot(state)
 
+  def _over(self, x: Any) -> tuple[str, ...]:
+    """The axes to sum a per-device value over: those it varies over."""
+    return tuple(
+      a for a in self.axes if not self.tracked or a in varying_axes(x)
+    )
+
   def total(self, fn, x):
-    over = sum_axes(x, self.axes, self.tracked)
+    over = self._over(x)
     return lax.psum(fn(x), over) if over else fn(x)
 
   def any(self, flag):
-    over = sum_axes(flag, self.axes, self.tracked)
+    over = self._over(flag)
     return lax.pmax(flag.astype('int32'), over) > 0 if over else flag
 
   def reduce(self, sums, acc_tokens, acc_loss):
@@ -92,15 +104,12 @@ class Manual(_placement.Single):
     leaf and the scalars share them, a single all-reduce per window."""
     leaves, treedef = jax.tree.flatten(sums)
     values = [*leaves, _tokens.to_parts(acc_tokens), acc_loss]
-    scalar_axes = sum_axes(acc_tokens, self.axes, self.tracked)
-    groups = {scalar_axes: []}
-    for i, over in enumerate((*self.grad_axes, scalar_axes, scalar_axes)):
-      groups.setdefault(over, []).append(i)
-    for over, indices in groups.items():
-      if over:
-        summed = lax.psum([values[i] for i in indices], over)
-        for i, value in zip(indices, summed):
-          values[i] = value
+    scalar_axes = self._over(acc_tokens)
+    value_axes = (*self.grad_axes, scalar_axes, scalar_axes)
+    for over in filter(None, dict.fromkeys((scalar_axes, *self.grad_axes))):
+      group = [i for i, axes in enumerate(value_axes) if axes == over]
+      for i, summed in zip(group, lax.psum([values[i] for i in group], over)):
+        values[i] = summed
     *leaves, parts, loss = values
     if self.param_axes is not None:
       leaves = [self._invariant(x, s) for x, s in zip(leaves, self.param_axes)]
@@ -109,9 +118,7 @@ class Manual(_placement.Single):
   def _invariant(self, x: jax.Array, sharded: frozenset) -> jax.Array:
     """``x``, equal on the devices of ``axes`` it is not sharded over, made
     invariant there (a gradient summed by autodiff, held per device)."""
-    same = tuple(
-      a for a in self.axes if a in varying_axes(x) and a not in sharded
-    )
+    same = tuple(a for a in self._over(x) if a not in sharded)
     return lax.pmean(x, same) if same else x
 
   def can_hold(self, acc, update):
@@ -121,11 +128,8 @@ class Manual(_placement.Single):
     """``lax.cond`` whose branches may differ in the axes their outputs
     vary over: each output is marked varying over the union of what the
     two branches give, as ``lax.cond`` requires."""
-    true_out = jax.eval_shape(true_fn, *ops)
-    false_out = jax.eval_shape(false_fn, *ops)
-    target = jax.tree.map(
-      lambda a, b: varying_axes(a) | varying_axes(b), true_out, false_out
-    )
+    outs = [jax.eval_shape(fn, *ops) for fn in (true_fn, false_fn)]
+    target = jax.tree.map(lambda a, b: varying_axes(a) | varying_axes(b), *outs)
 
     def matched(fn):
       return lambda *args: jax.tree.map(make_varying, fn(*args), target)
@@ -142,20 +146,7 @@ def make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
   return _compat.pcast_to_varying(x, sorted(axes - varying_axes(x)))
 
 
-def check_bound(axis_name: AxisName) -> None:
-  """Raises if ``axis_name`` is not bound by ``pmap`` / ``shard_map``."""
-  try:
-    for axis in as_tuple(axis_name):
-      lax.axis_index(axis)
-  except NameError as e:
-    raise ValueError(
-      f'axis_name={axis_name!r} is not bound here. Call update inside '
-      'jax.pmap or jax.shard_map over that axis; under jax.jit with '
-      'NamedSharding, leave axis_name=None.'
-    ) from e
-
-
-def check_untracked(axes: Sequence[str]) -> None:
+def check_untracked(axes: tuple[str, ...]) -> None:
   """Without variance tracking (``pmap``, ``shard_map(check_vma=False)``),
   refuses what could not be told apart: several data axes (sharded from
   replicated parameters), or manual axes that ``axis_name`` leaves out
@@ -170,43 +161,59 @@ def check_untracked(axes: Sequence[str]) -> None:
   if others:
     raise ValueError(
       f'shard_map is manual over {sorted(others)} too, which axis_name='
-      f'{axes!r} leaves out: without check_vma, whether the batch is split '
-      'there cannot be told. Use check_vma=True (the default), or name every '
-      'axis the batch is split over.'
+      f'{axes!r} leaves out: without check_vma the batch may be split there. '
+      'Name every axis it is split over, or use check_vma=True (the default).'
     )
 
 
-def sum_axes(x: Any, axes: Sequence[str], tracked: bool) -> tuple[str, ...]:
-  """The axes to sum a per-device value over: those it varies over."""
-  if not tracked:
-    return tuple(axes)
-  return tuple(a for a in axes if a in varying_axes(x))
-
-
 def grad_sum_axes(
+  count: jax.Array,
   grads: optax.Updates,
   param_axes: Optional[tuple],
-  axes: Sequence[str],
-  tracked: bool,
+  axes: tuple[str, ...],
   mean_loss: bool,
 ) -> tuple:
-  """Per gradient leaf, the axes to sum it over when the window closes.
+  """Per gradient leaf, the axes to sum it over when the window closes,
+  where JAX tracks variance; refuses layouts where the sums would be
+  silently wrong.
 
   Never an axis along which the parameter is sharded. A gradient that is
   already invariant over an axis (``shard_map`` autodiff summed it on this
   micro-step) is not summed again; a warning says how to avoid that cost.
   Under a mean loss such a gradient is the sum of the devices' means,
   which no scaling makes token-weighted: refused.
+
+  A count (or a gradient of a parameter not sharded there) that varies over
+  an axis ``axis_name`` leaves out would be summed over only some of the
+  devices holding the window's data; parameters that all vary over every
+  data axis (replicas stacked per device, typed as varying) would not be
+  summed at all. Both are errors at trace time.
   """
+  if param_axes and all(set(axes) <= varying for varying in param_axes):
+    raise ValueError(
+      f'Every parameter varies over all of axis_name={axes!r}, so no gradient'
+      ' would be summed. Pass the parameters replicated (in_specs P()), the '
+      'state laid out by tokacc.state_partition_specs / tokacc.init_sharded.'
+    )
   grad_leaves = jax.tree.leaves(grads)
-  if not tracked:
-    return (tuple(axes),) * len(grad_leaves)
-  per_leaf, summed = [], set()
-  for grad, sharded in zip(grad_leaves, param_axes or [()] * len(grad_leaves)):
+  per_leaf, summed, outside = [], set(), set()
+  no_params = [frozenset()] * len(grad_leaves)
+  for grad, sharded in zip(grad_leaves, param_axes or no_params):
     kept = [a for a in axes if a not in sharded]
     per_leaf.append(tuple(a for a in kept if a in varying_axes(grad)))
     summed |= {a for a in kept if a not in varying_axes(grad)}
-  pcast = f'jax.lax.pcast(params, {tuple(axes)!r}, to="varying")'
+    outside |= varying_axes(grad) - set(axes) - sharded
+  missing, what = varying_axes(count) - set(axes), 'num_tokens'
+  if not missing and param_axes:
+    missing, what = outside, 'a gradient of a parameter replicated there'
+  if missing:
+    raise ValueError(
+      f'{what} varies over the mesh axes {sorted(missing)}, which '
+      f'axis_name={axes!r} leaves out: the window would be summed '
+      'over only some of the devices holding its data. Pass axis_name='
+      f'{axes + tuple(sorted(missing))!r}.'
+    )
+  pcast = f'jax.lax.pcast(params, {axes!r}, to="varying")'
   if summed and mean_loss:
     raise ValueError(
       "loss_reduction='mean' cannot be exact: the gradients arrive already "
@@ -221,39 +228,3 @@ def grad_sum_axes(
       stacklevel=5,
     )
   return tuple(per_leaf)
-
-
-def check_complete(
-  count: jax.Array,
-  grads: optax.Updates,
-  param_axes: Optional[tuple],
-  axes: Sequence[str],
-) -> None:
-  """Refuses layouts where the sums would be silently wrong.
-
-  A count (or a gradient of a parameter not sharded there) that varies over
-  an axis ``axis_name`` leaves out would be summed over only some of the
-  devices holding the window's data; parameters that all vary over every
-  data axis (replicas stacked per device, typed as varying) would not be
-  summed at all. Both are errors at trace time.
-  """
-  if param_axes and all(set(axes) <= varying for varying in param_axes):
-    raise ValueError(
-      f'Every parameter varies over all of axis_name={tuple(axes)!r}, so no '
-      'gradient would be summed. Parameters stacked per device (pmap style) '
-      'enter shard_map replicated (in_specs P()): lay the state out with '
-      'tokacc.state_partition_specs / tokacc.init_sharded.'
-    )
-  missing = varying_axes(count) - set(axes)
-  what = 'num_tokens'
-  if not missing and param_axes is not None:
-    for grad, varying in zip(jax.tree.leaves(grads), param_axes):
-      missing |= varying_axes(grad) - set(axes) - varying
-    what = 'a gradient of a parameter replicated there'
-  if missing:
-    raise ValueError(
-      f'{what} varies over the mesh axes {sorted(missing)}, which '
-      f'axis_name={tuple(axes)!r} leaves out: the window would be summed '
-      'over only some of the devices holding its data. Pass axis_name='
-      f'{tuple(axes) + tuple(sorted(missing))!r}.'
-    )

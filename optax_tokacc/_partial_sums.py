@@ -85,7 +85,12 @@ class PartialSums(_placement.Single):
       return super().judge(skip_fn, grads, step, params, exact)
     params = _explicit.without_reduced(params)
     if not exact:
-      _warn_reduced_skip()
+      warnings.warn(
+        'token_weighted_multistep: should_skip_update_fn sees the gradients '
+        'reduced, an all-reduce of the gradients per micro-step under '
+        'explicit sharding; tokacc.skip_not_finite decides on partial sums.',
+        stacklevel=4,
+      )
       grads = jax.tree.map(_explicit.reduce_now, grads)
       return super().judge(skip_fn, grads, step, params, exact)
     axes = tuple(sorted(self.axes))
@@ -112,15 +117,6 @@ class PartialSums(_placement.Single):
       (sums, acc_tokens, acc_loss),
       _placement.Reduced(specs, P(), P()),
     )
-
-
-def _warn_reduced_skip():
-  warnings.warn(
-    'token_weighted_multistep: should_skip_update_fn sees reduced gradients,'
-    ' which costs an all-reduce of the gradients per micro-step under '
-    'explicit sharding; tokacc.skip_not_finite decides on the partial sums.',
-    stacklevel=5,
-  )
 
 
 def _psum_tree(tree: Any, axes: tuple) -> Any:
