@@ -25,7 +25,6 @@ variance, and everything is summed over all of ``axis_name``.
 
 import dataclasses
 from typing import Any, Optional, Union
-import warnings
 
 import jax
 from jax import lax
@@ -204,6 +203,12 @@ def grad_sum_axes(
     summed |= {a for a in kept if a not in varying_axes(grad)}
     outside |= varying_axes(grad) - set(axes) - sharded
   missing, what = varying_axes(count) - set(axes), 'num_tokens'
+  if not missing and param_axes is None and outside:
+    raise ValueError(
+      f'A gradient varies over the mesh axes {sorted(outside)}, which '
+      f'axis_name={axes!r} leaves out: pass params to tx.update, which say '
+      'whether it is sharded there or must be summed there too.'
+    )
   if not missing and param_axes:
     missing, what = outside, 'a gradient of a parameter replicated there'
   if missing:
@@ -221,10 +226,9 @@ def grad_sum_axes(
       f"Differentiate with respect to {pcast}, or pass loss_reduction='sum'."
     )
   if summed:
-    warnings.warn(
-      'token_weighted_multistep: gradients arrive already summed over '
-      f'{sorted(summed)}, an all-reduce per micro-step (exact). For one per '
-      f'window, differentiate with respect to {pcast}.',
-      stacklevel=5,
+    _placement.warn(
+      f'gradients arrive already summed over {sorted(summed)}, an all-reduce'
+      f' per micro-step (exact). For one per window, differentiate with '
+      f'respect to {pcast}.'
     )
   return tuple(per_leaf)

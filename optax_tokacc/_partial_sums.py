@@ -27,7 +27,6 @@ moves no data.
 
 import dataclasses
 from typing import Any
-import warnings
 
 import jax
 from jax import lax
@@ -85,11 +84,10 @@ class PartialSums(_placement.Single):
       return super().judge(skip_fn, grads, step, params, exact)
     params = _explicit.without_reduced(params)
     if not exact:
-      warnings.warn(
-        'token_weighted_multistep: should_skip_update_fn sees the gradients '
-        'reduced, an all-reduce of the gradients per micro-step under '
-        'explicit sharding; tokacc.skip_not_finite decides on partial sums.',
-        stacklevel=4,
+      _placement.warn(
+        'should_skip_update_fn sees the gradients reduced, an all-reduce of '
+        'the gradients per micro-step under explicit sharding; '
+        'tokacc.skip_not_finite decides on partial sums.'
       )
       grads = jax.tree.map(_explicit.reduce_now, grads)
       return super().judge(skip_fn, grads, step, params, exact)

@@ -28,7 +28,9 @@ top of ``init`` and ``update`` (``_multistep.placement``):
 """
 
 from collections.abc import Callable
+import sys
 from typing import Any, NamedTuple, Optional
+import warnings
 
 import jax
 from jax import lax
@@ -37,6 +39,18 @@ import jax.numpy as jnp
 from optax_tokacc import _explicit
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
+
+
+def warn(message: str) -> None:
+  """Warns at the line that calls into the libraries (``tx.update`` in the
+  user's step), however deep in optax or Flax the transform is nested."""
+  frame, level = sys._getframe(1), 2
+  while frame.f_globals.get('__name__', '').split('.')[0] in _LIBRARIES:
+    frame, level = frame.f_back, level + 1
+  warnings.warn(f'token_weighted_multistep: {message}', stacklevel=level)
+
+
+_LIBRARIES = ('optax_tokacc', 'optax', 'flax')
 
 
 class Reduced(NamedTuple):

@@ -430,3 +430,46 @@ def test_hybrid_mesh_with_an_axis_left_out_is_refused():
   )
   with pytest.raises(ValueError, match=r"axis_name=\('replica', 'fsdp'\)"):
     step(jax.device_put(params, NamedSharding(mesh, P())), state, x)
+
+
+def _shard_map_update(tx, mesh, axes, vary, pass_params=True):
+  """One ``tx.update`` inside ``shard_map`` over ``mesh``, written here so
+  that a warning's location can be compared with this file."""
+  params = {'w': np.zeros((4, 4), np.float32)}
+  rows = mesh.devices.size  # one row of data per device
+
+  def local(params, x):
+    state = tx.init(params)
+    varying = lax.pcast(params, vary, to='varying') if vary else params
+    grads = jax.grad(lambda p: jnp.sum(p['w'] * x))(varying)
+    given = params if pass_params else None
+    tx.update(grads, state, given, num_tokens=16)  # the caller's line
+    return x
+
+  data = P(tuple(mesh.axis_names))
+  step = jax.shard_map(local, mesh=mesh, in_specs=(P(), data), out_specs=data)
+  jax.jit(step)(params, np.ones((rows, 4), np.float32))
+
+
+def test_shard_map_warning_points_at_the_callers_line():
+  """The warning about gradients summed by autodiff names the line that
+  calls ``tx.update``, not a line of the library."""
+  mesh, axes = mesh_and_axes('1d')
+  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), K, axis_name=axes)
+  with pytest.warns(UserWarning, match='already summed') as record:
+    _shard_map_update(tx, mesh, axes, vary=None)
+  assert [w.filename for w in record] == [__file__]
+
+
+def test_shard_map_without_params_cannot_tell_sharded_from_replicated():
+  """A gradient varying over a manual axis that ``axis_name`` leaves out
+  is summed there only if its parameter is replicated there, which only
+  ``params`` says: without them the update is refused, naming ``params``,
+  where it would otherwise leave the sum over ``fsdp`` out."""
+  mesh = jax.make_mesh((2, 2), ('replica', 'fsdp'), (AUTO, AUTO))
+  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), K, axis_name='replica')
+  vary = ('replica', 'fsdp')
+  with pytest.raises(ValueError, match='params'):
+    _shard_map_update(tx, mesh, 'replica', vary, pass_params=False)
+  with pytest.raises(ValueError, match=r"axis_name=\('replica', 'fsdp'\)"):
+    _shard_map_update(tx, mesh, 'replica', vary)

@@ -439,8 +439,9 @@ def test_skip_not_finite_rejects_the_micro_batch_on_every_device(custom):
   sequence = list(micro_batches(windows))
   sequence.insert(1, (with_nan(sequence[0][0], device=2), False))
   if custom:
-    with pytest.warns(UserWarning, match='all-reduce of the gradients'):
+    with pytest.warns(UserWarning, match='all-reduce of the gradients') as w:
       params, state = run(tx, sequence)
+    assert {x.filename for x in w} == {__file__}  # make_step's tx.update
   else:
     params, state = run(tx, sequence)
   assert_within_round_off(params, expected)
