@@ -22,7 +22,6 @@ divided by the count, a plain optimizer.
 """
 
 from collections.abc import Callable
-import math
 from typing import Any
 
 import jax
@@ -45,21 +44,18 @@ TokenValueAndGradFn = Callable[
 def _batch_size(batch: Batch, microbatch_size: int) -> int:
   """The common leading axis of the batch's leaves, checked at trace time."""
   leaves = jax.tree.leaves(batch)
-  if not leaves:
-    raise ValueError('batch has no arrays to split into micro-batches.')
   sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
   if None in sizes or len(sizes) != 1:
     raise ValueError(
-      'Every array of the batch must have the same leading (batch) axis to '
-      f'split into micro-batches; got shapes {[np.shape(x) for x in leaves]}.'
+      'batch must hold arrays with the same leading (batch) axis to split '
+      f'into micro-batches; got shapes {[np.shape(x) for x in leaves]}.'
     )
   (batch_size,) = sizes
   if batch_size % microbatch_size:
     raise ValueError(
       f'The batch size {batch_size} is not divisible by microbatch_size='
-      f'{microbatch_size}. Use a divisor such as '
-      f'{np.gcd(batch_size, microbatch_size)}, or pad the batch with rows '
-      'whose tokens do not count.'
+      f'{microbatch_size}. Use a divisor ({np.gcd(batch_size, microbatch_size)})'
+      ' or pad the batch with rows whose tokens do not count.'
     )
   return batch_size
 
@@ -149,8 +145,7 @@ def _split(x: jax.Array, microbatch_size: int) -> jax.Array:
   parts = () if found is None else _explicit.partitions(found)
   if all(p is None for p in parts):
     return jnp.swapaxes(x.reshape(rows), 0, 1)
-  axes = (parts[0],) if isinstance(parts[0], str) else parts[0] or ()
-  splits = math.prod(_explicit.mesh_of(x).shape[a] for a in axes)
+  splits = x.shape[0] // jax.typeof(x).sharding.shard_shape(x.shape)[0]
   if microbatch_size % splits:
     raise ValueError(
       f'microbatch_size={microbatch_size} must be a multiple of the {splits} '
