@@ -127,7 +127,8 @@ def microbatched_value_and_grad(
     def add(index, total):
       return jax.tree.map(jnp.add, total, one(index))
 
-    zeros = jax.tree.map(_zeros, jax.eval_shape(one, 0))
+    # zeros typed like the sums (unreduced gradients included)
+    zeros = optax.tree.zeros_like(jax.eval_shape(one, 0))
     sums, grads_sum = lax.fori_loop(0, num_microbatches, add, zeros)
     return sums, optax.tree.cast_like(grads_sum, params)
 
@@ -153,12 +154,6 @@ def _split(x: jax.Array, microbatch_size: int) -> jax.Array:
     )
   grouped = jnp.reshape(x, rows, out_sharding=P(parts[0], None, *parts[1:]))
   return jnp.swapaxes(grouped, 0, 1)
-
-
-def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
-  """Zeros of ``shape``, typed like it (unreduced gradients included)."""
-  sharding = None if _explicit.spec(shape) is None else shape.sharding
-  return jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding)
 
 
 def _at_least_float32(x: jax.Array) -> jax.Array:
