@@ -37,15 +37,11 @@ import optax_tokacc
 _OVERWRITE_WITH_GRADIENT = '_overwrite_with_gradient'
 
 
-def _value(x: Any) -> jax.Array:
-  """The array held by ``x``, an array or an ``nnx.Variable``."""
-  return jnp.asarray(x[...] if isinstance(x, nnx.Variable) else x)
-
-
 class _Accumulating:
   """What both classes read from the accumulator's state in ``opt_state``.
 
   A subclass names in ``_PLAIN`` the Flax class to use for a plain optimizer.
+  ``jnp.asarray`` reads an array and an ``nnx.Variable`` alike.
   """
 
   def _acc_state(self) -> optax_tokacc.TokenWeightedMultiStepState:
@@ -66,7 +62,7 @@ class _Accumulating:
     when a wrapper such as ``optax.apply_if_finite`` returns the previous
     state.
     """
-    return _value(self._acc_state().gradient_step)
+    return jnp.asarray(self._acc_state().gradient_step)
 
   def _counters(self, before: jax.Array, step: Any, micro_step: Any) -> tuple:
     """``(step, micro_step, emitted)`` after one micro-batch.
@@ -87,7 +83,7 @@ class _Accumulating:
       A floating scalar: NaN before the first window and when ``loss`` was
       never passed (see :func:`optax_tokacc.window_loss`).
     """
-    return _value(self._acc_state().last_loss)
+    return jnp.asarray(self._acc_state().last_loss)
 
 
 class TrainState(train_state.TrainState, _Accumulating):
@@ -339,4 +335,4 @@ class Optimizer(nnx.Optimizer, _Accumulating):
     Returns:
       A boolean scalar.
     """
-    return _value(self.emitted)
+    return jnp.asarray(self.emitted)
