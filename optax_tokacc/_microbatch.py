@@ -54,8 +54,9 @@ def _batch_size(batch: Batch, microbatch_size: int) -> int:
   if batch_size % microbatch_size:
     raise ValueError(
       f'The batch size {batch_size} is not divisible by microbatch_size='
-      f'{microbatch_size}. Use a divisor ({np.gcd(batch_size, microbatch_size)})'
-      ' or pad the batch with rows whose tokens do not count.'
+      f'{microbatch_size}. Use a divisor such as '
+      f'{np.gcd(batch_size, microbatch_size)}, or pad the batch with rows '
+      'whose tokens do not count.'
     )
   return batch_size
 
