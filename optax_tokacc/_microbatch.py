@@ -143,18 +143,17 @@ def _split(x: jax.Array, microbatch_size: int) -> jax.Array:
   split over them. On an explicit mesh the layout is given, as JAX asks
   (optax 0.2.8 compares JAX versions as strings and does not)."""
   rows = (microbatch_size, -1) + tuple(jnp.shape(x)[1:])
-  found = _explicit.spec(x)
-  parts = () if found is None else _explicit.partitions(found)
-  if all(p is None for p in parts):
-    return jnp.swapaxes(x.reshape(rows), 0, 1)
-  splits = x.shape[0] // jax.typeof(x).sharding.shard_shape(x.shape)[0]
-  if microbatch_size % splits:
-    raise ValueError(
-      f'microbatch_size={microbatch_size} must be a multiple of the {splits} '
-      'devices the batch is split over.'
-    )
-  grouped = jnp.reshape(x, rows, out_sharding=P(parts[0], None, *parts[1:]))
-  return jnp.swapaxes(grouped, 0, 1)
+  parts = _explicit.partitions(_explicit.spec(x) or P())
+  layout = None  # as JAX gives it, unless the batch is split over devices
+  if any(p is not None for p in parts):
+    splits = x.shape[0] // jax.typeof(x).sharding.shard_shape(x.shape)[0]
+    if microbatch_size % splits:
+      raise ValueError(
+        f'microbatch_size={microbatch_size} must be a multiple of the '
+        f'{splits} devices the batch is split over.'
+      )
+    layout = P(parts[0], None, *parts[1:])
+  return jnp.swapaxes(jnp.reshape(x, rows, out_sharding=layout), 0, 1)
 
 
 def _at_least_float32(x: jax.Array) -> jax.Array:
