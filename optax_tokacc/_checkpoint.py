@@ -21,7 +21,6 @@ turns every leaf into an ordinary array, moving no data, and
 :func:`from_checkpoint` restores the types bit for bit.
 """
 
-import math
 from typing import Any
 
 import jax
@@ -80,16 +79,17 @@ def to_checkpoint(tree: Any) -> Any:
       params, opt_state = tokacc.from_checkpoint(
           ckptr.restore(path, target), like)
   """
+  return jax.tree.map(_rows, tree)
 
-  def split(x):
-    axes = _explicit.unreduced(x)
-    if not axes:
-      return _explicit.without_reduced(x)
-    lead = tuple(a for a in _explicit.mesh_of(x).axis_names if a in axes)
-    out = P(lead, *_explicit.partitions(_explicit.spec(x)))
-    return _explicit.local(lambda v: v[None], (x,), out)
 
-  return jax.tree.map(split, tree)
+def _rows(x: Any) -> Any:
+  """``x`` as :func:`to_checkpoint` saves it."""
+  axes = _explicit.unreduced(x)
+  if not axes:
+    return _explicit.without_reduced(x)
+  lead = tuple(a for a in _explicit.mesh_of(x).axis_names if a in axes)
+  out = P(lead, *_explicit.partitions(_explicit.spec(x)))
+  return _explicit.local(lambda v: v[None], (x,), out)
 
 
 def from_checkpoint(tree: Any, like: Any) -> Any:
@@ -112,9 +112,7 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
       return _explicit.to_type(x, _explicit.spec(ref))
     if not _explicit.unreduced(ref):
       return x
-    sizes = _explicit.mesh_of(ref).shape
-    num_devices = math.prod(sizes[a] for a in _explicit.unreduced(ref))
-    if jnp.shape(x) != (num_devices,) + tuple(jnp.shape(ref)):
+    if jnp.shape(x) != jax.eval_shape(_rows, ref).shape:
       raise ValueError(
         f'from_checkpoint: a leaf of shape {jnp.shape(x)} does not hold the '
         f'partial sums of {jax.typeof(ref)}: like must be the tree given to '

@@ -117,9 +117,8 @@ def with_input_checks(
     check(
       find_state(new_state).dropped_windows == before.dropped_windows,
       'the window closed at mini_step={mini_step}, gradient_step='
-      '{gradient_step} was dropped: its token count (window and devices) '
-      'overflows token_dtype, or a num_tokens was negative, NaN or '
-      'fractional under an integer counter.',
+      '{gradient_step} was dropped: its token count overflows token_dtype, or '
+      'a num_tokens was negative, NaN or fractional under an integer counter.',
     )
     return new_updates, new_state
 

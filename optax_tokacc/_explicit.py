@@ -67,7 +67,8 @@ def _sharding(x: Any) -> Any:
 
 
 def mesh_of(x: Any) -> Any:
-  return _sharding(x).mesh
+  """The mesh in ``x``'s type (None where the type carries no sharding)."""
+  return getattr(_sharding(x), 'mesh', None)
 
 
 def deferred(axes: Any, mesh: Any) -> frozenset:
@@ -75,22 +76,16 @@ def deferred(axes: Any, mesh: Any) -> frozenset:
   known): partial sums over a single device are already the sum (and JAX
   0.10.2 cannot lower a ``shard_map`` with unreduced specs over a size-1
   axis)."""
-  if not axes:
-    return frozenset()
+  axes = frozenset(axes or ())
   if mesh is None or mesh.empty:
-    return frozenset(axes)
-  sizes = dict(mesh.shape)
-  return frozenset(a for a in axes if sizes.get(a, 2) > 1)
-
-
-def _deferred(x: Any, axes: Any) -> frozenset:
-  return deferred(axes, mesh_of(x)) if axes else frozenset()
+    return axes
+  return frozenset(a for a in axes if mesh.shape.get(a, 2) > 1)
 
 
 def unreduced(x: Any) -> frozenset:
   """The mesh axes over which ``x`` holds per-device partial sums (axes of
   size 1 aside: see :func:`reduce_trivial`)."""
-  return _deferred(x, getattr(spec(x), 'unreduced', None))
+  return deferred(getattr(spec(x), 'unreduced', None), mesh_of(x))
 
 
 def reduce_trivial(tree: Any) -> Any:
@@ -114,8 +109,8 @@ def reduced(x: Any) -> frozenset:
 
 def sharded(x: Any) -> frozenset:
   """The mesh axes ``x`` is split over."""
-  found = spec(x)  # entries: None, an axis, or a tuple of axes
-  return frozenset(jax.tree.leaves(() if found is None else partitions(found)))
+  # entries: None, an axis, or a tuple of axes (none where no spec)
+  return frozenset(jax.tree.leaves(partitions(spec(x) or P())))
 
 
 def check_supported(tree: Any, what: str) -> None:
@@ -135,7 +130,7 @@ def data_axes(params: Any) -> frozenset:
   """The axes whose gradient reduction is deferred: those over which some
   parameter is typed reduced."""
   leaves = jax.tree.leaves(params)
-  return frozenset().union(*(_deferred(x, reduced(x)) for x in leaves))
+  return frozenset().union(*(deferred(reduced(x), mesh_of(x)) for x in leaves))
 
 
 def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
@@ -143,8 +138,8 @@ def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
   turned unreduced (``jnp.zeros_like`` would keep them reduced)."""
   if not reduced(param):
     return jnp.zeros_like(param, dtype=dtype)
-  found = spec(param)
-  gradient = P(*partitions(found), unreduced=_deferred(param, found.reduced))
+  found, mesh = spec(param), mesh_of(param)
+  gradient = P(*partitions(found), unreduced=deferred(found.reduced, mesh))
   sharding = jax.typeof(param).sharding.update(spec=gradient)
   return jnp.zeros(jnp.shape(param), dtype, out_sharding=sharding)
 
@@ -153,9 +148,7 @@ def to_type(x: Any, new_spec: P) -> jax.Array:
   """``x`` resharded to ``new_spec`` (no work when it already has it; free
   from replicated to reduced or unreduced, and from reduced to replicated)."""
   x = jnp.asarray(x)
-  if spec(x) == new_spec:
-    return x
-  return jax.reshard(x, new_spec)
+  return x if spec(x) == new_spec else jax.reshard(x, new_spec)
 
 
 def without_reduced(tree: Any) -> Any:
@@ -208,9 +201,7 @@ def specs(tree: Any) -> Any:
 
 def reduce_now(x: Any) -> Any:
   """``x`` summed over the axes it is unreduced over (an all-reduce)."""
-  if not unreduced(x):
-    return x
-  return jax.reshard(x, spec(x, unreduced=False))
+  return jax.reshard(x, spec(x, unreduced=False)) if unreduced(x) else x
 
 
 def same_layout(a: Any, b: Any) -> bool:

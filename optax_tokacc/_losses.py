@@ -34,8 +34,7 @@ def _check_inputs(
   """Validates shapes and dtypes at trace time."""
   if logits.ndim < 1:
     raise ValueError(
-      'logits must have a trailing vocabulary axis, e.g. shape [batch, '
-      f'length, vocab]; got shape {logits.shape}.'
+      f'logits must have a trailing vocabulary axis; got shape {logits.shape}.'
     )
   if not jnp.issubdtype(logits.dtype, jnp.floating):
     raise TypeError(f'logits must be floating point; got dtype {logits.dtype}.')
@@ -52,30 +51,13 @@ def _check_inputs(
     )
   if where.shape != labels.shape:
     raise ValueError(
-      f'where must have the shape of labels {labels.shape} (one flag or '
-      f'weight per token); got {where.shape}.'
+      f'where must have the shape {labels.shape} of labels; got {where.shape}.'
     )
   real = (jnp.bool_, jnp.integer, jnp.floating)
   if not any(jnp.issubdtype(where.dtype, kind) for kind in real):
     raise TypeError(
       f'where must be a bool mask or real token weights; got {where.dtype}.'
     )
-
-
-def _token_weights(
-  labels: jax.Array, where: jax.Array, ignore_index: Optional[int]
-) -> jax.Array:
-  """Each position's weight, 0 where the label is ``ignore_index``.
-
-  int32 for no ``where``, a bool mask or integer weights (an exact count);
-  floating weights keep their dtype, promoted to at least float32.
-  """
-  floating = jnp.issubdtype(where.dtype, jnp.floating)
-  dtype = jnp.promote_types(where.dtype, jnp.float32) if floating else jnp.int32
-  weights = where.astype(dtype)
-  if ignore_index is not None:
-    weights = jnp.where(labels != ignore_index, weights, 0)
-  return weights
 
 
 def token_cross_entropy(
@@ -157,7 +139,13 @@ def token_cross_entropy(
   labels = jnp.asarray(labels)
   where = jnp.asarray(jnp.ones(labels.shape, bool) if where is None else where)
   _check_inputs(logits, labels, where)
-  weights = _token_weights(labels, where, ignore_index)
+  # int32 for a bool mask or integer weights (an exact count); floating
+  # weights keep their dtype, promoted to at least float32.
+  floating = jnp.issubdtype(where.dtype, jnp.floating)
+  dtype = jnp.promote_types(where.dtype, jnp.float32) if floating else jnp.int32
+  weights = where.astype(dtype)
+  if ignore_index is not None:
+    weights = jnp.where(labels != ignore_index, weights, 0)
   counted = weights != 0
   safe_labels = jnp.where(counted, labels, jnp.zeros_like(labels))
   compute_dtype = jnp.promote_types(logits.dtype, jnp.float32)
@@ -166,12 +154,9 @@ def token_cross_entropy(
   )
   weighted = token_losses * weights.astype(compute_dtype)
   weighted = jnp.where(counted, weighted, jnp.zeros_like(weighted))
-  if out_sharding is None:
-    return jnp.sum(weighted), jnp.sum(weights)
   return _sum(weighted, out_sharding), _sum(weights, out_sharding)
 
 
 def _sum(x: jax.Array, out_sharding: Any) -> jax.Array:
-  """``jnp.sum(x)``, typed by ``out_sharding``."""
-  letters = 'abcdefghijklmnopqrstuvwxyz'[: jnp.ndim(x)]
-  return jnp.einsum(f'{letters}->', x, out_sharding=out_sharding)
+  """``jnp.sum(x)``, typed by ``out_sharding`` (None: replicated)."""
+  return jax.lax.reduce_sum(x, range(x.ndim), out_sharding=out_sharding)

@@ -22,7 +22,6 @@ divided by the count, a plain optimizer.
 """
 
 from collections.abc import Callable
-import math
 from typing import Any
 
 import jax
@@ -45,13 +44,11 @@ TokenValueAndGradFn = Callable[
 def _batch_size(batch: Batch, microbatch_size: int) -> int:
   """The common leading axis of the batch's leaves, checked at trace time."""
   leaves = jax.tree.leaves(batch)
-  if not leaves:
-    raise ValueError('batch has no arrays to split into micro-batches.')
   sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
   if None in sizes or len(sizes) != 1:
     raise ValueError(
-      'Every array of the batch must have the same leading (batch) axis to '
-      f'split into micro-batches; got shapes {[np.shape(x) for x in leaves]}.'
+      'batch must hold arrays with the same leading (batch) axis to split '
+      f'into micro-batches; got shapes {[np.shape(x) for x in leaves]}.'
     )
   (batch_size,) = sizes
   if batch_size % microbatch_size:
@@ -131,7 +128,8 @@ def microbatched_value_and_grad(
     def add(index, total):
       return jax.tree.map(jnp.add, total, one(index))
 
-    zeros = jax.tree.map(_zeros, jax.eval_shape(one, 0))
+    # zeros typed like the sums (unreduced gradients included)
+    zeros = optax.tree.zeros_like(jax.eval_shape(one, 0))
     sums, grads_sum = lax.fori_loop(0, num_microbatches, add, zeros)
     return sums, optax.tree.cast_like(grads_sum, params)
 
@@ -145,25 +143,17 @@ def _split(x: jax.Array, microbatch_size: int) -> jax.Array:
   split over them. On an explicit mesh the layout is given, as JAX asks
   (optax 0.2.8 compares JAX versions as strings and does not)."""
   rows = (microbatch_size, -1) + tuple(jnp.shape(x)[1:])
-  found = _explicit.spec(x)
-  parts = () if found is None else _explicit.partitions(found)
-  if all(p is None for p in parts):
-    return jnp.swapaxes(x.reshape(rows), 0, 1)
-  axes = (parts[0],) if isinstance(parts[0], str) else parts[0] or ()
-  splits = math.prod(_explicit.mesh_of(x).shape[a] for a in axes)
-  if microbatch_size % splits:
-    raise ValueError(
-      f'microbatch_size={microbatch_size} must be a multiple of the {splits} '
-      'devices the batch is split over.'
-    )
-  grouped = jnp.reshape(x, rows, out_sharding=P(parts[0], None, *parts[1:]))
-  return jnp.swapaxes(grouped, 0, 1)
-
-
-def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
-  """Zeros of ``shape``, typed like it (unreduced gradients included)."""
-  sharding = None if _explicit.spec(shape) is None else shape.sharding
-  return jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding)
+  parts = _explicit.partitions(_explicit.spec(x) or P())
+  layout = None  # as JAX gives it, unless the batch is split over devices
+  if any(p is not None for p in parts):
+    splits = x.shape[0] // jax.typeof(x).sharding.shard_shape(x.shape)[0]
+    if microbatch_size % splits:
+      raise ValueError(
+        f'microbatch_size={microbatch_size} must be a multiple of the '
+        f'{splits} devices the batch is split over.'
+      )
+    layout = P(parts[0], None, *parts[1:])
+  return jnp.swapaxes(jnp.reshape(x, rows, out_sharding=layout), 0, 1)
 
 
 def _at_least_float32(x: jax.Array) -> jax.Array:

@@ -37,15 +37,11 @@ import optax_tokacc
 _OVERWRITE_WITH_GRADIENT = '_overwrite_with_gradient'
 
 
-def _value(x: Any) -> jax.Array:
-  """The array held by ``x``, an array or an ``nnx.Variable``."""
-  return jnp.asarray(x[...] if isinstance(x, nnx.Variable) else x)
-
-
 class _Accumulating:
   """What both classes read from the accumulator's state in ``opt_state``.
 
   A subclass names in ``_PLAIN`` the Flax class to use for a plain optimizer.
+  ``jnp.asarray`` reads an array and an ``nnx.Variable`` alike.
   """
 
   def _acc_state(self) -> optax_tokacc.TokenWeightedMultiStepState:
@@ -59,23 +55,17 @@ class _Accumulating:
         f'once; {e} For a plain optimizer use {self._PLAIN}.'
       ) from e
 
-  def _gradient_step(self) -> jax.Array:
-    """The accumulator's count of optimizer updates.
-
-    Unlike the state's ``emitted`` flag, whether it advanced cannot go stale
-    when a wrapper such as ``optax.apply_if_finite`` returns the previous
-    state.
-    """
-    return _value(self._acc_state().gradient_step)
-
   def _counters(self, before: jax.Array, step: Any, micro_step: Any) -> tuple:
     """``(step, micro_step, emitted)`` after one micro-batch.
 
-    ``before`` is the accumulator's ``gradient_step`` before the micro-batch,
-    ``step`` and ``micro_step`` the counts before it; ``step`` advances
-    (saturating) if ``gradient_step`` did.
+    ``before`` is the accumulator's ``gradient_step`` (its count of
+    optimizer updates) before the micro-batch, ``step`` and ``micro_step``
+    the counts before it; ``step`` advances (saturating) if ``gradient_step``
+    did. Unlike the state's ``emitted`` flag, whether it advanced cannot go
+    stale when a wrapper such as ``optax.apply_if_finite`` returns the
+    previous state.
     """
-    emitted = self._gradient_step() != before
+    emitted = jnp.asarray(self._acc_state().gradient_step) != before
     step = jnp.where(emitted, optax.safe_increment(step), step)
     return step, optax.safe_increment(micro_step), emitted
 
@@ -87,7 +77,7 @@ class _Accumulating:
       A floating scalar: NaN before the first window and when ``loss`` was
       never passed (see :func:`optax_tokacc.window_loss`).
     """
-    return _value(self._acc_state().last_loss)
+    return jnp.asarray(self._acc_state().last_loss)
 
 
 class TrainState(train_state.TrainState, _Accumulating):
@@ -215,7 +205,7 @@ class TrainState(train_state.TrainState, _Accumulating):
     params = optax.apply_updates(self.params, updates)
     new = self.replace(params=params, opt_state=opt_state)
     step, micro_step, emitted = new._counters(
-      self._gradient_step(), self.step, self.micro_step
+      self._acc_state().gradient_step, self.step, self.micro_step
     )
     return new.replace(step=step, micro_step=micro_step, has_updated=emitted)
 
@@ -323,7 +313,7 @@ class Optimizer(nnx.Optimizer, _Accumulating):
     Returns:
       What ``nnx.Optimizer.update`` returns (the updates in recent Flax).
     """
-    step, before = self.step[...], self._gradient_step()
+    step, before = self.step[...], self._acc_state().gradient_step[...]
     updates = super().update(
       model, grads, num_tokens=num_tokens, loss=loss, **kwargs
     )
@@ -339,4 +329,4 @@ class Optimizer(nnx.Optimizer, _Accumulating):
     Returns:
       A boolean scalar.
     """
-    return _value(self.emitted)
+    return jnp.asarray(self.emitted)
