@@ -37,53 +37,36 @@ from optax_tokacc import _state
 from optax_tokacc import _zero1
 
 
-def _is_spec(x: Any) -> bool:
-  return isinstance(x, P)
-
-
-def _spec_axes(spec: P) -> frozenset:
-  """The mesh axes a spec shards over."""
-  return frozenset(jax.tree.leaves(_explicit.partitions(spec)))
-
-
-def _reduced_axes(param_specs: Any) -> frozenset:
-  """The axes some parameter is typed reduced over (the data axes)."""
-  specs = jax.tree.leaves(param_specs, is_leaf=_is_spec)
-  return frozenset().union(*(s.reduced for s in specs))
-
-
-_REPLICATED = P()
-
-
-def _slot(axes: tuple[str, ...], spec: P = _REPLICATED) -> P:
+def _slot(axes: tuple[str, ...], spec: P) -> P:
   """``spec`` behind a slot axis split over the data axes it leaves free."""
-  return P(tuple(a for a in axes if a not in _spec_axes(spec)), *spec)
+  split = jax.tree.leaves(_explicit.partitions(spec))
+  return P(tuple(a for a in axes if a not in split), *spec)
 
 
-def _is_spec_or_state(x: Any) -> bool:
-  return _is_spec(x) or isinstance(x, _state.TokenWeightedMultiStepState)
+def _is_state(x: Any) -> bool:
+  return isinstance(x, _state.TokenWeightedMultiStepState)
 
 
-def _layout(axis_name: Any, param_specs: Any) -> tuple:
-  """How the per-device fields are laid out: the map of the accumulator's
-  specs, and the spec of the scalars.
+def _layout(axis_name: Any, specs: list) -> tuple:
+  """How the per-device fields are laid out, from the parameters' ``specs``:
+  the map of the accumulator's specs, and the spec of the scalars.
 
   With ``axis_name``, behind a slot axis (see :func:`_slot`). Under
   explicit sharding, the accumulator typed like the gradients (reduced
-  axes turned unreduced), the window's count and loss unreduced over every
-  axis some parameter is reduced over; partial sums over one device are
-  the sum."""
+  axes turned unreduced), the window's count and loss like the gradient of
+  a scalar reduced over every axis some parameter is reduced over; partial
+  sums over one device are the sum."""
   if axis_name is not None:
-    axes = _manual.as_tuple(axis_name)
-    return functools.partial(_slot, axes), _slot(axes)
+    slot = functools.partial(_slot, _manual.as_tuple(axis_name))
+    return slot, slot(P())
   mesh = jax.sharding.get_abstract_mesh()
 
   def like_gradient(spec):
     unreduced = _explicit.deferred(spec.reduced, mesh)
     return P(*_explicit.partitions(spec), unreduced=unreduced)
 
-  data_axes = _reduced_axes(param_specs)
-  return like_gradient, P(unreduced=_explicit.deferred(data_axes, mesh))
+  data_axes = frozenset().union(*(s.reduced for s in specs))
+  return like_gradient, like_gradient(P(reduced=data_axes))
 
 
 def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
@@ -96,7 +79,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
     if isinstance(leaf, optax.MaskedNode):
       return leaf
     shape, like = jnp.shape(leaf), jnp.shape(param)  # behind a slot axis?
-    return spec if shape[len(shape) - len(like) :] == like else _REPLICATED
+    return spec if shape[len(shape) - len(like) :] == like else P()
 
   return optax.tree_map_params(
     tx,
@@ -105,7 +88,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
     specs,
     params,
     transform_non_params=lambda _: P(),
-    is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)),
+    is_leaf=lambda x: isinstance(x, optax.MaskedNode),
   )
 
 
@@ -116,11 +99,8 @@ def _param_specs(params: optax.Params, param_specs: Optional[Any]) -> Any:
     return param_specs
 
   def of(p):
-    found = _explicit.spec(p)
-    typed = found is not None and (
-      _spec_axes(found) or found.reduced or found.unreduced
-    )
-    return found if typed else _REPLICATED
+    found = _explicit.spec(p)  # None where the type carries no sharding
+    return P() if found in (None, P(*[None] * jnp.ndim(p))) else found
 
   return jax.tree.map(of, params)
 
@@ -182,102 +162,42 @@ def state_partition_specs(
   """
   param_specs = _param_specs(params, param_specs)
   abstract = jax.eval_shape(tx.init, params)
-  specs = _follow(tx, abstract, param_specs, params)
-  gradient, scalar = _layout(axis_name, param_specs)
-  zero = specs
+  specs = zero = _follow(tx, abstract, param_specs, params)
   if shard_optimizer_over is not None:
-    zero = _distributed_optimizer(
-      tx, params, param_specs, abstract, shard_optimizer_over, axis_name, mesh
+    sharded = _zero1.state_specs(
+      params, param_specs, shard_optimizer_over, axis_name, mesh
     )
+    zero = _follow(tx, abstract, sharded, params)
     if _inner_states(zero) == _inner_states(specs):
       raise ValueError(
         f'shard_optimizer_over={shard_optimizer_over!r}: inner keeps no '
-        'parameter-shaped state that the axes divide, so there is nothing to '
-        'shard. Use it with an optimizer that keeps moments (e.g. '
-        'optax.adamw), or leave it out.'
+        'parameter-shaped state the axes divide, so there is nothing to shard.'
+        ' Use an optimizer with moments (e.g. optax.adamw), or leave it out.'
       )
+  gradient, scalar = _layout(axis_name, jax.tree.leaves(param_specs))
 
   def fix(node, zero_node):
-    if not isinstance(node, _state.TokenWeightedMultiStepState):
+    if not _is_state(node):
       return node
-    per_device = functools.partial(jax.tree.map, gradient, is_leaf=_is_spec)
-    skip_state = node.skip_state
-    if axis_name is not None:
-      skip_state = jax.tree.map(lambda _: scalar, skip_state, is_leaf=_is_spec)
+    per_device = functools.partial(jax.tree.map, gradient)
     return node._replace(
       acc_grads=per_device(node.acc_grads),
       acc_compensation=per_device(node.acc_compensation),
       acc_tokens=scalar,
       acc_loss=scalar,
-      skip_state=skip_state,
+      skip_state=per_device(node.skip_state),  # scalars: replicated or slots
       inner_state=zero_node.inner_state,
     )
 
-  specs = jax.tree.map(fix, specs, zero, is_leaf=_is_spec_or_state)
+  specs = jax.tree.map(fix, specs, zero, is_leaf=_is_state)
   if manual_axes is None:
     return specs
   return _only_manual(specs, axis_name, manual_axes)
 
 
 def _inner_states(specs: Any) -> list:
-  nodes = jax.tree.leaves(specs, is_leaf=_is_spec_or_state)
-  return [n.inner_state for n in nodes if not _is_spec(n)]
-
-
-def _distributed_optimizer(
-  tx, params, param_specs, abstract, shard_over, axis_name, mesh
-):
-  """The specs of ``tx``'s state with ``inner``'s parameter-shaped leaves
-  sharded over ``shard_over``."""
-  if axis_name is not None:
-    raise ValueError(
-      f'shard_optimizer_over={shard_over!r} with axis_name={axis_name!r}: '
-      'the distributed-optimizer layout is built on explicit sharding. Type '
-      "the parameters reduced over the data axes (jax.P(reduced={'data'})) "
-      'under jax.jit and leave axis_name=None.'
-    )
-  axes = _manual.as_tuple(shard_over)
-  mesh = _mesh(params) if mesh is None else mesh
-  _check_shard_axes(axes, param_specs, mesh, shard_over)
-  sharded = functools.partial(_zero1.shard_spec, axes=axes, mesh=mesh)
-  return _follow(
-    tx, abstract, jax.tree.map(sharded, params, param_specs), params
-  )
-
-
-def _mesh(params):
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is not None and not mesh.empty:
-    return mesh
-  for leaf in jax.tree.leaves(params):
-    if _explicit.spec(leaf) is not None:
-      return _explicit.mesh_of(leaf)
-  raise ValueError(
-    'shard_optimizer_over needs the mesh: call inside jax.set_mesh(mesh), '
-    'or pass parameters placed on it.'
-  )
-
-
-def _check_shard_axes(axes, param_specs, mesh, shard_over):
-  """Refuses axes the optimizer state cannot be sharded over."""
-  specs = jax.tree.leaves(param_specs, is_leaf=_is_spec)
-  split = frozenset().union(*map(_spec_axes, specs))
-  for axis in axes:
-    if axis not in mesh.axis_names:
-      problem = f'{axis!r} is not an axis of the mesh {mesh.axis_names}'
-    elif axis in split:
-      problem = f'the parameters are sharded over {axis!r}'
-    elif axis not in _reduced_axes(param_specs):
-      problem = (
-        f'{axis!r} is not a data axis: no parameter is typed reduced over '
-        'it (jax.P(reduced={...}))'
-      )
-    else:
-      continue
-    raise ValueError(
-      f'shard_optimizer_over={shard_over!r}: {problem}. Name data axes, '
-      'over which the parameters are typed reduced.'
-    )
+  nodes = jax.tree.leaves(specs, is_leaf=_is_state)
+  return [n.inner_state for n in nodes if _is_state(n)]
 
 
 def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
@@ -288,21 +208,16 @@ def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
       f'axis_name={axis_name!r} must be among the manual axes of shard_map '
       f'(manual_axes={manual_axes!r}): the transform sums over manual axes.'
     )
-
-  leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
-  if any(spec.reduced or spec.unreduced for spec in leaves):
+  if any(spec.reduced or spec.unreduced for spec in jax.tree.leaves(specs)):
     raise ValueError(
       f'manual_axes={manual_axes!r} is for a partial-manual shard_map with '
-      'axis_name; parameters typed reduced are explicit sharding under '
-      'jax.jit, whose specs need no manual_axes. Leave it out.'
+      'axis_name; explicit sharding (parameters typed reduced) needs none.'
     )
 
-  def keep(entry):  # None, an axis or a tuple of axes
-    return tuple(a for a in jax.tree.leaves(entry) if a in manual)
+  def keep(spec):  # entries: None, an axis or a tuple of axes
+    return P(*([a for a in jax.tree.leaves(e) if a in manual] for e in spec))
 
-  return jax.tree.map(
-    lambda spec: P(*(keep(entry) for entry in spec)), specs, is_leaf=_is_spec
-  )
+  return jax.tree.map(keep, specs)
 
 
 def state_shardings(
@@ -351,7 +266,7 @@ def state_shardings(
     shard_optimizer_over=shard_optimizer_over,
     mesh=mesh,
   )
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
 def init_sharded(
@@ -397,18 +312,17 @@ def init_sharded(
     >>> state.acc_grads['w'].shape  # one accumulator slot per device
     (2, 8, 2)
   """
-  layout = dict(
-    param_specs=_param_specs(params, param_specs),
+  specs = state_partition_specs(
+    tx,
+    params,
+    param_specs=param_specs,
     axis_name=axis_name,
     shard_optimizer_over=shard_optimizer_over,
+    mesh=mesh,
   )
   if axis_name is None:
-    shardings = state_shardings(tx, params, mesh, **layout)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     return jax.jit(tx.init, out_shardings=shardings)(params)
-  init = jax.shard_map(
-    tx.init,
-    mesh=mesh,
-    in_specs=(layout['param_specs'],),
-    out_specs=state_partition_specs(tx, params, **layout),
-  )
+  in_specs = (_param_specs(params, param_specs),)
+  init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)
   return jax.jit(init)(params)

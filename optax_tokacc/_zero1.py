@@ -23,10 +23,11 @@ share). ``inner`` runs on the shards, and its updates are all-gathered to
 the parameters' type. A window moves the bytes of one all-reduce, and each
 device holds 1/N of the optimizer state.
 
-The layout is read from the state's types, leaf by leaf: each gradient is
-scattered as the state of its parameter is sharded (optax's
-``tree_map_params`` says which state belongs to which parameter), so
-moments resharded by hand are followed.
+The layout is chosen by :func:`state_specs` (``shard_optimizer_over`` of
+:func:`optax_tokacc.state_partition_specs`) and read back from the state's
+types, leaf by leaf: each gradient is scattered as the state of its
+parameter is sharded (optax's ``tree_map_params`` says which state belongs
+to which parameter), so moments resharded by hand are followed.
 """
 
 import dataclasses
@@ -39,22 +40,70 @@ from jax.sharding import PartitionSpec as P
 import optax
 
 from optax_tokacc import _explicit
+from optax_tokacc import _manual
 from optax_tokacc import _partial_sums
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
 
 
-def shard_spec(x: Any, found: P, axes: tuple, mesh: Any) -> P:
-  """The spec of ``x``'s optimizer state: ``x``'s own spec ``found``,
-  sharded over ``axes`` on the first dimension that is not already split
-  and that the axes' size divides (as ``found`` where none does)."""
-  parts = _explicit.partitions(found)
-  parts += (None,) * (len(x.shape) - len(parts))
+def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
+  """The specs of ``inner``'s parameter-shaped state, per parameter, with
+  ``shard_optimizer_over=shard_over``: the parameter's spec, sharded over
+  the axes on its first dimension that is not already split and that the
+  axes' size divides (the parameter's spec where none does)."""
+  if axis_name is not None:
+    raise ValueError(
+      f'shard_optimizer_over={shard_over!r} needs explicit sharding, not '
+      f'axis_name={axis_name!r}: type the parameters reduced over the data '
+      "axes (jax.P(reduced={'data'})) under jax.jit, and leave axis_name=None."
+    )
+  axes = _manual.as_tuple(shard_over)
+  mesh = _mesh(params) if mesh is None else mesh
+  _check_axes(axes, jax.tree.leaves(param_specs), mesh, shard_over)
   size = math.prod(mesh.shape[axis] for axis in axes)
-  for dim, (length, entry) in enumerate(zip(x.shape, parts)):
-    if entry is None and length % size == 0 and length >= size:
-      return P(*parts[:dim], axes, *parts[dim + 1 :])
-  return P(*parts)
+
+  def shard(x, found):
+    parts = _explicit.partitions(found)
+    parts += (None,) * (len(x.shape) - len(parts))
+    for dim, (length, entry) in enumerate(zip(x.shape, parts)):
+      if entry is None and length % size == 0 and length >= size:
+        return P(*parts[:dim], axes, *parts[dim + 1 :])
+    return P(*parts)
+
+  return jax.tree.map(shard, params, param_specs)
+
+
+def _mesh(params: Any) -> Any:
+  """The mesh of ``jax.set_mesh``, else that of the parameters."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    return mesh
+  for leaf in jax.tree.leaves(params):
+    if _explicit.spec(leaf) is not None:
+      return _explicit.mesh_of(leaf)
+  raise ValueError(
+    'shard_optimizer_over needs the mesh: call inside jax.set_mesh(mesh), '
+    'or pass parameters placed on it.'
+  )
+
+
+def _check_axes(axes: tuple, specs: list, mesh: Any, shard_over: Any) -> None:
+  """Refuses axes the optimizer state cannot be sharded over."""
+  split = jax.tree.leaves([_explicit.partitions(s) for s in specs])
+  data_axes = frozenset().union(*(s.reduced for s in specs))
+  for axis in axes:
+    if axis not in mesh.axis_names:
+      problem = f'{axis!r} is not an axis of the mesh {mesh.axis_names}'
+    elif axis in split:
+      problem = f'the parameters are sharded over {axis!r}'
+    elif axis not in data_axes:
+      problem = f'{axis!r} is not a data axis'
+    else:
+      continue
+    raise ValueError(
+      f'shard_optimizer_over={shard_over!r}: {problem}. Name data axes, over '
+      "which the parameters are typed reduced (jax.P(reduced={'data'}))."
+    )
 
 
 class Target(NamedTuple):
@@ -79,9 +128,8 @@ class DistributedOptimizer(_partial_sums.PartialSums):
   def of(cls, place, inner, inner_state, grads) -> Any:
     """``place`` itself unless some of ``inner``'s state is sharded over
     its data axes: the distributed-optimizer layout."""
-    if not any(
-      _explicit.sharded(x) & place.axes for x in jax.tree.leaves(inner_state)
-    ):
+    states = jax.tree.leaves(inner_state)
+    if not any(_explicit.sharded(x) & place.axes for x in states):
       return place
     targets = _targets(inner, inner_state, grads, place.axes)
     if all(t is None for t in targets):
@@ -106,8 +154,7 @@ class DistributedOptimizer(_partial_sums.PartialSums):
           leaf = lax.psum_scatter(
             leaf, target.axes, scatter_dimension=target.dim, tiled=True
           )
-          scattered = jax.tree.leaves(target.axes)
-          over = tuple(a for a in over if a not in scattered)
+          over = tuple(a for a in over if a not in jax.tree.leaves(target.axes))
         out.append(lax.psum(leaf, over) if over else leaf)
       return out, lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
 
@@ -132,10 +179,9 @@ class DistributedOptimizer(_partial_sums.PartialSums):
     if 'shard' not in str(error).lower():
       return None
     return ValueError(
-      'inner cannot run on the shards of its state, sharded over data axes '
-      '(shard_optimizer_over): it needs whole gradients, as the '
-      'orthogonalization of optax.contrib.muon does. Leave '
-      f'shard_optimizer_over out. (inner raised: {error})'
+      'inner cannot run on the shards of its state (shard_optimizer_over): it'
+      ' needs whole gradients, as the orthogonalization of optax.contrib.muon'
+      f' does. Leave shard_optimizer_over out. (inner raised: {error})'
     )
 
   def like(self, tree, reference):
@@ -153,10 +199,9 @@ class DistributedOptimizer(_partial_sums.PartialSums):
 
 def _scattered(leaf: Any, target: Optional[Target]) -> Optional[Target]:
   """``target``, where ``leaf`` holds partial sums over its axes."""
-  partial = _explicit.unreduced(leaf)
-  if target is None or not partial.issuperset(jax.tree.leaves(target.axes)):
-    return None
-  return target
+  if target and _explicit.unreduced(leaf) >= set(jax.tree.leaves(target.axes)):
+    return target
+  return None
 
 
 def _targets(inner, inner_state, grads, axes) -> tuple:
@@ -165,11 +210,8 @@ def _targets(inner, inner_state, grads, axes) -> tuple:
   found = [set() for _ in leaves]
 
   def record(leaf, index):
-    if (
-      not isinstance(leaf, optax.MaskedNode)
-      and jax.numpy.shape(leaf) == jax.numpy.shape(leaves[index])
-      and _explicit.sharded(leaf) & axes
-    ):
+    sharded = _explicit.sharded(leaf) & axes  # none for a MaskedNode
+    if sharded and jax.numpy.shape(leaf) == jax.numpy.shape(leaves[index]):
       found[index].add(P(*_explicit.partitions(_explicit.spec(leaf))))
     return leaf
 
@@ -197,8 +239,7 @@ def _target(grad: Any, specs: set, axes: frozenset) -> Optional[Target]:
       return Target(dim, parts[dim], spec)
   raise ValueError(
     f'The optimizer state of a gradient typed {jax.typeof(grad)} is sharded '
-    f'as {sorted(map(str, specs))}: the window can be reduce-scattered into '
-    'one layout, that of the gradient with one more dimension split over '
-    'data axes. Lay the state out with tokacc.init_sharded(tx, params, '
-    'mesh, shard_optimizer_over=...).'
+    f'as {sorted(map(str, specs))}; the window is reduce-scattered only into '
+    "the gradient's layout with one more dimension split over data axes. "
+    'Build the state with tokacc.init_sharded(..., shard_optimizer_over=...).'
   )
