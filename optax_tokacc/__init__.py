@@ -24,12 +24,13 @@ mesh, check its inputs, and compute token-summed losses; ``optax_tokacc.flax``
 holds the Flax train states.
 """
 
+from optax import skip_not_finite
+
 from optax_tokacc._checkpoint import from_checkpoint
 from optax_tokacc._checkpoint import to_checkpoint
 from optax_tokacc._checks import with_input_checks
 from optax_tokacc._losses import token_cross_entropy
 from optax_tokacc._microbatch import microbatched_value_and_grad
-from optax_tokacc._multistep import skip_not_finite
 from optax_tokacc._multistep import token_weighted_multistep
 from optax_tokacc._sharding import init_sharded
 from optax_tokacc._sharding import state_partition_specs

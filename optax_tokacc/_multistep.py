@@ -21,6 +21,7 @@ count, runs the wrapped optimizer once, and keeps its state's dtypes.
 """
 
 from collections.abc import Callable
+import functools
 from typing import Any, Optional, Union
 
 import jax
@@ -43,39 +44,6 @@ EveryKSchedule = Union[int, Callable[[jax.Array], jax.typing.ArrayLike]]
 ShouldSkipUpdateFn = Callable[
   [optax.Updates, jax.Array, Optional[optax.Params]], tuple[jax.Array, Any]
 ]
-
-
-def skip_not_finite(
-  updates: optax.Updates,
-  gradient_step: jax.typing.ArrayLike,
-  params: Optional[optax.Params],
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Rejects a micro-batch whose gradients hold a NaN or an infinity.
-
-  ``optax.skip_not_finite``, for ``should_skip_update_fn``: the micro-batch
-  adds neither gradients, tokens nor loss.
-
-  Args:
-    updates: the micro-batch's gradients.
-    gradient_step: the optimizer step (unused).
-    params: the parameters (unused).
-
-  Returns:
-    ``(should_skip, {'should_skip': ..., 'num_not_finite': ...})``.
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_tokacc as tokacc
-    >>> tx = tokacc.token_weighted_multistep(
-    ...     optax.sgd(0.1), 2, should_skip_update_fn=tokacc.skip_not_finite)
-    >>> params = {'w': jnp.zeros(2)}
-    >>> state = tx.init(params)
-    >>> bad = {'w': jnp.array([1.0, jnp.nan])}
-    >>> _, state = tx.update(bad, state, params, num_tokens=4)
-    >>> int(state.mini_step), int(state.acc_tokens)  # not added
-    (0, 0)
-  """
-  return optax.skip_not_finite(updates, gradient_step, params)
 
 
 def token_weighted_multistep(
@@ -199,23 +167,11 @@ def token_weighted_multistep(
     compensated=bool(compensated),
     should_skip_update_fn=should_skip_update_fn,
     token_dtype=_validation.token_dtype(token_dtype),
-    skip_on_partial_sums=should_skip_update_fn
-    in (skip_not_finite, optax.skip_not_finite),
     tokens_per_update=_validation.tokens_per_update(tokens_per_update),
   )
-
-  def init_fn(params: optax.Params) -> TokenWeightedMultiStepState:
-    return _init(config, params)
-
-  def update_fn(
-    updates: optax.Updates,
-    state: TokenWeightedMultiStepState,
-    params: Optional[optax.Params] = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
-    return _update(config, updates, state, params, **extra_args)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    functools.partial(_init, config), functools.partial(_update, config)
+  )
 
 
 def placement(config, params, state=None, grads=None, num_tokens=None):
@@ -230,15 +186,12 @@ def placement(config, params, state=None, grads=None, num_tokens=None):
   if not axes:
     return _placement.Single()
   place = _partial_sums.PartialSums.of(axes, params, state)
-  if state is None:
-    return place
-  return _zero1.DistributedOptimizer.of(
-    place, config.inner, state.inner_state, grads
-  )
+  inner_state = None if state is None else state.inner_state  # None: init
+  return _zero1.DistributedOptimizer.of(place, config.inner, inner_state, grads)
 
 
 def _init(
-  config: _validation.Config, params: optax.Params
+  config: _validation.Config, /, params: optax.Params
 ) -> TokenWeightedMultiStepState:
   _explicit.check_supported(params, 'Parameters')
   place = placement(config, params)
@@ -272,14 +225,16 @@ def _judge(config, place, grads, gradient_step, params):
   skip_fn = config.should_skip_update_fn
   if skip_fn is None:
     return None, ()
-  exact = config.skip_on_partial_sums
+  # skip_not_finite decides as well on partial sums as on their sum
+  exact = skip_fn is optax.skip_not_finite
   skip, skip_state = place.judge(skip_fn, grads, gradient_step, params, exact)
   return jnp.logical_not(skip), skip_state
 
 
 def _update(
   config: _validation.Config,
-  grads: optax.Updates,
+  /,
+  updates: optax.Updates,
   state: TokenWeightedMultiStepState,
   params: Optional[optax.Params] = None,
   *,
@@ -291,18 +246,15 @@ def _update(
 ) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory)."""
   _state.check_is_state(state)
-  _validation.grads(grads, params, None)
-  _explicit.check_supported(grads, 'Gradients')
-  grads, num_tokens, loss = _explicit.reduce_trivial((grads, num_tokens, loss))
+  _validation.tree(updates, params, 'the parameters')
+  _explicit.check_supported(updates, 'Gradients')
+  grads, num_tokens, loss = _explicit.reduce_trivial(
+    (updates, num_tokens, loss)
+  )
   num_tokens = _validation.num_tokens(num_tokens, config.token_dtype)
   place = placement(config, params, state, grads, num_tokens)
   state = place.enter(state)
-  acc_dtypes = [config.acc_dtype(g) for g in jax.tree.leaves(grads)]
-  _state.check_matches(
-    state, acc_dtypes, config.compensated, config.token_dtype, config.loss_dtype
-  )
-  _validation.grads(grads, None, state.acc_grads)  # params: checked above
-  _explicit.check_layout(grads, state, params)
+  _validation.state_matches(config, grads, state, params)
   loss = _validation.loss(loss)
   emit_now = _validation.emit_now(emit_now)
   _validation.close(close, emit_now, config.tokens_per_update)
@@ -310,9 +262,7 @@ def _update(
 
   keep, skip_state = _judge(config, place, grads, state.gradient_step, params)
   micro = _window.micro_batch(config, place, grads, num_tokens, loss, keep)
-  window = _window.Window(
-    state.acc_grads, state.acc_compensation, state.acc_tokens, state.acc_loss
-  )
+  window = _window.Window(*(getattr(state, f) for f in _window.Window._fields))
   restart = state.mini_step == 0
   window = _window.add(config, place, window, micro, restart, close is not None)
   mini_step = optax.safe_increment(state.mini_step)
@@ -339,17 +289,14 @@ def _next_state(state, mini_step, close, closing, skip_state):
   window, closed = closing.window, closing.closed
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
   return TokenWeightedMultiStepState(
+    **window._asdict(),  # acc_grads, acc_compensation, acc_tokens, acc_loss
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
     gradient_step=_increment_if(closed.emitted, state.gradient_step),
-    acc_grads=window.acc_grads,
-    acc_tokens=window.acc_tokens,
-    acc_loss=window.acc_loss,
     inner_state=closing.inner_state,
     last_loss=jnp.where(closed.emitted, closed.mean_loss, state.last_loss),
     last_tokens=jnp.where(closed.emitted, closed.tokens, state.last_tokens),
     skip_state=skip_state,
     emitted=closed.emitted,
-    acc_compensation=window.acc_compensation,
     dropped_windows=_increment_if(dropped, state.dropped_windows),
   )
 

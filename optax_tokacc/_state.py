@@ -115,9 +115,8 @@ def without_device_slot(state: 'TokenWeightedMultiStepState'):
     for leaf in jax.tree.leaves(getattr(state, name)):
       if jnp.shape(leaf)[:1] != (1,):
         raise ValueError(
-          f'With axis_name, state.{name} needs a leading device-slot axis of '
-          f'length 1; got a leaf of shape {jnp.shape(leaf)}. Initialize it '
-          'with tokacc.init_sharded (shard_map) or jax.pmap(tx.init) (pmap).'
+          f'state.{name} needs a leading device-slot axis of length 1; got '
+          f'{jnp.shape(leaf)}: use tokacc.init_sharded or jax.pmap(tx.init).'
         )
   return map_per_device(lambda x: x[0], state)
 
@@ -270,39 +269,4 @@ def check_is_state(state: Any) -> None:
     raise TypeError(
       'state must be the TokenWeightedMultiStepState of tx.init; got '
       f"{type(state).__name__}. With optax.chain, pass the chain's state."
-    )
-
-
-def check_matches(
-  state: Any,
-  acc_dtypes: list,
-  compensated: bool,
-  token_dtype: jnp.dtype,
-  loss_dtype: jnp.dtype,
-) -> None:
-  """Refuses a state made (or restored) for another configuration."""
-  acc_leaves = jax.tree.leaves(state.acc_grads)
-  for leaf, expected in zip(acc_leaves, acc_dtypes):
-    _check_dtype('acc_grads', leaf, expected)
-  has_compensation = bool(jax.tree.leaves(state.acc_compensation))
-  if acc_leaves and has_compensation != bool(compensated):
-    raise TypeError(
-      f'state has compensated={has_compensation}, but this transform has '
-      f'compensated={bool(compensated)}. Restore into its tx.init(params), '
-      f'or build it with compensated={has_compensation}.'
-    )
-  for name in ('acc_tokens', 'last_tokens'):
-    _check_dtype(name, getattr(state, name), token_dtype)
-  for name in ('acc_loss', 'last_loss'):
-    _check_dtype(name, getattr(state, name), loss_dtype)
-
-
-def _check_dtype(field: str, value: Any, expected: Any) -> None:
-  """``state.field`` (``value``) must have the dtype this transform keeps."""
-  found = jnp.result_type(value)
-  if found != expected:
-    raise TypeError(
-      f'state.{field} has dtype {found}, but this transform keeps it in '
-      f'{expected}. Restore into its tx.init(params), or build it with the '
-      "state's dtypes (accumulator_dtype=..., token_dtype=...)."
     )

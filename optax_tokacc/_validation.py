@@ -28,7 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-_LOSS_REDUCTIONS = ('sum', 'mean')
+from optax_tokacc import _explicit
+
+_REDUCTIONS = ('sum', 'mean')
+# The fix for a static argument that optax.inject_hyperparams made an array.
+_STATIC = ' With optax.inject_hyperparams, list it in static_args.'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +47,6 @@ class Config:
   compensated: bool
   should_skip_update_fn: Optional[Callable]
   token_dtype: jnp.dtype
-  # Whether should_skip_update_fn decides as well on partial sums of the
-  # gradients (explicit sharding) as on their sum: skip_not_finite.
-  skip_on_partial_sums: bool = False
   # Close a window once it holds this many counted tokens (all devices).
   tokens_per_update: Optional[int] = None
 
@@ -75,15 +76,13 @@ def check_options(
       'should_skip_update_fn must be None or a function such as '
       f'tokacc.skip_not_finite; got {should_skip_update_fn!r}.'
     )
-  if loss_reduction not in _LOSS_REDUCTIONS:
+  if loss_reduction not in _REDUCTIONS:
     raise ValueError(
-      f'loss_reduction must be one of {_LOSS_REDUCTIONS} (how the loss reduces'
-      f" a micro-batch's counted tokens); got {loss_reduction!r}."
+      f'loss_reduction must be one of {_REDUCTIONS}; got {loss_reduction!r}.'
     )
   if not isinstance(compensated, (bool, np.bool_)):
     raise TypeError(
-      f'compensated must be True or False; got {compensated!r}. With '
-      'optax.inject_hyperparams, list it in static_args.'
+      f'compensated must be True or False; got {compensated!r}.{_STATIC}'
     )
 
 
@@ -136,10 +135,7 @@ def _dtype(value: Any, name: str, kinds: str, int32: bool) -> jnp.dtype:
   try:
     dtype = jnp.dtype(value)
   except TypeError as e:
-    raise TypeError(
-      f'{name} must be {kinds}; got {value!r}. With '
-      'optax.inject_hyperparams, list it in static_args.'
-    ) from e
+    raise TypeError(f'{name} must be {kinds}; got {value!r}.{_STATIC}') from e
   if not (jnp.issubdtype(dtype, jnp.floating) or int32 and dtype == jnp.int32):
     raise TypeError(f'{name} must be {kinds}; got {dtype}.')
   return jax.dtypes.canonicalize_dtype(dtype)
@@ -159,71 +155,54 @@ def token_dtype(dtype: Any) -> jnp.dtype:
   return _dtype(dtype, 'token_dtype', 'int32 or a floating dtype', int32=True)
 
 
-def _real_scalar(value: Any, name: str, what: str, fix: str = '') -> None:
-  """Checks that ``value`` (what ``name`` holds) is a real scalar."""
+def _scalar(value: Any, name: str, what: str, fix='', kind='real') -> None:
+  """Checks that ``value`` (what ``name`` holds) is a scalar of ``kind``:
+  ``'real'`` (an integer or floating dtype) or ``'boolean'``."""
   try:  # a str is no number, though jnp.result_type reads 'f4' as a dtype
-    kind = None if isinstance(value, str) else jnp.result_type(value)
+    dtype = None if isinstance(value, str) else jnp.result_type(value)
   except TypeError:
-    kind = None  # Not a number at all.
-  real = (jnp.integer, jnp.floating)
-  if kind is None or not any(jnp.issubdtype(kind, k) for k in real):
-    raise TypeError(
-      f'{name} must be a real scalar ({what}); got {value!r} of type '
-      f'{type(value).__name__}.{fix}'
-    )
+    dtype = None  # Not a number at all.
+  kinds = (jnp.integer, jnp.floating) if kind == 'real' else (jnp.bool_,)
+  must = f'{name} must be a {kind} scalar ({what}); got'
+  if dtype is None or not any(jnp.issubdtype(dtype, k) for k in kinds):
+    raise TypeError(f'{must} {value!r} of type {type(value).__name__}.{fix}')
   if jnp.shape(value) != ():
-    raise ValueError(
-      f'{name} must be a scalar ({what}); got shape {jnp.shape(value)}.{fix}'
-    )
+    raise ValueError(f'{must} shape {jnp.shape(value)}.{fix}')
 
 
 def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
   """Checks ``num_tokens`` at trace time (kind, shape, concrete range)."""
   if value is None:
     raise TypeError(
-      'tx.update needs num_tokens, the counted tokens of this micro-batch: '
-      'call tx.update(grads, state, params, num_tokens=n).'
+      'num_tokens is required: tx.update(grads, state, params, num_tokens=n).'
     )
   what = 'the counted tokens of this micro-batch on this device'
-  _real_scalar(value, 'num_tokens', what, ' Sum a mask: num_tokens=mask.sum().')
-  if not isinstance(value, jax.core.Tracer):
-    _check_concrete_count(np.asarray(value).item(), dtype)
-  return value
-
-
-def _check_concrete_count(value: Any, dtype: jnp.dtype) -> None:
-  if not 0 <= value < np.inf:  # Also NaN.
+  _scalar(value, 'num_tokens', what, ' Sum a mask: num_tokens=mask.sum().')
+  if isinstance(value, jax.core.Tracer):
+    return value
+  count = np.asarray(value).item()
+  if not 0 <= count < np.inf:  # Also NaN.
     raise ValueError(
-      f'num_tokens must be a finite count >= 0; got num_tokens={value}.'
+      f'num_tokens must be a finite count >= 0; got num_tokens={count}.'
     )
   if not jnp.issubdtype(dtype, jnp.integer):
-    return
-  if float(value) != int(value):
+    return value
+  if float(count) != int(count):
     raise ValueError(
-      f'num_tokens={value} is not a whole number, but tokens are counted in '
-      f'{dtype}: build the transform with token_dtype=jnp.float32.'
+      f'num_tokens={count} is not a whole number: use token_dtype=jnp.float32.'
     )
-  if int(value) > jnp.iinfo(dtype).max:
+  if int(count) > jnp.iinfo(dtype).max:
     raise ValueError(
-      f'num_tokens={value} does not fit the {dtype} token counter (at most '
-      f'{jnp.iinfo(dtype).max} per window).'
+      f'num_tokens={count} does not fit the {dtype} token counter.'
     )
+  return value
 
 
 def emit_now(value: Any) -> Optional[jax.Array]:
   """``emit_now`` as a boolean scalar, or None when statically False."""
-  is_bool = isinstance(value, (bool, np.bool_))
-  if is_bool and not value:
+  if isinstance(value, (bool, np.bool_)) and not value:
     return None
-  if not is_bool and getattr(value, 'dtype', None) != jnp.bool_:
-    raise TypeError(
-      'emit_now must be a Python bool or a boolean array; got '
-      f'{value!r} of type {type(value).__name__}.'
-    )
-  if jnp.shape(value) != ():
-    raise ValueError(
-      f'emit_now must be a boolean scalar; got shape {jnp.shape(value)}.'
-    )
+  _scalar(value, 'emit_now', 'whether to close the window now', kind='boolean')
   return jnp.asarray(value, jnp.bool_)
 
 
@@ -240,35 +219,94 @@ def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
     other = f'tokens_per_update={tokens_per_update}'
     other = 'emit_now' if tokens_per_update is None else other
     raise ValueError(
-      f'close={value} decides on the host and {other} on the device: pass '
-      'one of them.'
+      f'close={value} decides on the host, {other} on the device: drop one.'
     )
 
 
 def loss(value: Any) -> Any:
   """Checks ``loss``: None, or a real scalar."""
   if value is not None:
-    _real_scalar(value, 'loss', "this micro-batch's loss")
+    _scalar(value, 'loss', "this micro-batch's loss")
   return value
 
 
-def grads(grads: Any, params: Any, accumulator: Any) -> None:
-  """Checks that ``grads`` match the parameters and the accumulator."""
-  references = ((params, 'the parameters'), (accumulator, 'the accumulator'))
-  for reference, what in references:
-    expected = jax.tree.structure(reference)
-    if reference is not None and jax.tree.structure(grads) != expected:
-      raise ValueError(
-        f'The gradient tree does not match {what}: got '
-        f'{jax.tree.structure(grads)}, expected {expected}.'
-      )
-  for grad, acc in zip(jax.tree.leaves(grads), jax.tree.leaves(accumulator)):
-    if jnp.shape(grad) != jnp.shape(acc):
-      raise ValueError(
-        f'A gradient has shape {jnp.shape(grad)} where the parameter (and '
-        f'the accumulator) has shape {jnp.shape(acc)}. Under pmap or '
-        'shard_map, initialize with tokacc.init_sharded.'
-      )
+def tree(grads: Any, reference: Any, what: str) -> None:
+  """``grads`` must have the tree structure of ``reference`` (None: any)."""
+  expected = jax.tree.structure(reference)
+  if reference is not None and jax.tree.structure(grads) != expected:
+    raise ValueError(
+      f'The gradient tree does not match {what}: got '
+      f'{jax.tree.structure(grads)}, expected {expected}.'
+    )
+
+
+def state_matches(config: Config, grads: Any, state: Any, params: Any) -> None:
+  """Refuses a state made (or restored) for another configuration, or for
+  gradients of another tree, shape, dtype or (explicit sharding) type.
+
+  Under explicit sharding the accumulator of each gradient must be
+  unreduced over the same axes as the gradient (a state built, or restored,
+  for the parameters as they are typed now), and never over an axis along
+  which the parameter is split (each device would add a different shard
+  into one sum).
+  """
+  tree(grads, state.acc_grads, 'the accumulator')
+  acc_leaves = jax.tree.leaves(state.acc_grads)
+  compensated = bool(jax.tree.leaves(state.acc_compensation))
+  if acc_leaves and compensated != config.compensated:
+    raise TypeError(
+      f'state has compensated={compensated}, unlike this transform: restore '
+      f'into its tx.init(params), or build it with compensated={compensated}.'
+    )
+  for name in ('acc_tokens', 'last_tokens'):
+    _state_dtype(name, getattr(state, name), config.token_dtype)
+  for name in ('acc_loss', 'last_loss'):
+    _state_dtype(name, getattr(state, name), config.loss_dtype)
+  axes = _explicit.unreduced(state.acc_tokens)
+  if _explicit.unreduced(state.acc_loss) != axes:
+    raise TypeError(
+      f'state.acc_loss is {jax.typeof(state.acc_loss)} but state.acc_tokens '
+      f'{jax.typeof(state.acc_tokens)}: restored with another type. Restore '
+      'it with tokacc.from_checkpoint into tx.init(params).'
+    )
+  grad_leaves = jax.tree.leaves(grads)
+  param_leaves = jax.tree.leaves(params) or [None] * len(grad_leaves)
+  for grad, acc, param in zip(grad_leaves, acc_leaves, param_leaves):
+    _state_dtype('acc_grads', acc, config.acc_dtype(grad))
+    _leaf_matches(grad, acc, param, axes)
+
+
+def _state_dtype(field: str, value: Any, expected: Any) -> None:
+  """``state.field`` (``value``) must have the dtype this transform keeps."""
+  if jnp.result_type(value) != expected:
+    raise TypeError(
+      f'state.{field} has dtype {jnp.result_type(value)}, not {expected}: '
+      'restore into its tx.init(params), or set accumulator_dtype/token_dtype.'
+    )
+
+
+def _leaf_matches(grad: Any, acc: Any, param: Any, axes: frozenset) -> None:
+  """A gradient must match its accumulator's shape and type (see above)."""
+  if jnp.shape(grad) != jnp.shape(acc):
+    raise ValueError(
+      f'A gradient has shape {jnp.shape(grad)} where the parameter has shape '
+      f'{jnp.shape(acc)}: under pmap or shard_map, use tokacc.init_sharded.'
+    )
+  split = _explicit.unreduced(grad) & _explicit.sharded(param)  # None: {}
+  if split:
+    raise ValueError(
+      f'A gradient is unreduced over {sorted(split)}, along which its '
+      f'parameter {jax.typeof(param)} is split. Type the parameter reduced '
+      "only where replicated: P('fsdp', reduced={'replica'})."
+    )
+  partial = _explicit.unreduced(acc)
+  if _explicit.unreduced(grad) != partial or not partial <= axes:
+    typed = '' if param is None else f' (the parameter is {jax.typeof(param)})'
+    raise TypeError(
+      f'A gradient is {jax.typeof(grad)}{typed} but its accumulator is '
+      f'{jax.typeof(acc)}: the state was built or restored for other types. '
+      'Build it with tx.init(params) or tokacc.init_sharded(tx, params, mesh).'
+    )
 
 
 def call_skip_fn(
@@ -321,8 +359,7 @@ def extra_args(extra: dict[str, Any]) -> None:
   """
   if 'value' in extra:
     raise TypeError(
-      'tx.update got value=..., which inner gets from the transform. Pass '
-      "this micro-batch's token-summed loss as loss= instead."
+      "tx.update got value=...: pass the micro-batch's loss as loss= instead."
     )
   for name, arg in extra.items():
     if name in _OBJECTIVE_FNS or callable(arg):
@@ -340,7 +377,6 @@ def needs_value_error(error: TypeError) -> Optional[TypeError]:
   if 'value' not in message and not any(n in message for n in _OBJECTIVE_FNS):
     return None
   return TypeError(
-    'inner needs value= (e.g. optax.contrib.reduce_on_plateau): pass this '
-    "micro-batch's token-summed loss as loss= to tx.update. (inner raised: "
-    f'{message})'
+    "inner needs value=: pass the micro-batch's loss as loss= to tx.update "
+    f'(inner raised: {message}).'
   )

@@ -681,7 +681,7 @@ class TestErrors:
     params = init_params()
     tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2)
     state = tx.init(params)
-    with pytest.raises(ValueError, match=r'num_tokens must be a scalar'):
+    with pytest.raises(ValueError, match=r'num_tokens must be a real scalar'):
       jax.jit(tx.update)(params, state, params, num_tokens=jnp.ones(3))
 
   def test_traced_float_num_tokens_with_integer_counter(self):

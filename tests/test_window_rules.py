@@ -169,7 +169,7 @@ def _update_once(tx, **kwargs):
 @pytest.mark.parametrize(
   'kwargs, match',
   [
-    ({'loss': 1.0, 'value': 1.0}, r'got value=.*Pass .* as loss='),
+    ({'loss': 1.0, 'value': 1.0}, r'got value=.*pass .* as loss='),
     (
       {'loss': 1.0, 'value_fn': lambda p: 0.0},
       r'value_fn=.*re-evaluates the objective.*linesearch=None',
