@@ -88,15 +88,14 @@ def accumulate(
   return jax.tree.transpose(jax.tree.structure(acc_grads), None, sums)
 
 
-def window_sums(
-  acc_grads: optax.Updates, acc_compensation: optax.Updates, compensated: bool
-) -> optax.Updates:
-  """The window's sums: with compensation, ``total + error`` in >= float32."""
+def window_sums(window, compensated: bool) -> optax.Updates:
+  """The window's sums (``_window.Window``): with compensation, ``total +
+  error`` in >= float32."""
   if not compensated:
-    return acc_grads
+    return window.acc_grads
 
   def window_sum(total, error):
     wide = jnp.promote_types(total.dtype, jnp.float32)
     return total.astype(wide) + error.astype(wide)
 
-  return jax.tree.map(window_sum, acc_grads, acc_compensation)
+  return jax.tree.map(window_sum, window.acc_grads, window.acc_compensation)
