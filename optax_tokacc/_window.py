@@ -79,9 +79,7 @@ def _adds(config, micro: MicroBatch) -> Optional[jax.Array]:
   if not config.mean_loss:
     return micro.keep
   has_tokens = micro.count > 0
-  if micro.keep is None:
-    return has_tokens
-  return jnp.logical_and(micro.keep, has_tokens)
+  return has_tokens if micro.keep is None else micro.keep & has_tokens
 
 
 def add(
@@ -141,11 +139,8 @@ def should_close(config, place, gradient_step, mini_step, acc_tokens, emit_now):
   _validation.check_k(k)
   close = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
   if config.tokens_per_update is not None:
-    tokens = window_tokens(place, acc_tokens)
-    close = jnp.logical_or(close, tokens >= config.tokens_per_update)
-  if emit_now is None:
-    return close
-  return jnp.logical_or(close, place.any(emit_now))
+    close |= window_tokens(place, acc_tokens) >= config.tokens_per_update
+  return close if emit_now is None else close | place.any(emit_now)
 
 
 def window_tokens(place, acc_tokens) -> jax.Array:
