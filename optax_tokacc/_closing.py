@@ -48,29 +48,6 @@ class Closing(NamedTuple):
   closed: 'Closed'
 
 
-def inner_update(
-  config, place, grads, inner_state, params, extra_args, emitted=None
-):
-  """``inner.update``, its state's dtypes kept, in the types optax's
-  nonlinear updates take; the updates come typed like the parameters, so
-  that ``optax.apply_updates`` keeps their type. With ``emitted`` (a
-  window closed by the host), the updates are -0.0 and the state is kept
-  unless ``emitted``: selects, where the device uses a ``cond``."""
-  plain_inner = place.for_inner(inner_state)
-  updates, new_inner = config.inner.update(
-    grads, plain_inner, place.for_inner(params), **extra_args
-  )
-  new_inner = optax.tree.cast_like(new_inner, inner_state)
-  if emitted is not None:
-    updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
-    new_inner = jax.tree.map(
-      lambda new, old: jnp.where(emitted, new, old), new_inner, plain_inner
-    )
-  if params is not None:
-    updates = place.like(updates, params)
-  return updates, place.like(new_inner, inner_state)
-
-
 class _Sums(NamedTuple):
   """The window summed over the devices: what ``inner``'s step reads."""
 
@@ -81,17 +58,14 @@ class _Sums(NamedTuple):
 
 def _open(window: Window) -> Closed:
   """What a call that leaves the window open gives: nothing emitted."""
-  zero = jnp.zeros([], window.acc_tokens.dtype)
-  no_loss = jnp.zeros([], window.acc_loss.dtype)
-  return Closed(jnp.asarray(False), jnp.asarray(True), zero, no_loss)
+  zeros = [jnp.zeros([], x.dtype) for x in (window.acc_tokens, window.acc_loss)]
+  return Closed(jnp.asarray(False), jnp.asarray(True), *zeros)
 
 
 def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
   """The window summed over the devices (its one reduction), and what
   closing it gives."""
-  sums = _compensated.window_sums(
-    window.acc_grads, window.acc_compensation, config.compensated
-  )
+  sums = _compensated.window_sums(window, config.compensated)
   sums, parts, loss_sum = place.reduce(sums, window.acc_tokens, window.acc_loss)
   total, valid = _tokens.from_parts(parts, config.token_dtype)
   emitted = jnp.logical_and(valid, total > 0)
@@ -102,8 +76,13 @@ def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
 
 
 def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
-  """``inner`` run once on the window's token-mean gradient, with
-  ``value=`` the window's token-mean loss when ``loss`` was passed."""
+  """``inner.update`` run once on the window's token-mean gradient, with
+  ``value=`` the window's token-mean loss where ``extra`` says so, its
+  state's dtypes kept, in the types optax's nonlinear updates take; the
+  updates come typed like the parameters, so that ``optax.apply_updates``
+  keeps their type. With ``emitted`` (a window closed by the host), the
+  updates are -0.0 and the state is kept unless ``emitted``: selects, where
+  the device uses a ``cond``."""
 
   def mean(s):
     wide = jnp.promote_types(s.dtype, jnp.float32)
@@ -113,35 +92,17 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
   if with_value:
     extra_args = dict(extra_args, value=summed.mean_loss)
   mean_grads = optax.tree.cast_like(jax.tree.map(mean, summed.sums), grads)
-  return inner_update(
-    config, place, mean_grads, opt_state, params, extra_args, emitted
+  plain_inner = place.for_inner(opt_state)
+  updates, new_inner = config.inner.update(
+    mean_grads, plain_inner, place.for_inner(params), **extra_args
   )
-
-
-def _close(config, place, grads, extra, hold, window, inner_state, params):
-  """Closes the window on the device, inside the outer ``cond``.
-
-  Returns ``(held, inner_state, closed)``, with ``held = hold(updates,
-  acc_grads)``. A window without tokens or with an invalid count emits no
-  updates and keeps the inner state: a nested ``cond``, since selecting
-  between the new and the old inner state would keep both alive
-  (temporaries the size of the inner state on every step).
-  """
-  summed, closed = _reduce(config, place, window)
-
-  def step(acc_grads, summed, inner_state, params):
-    updates, new_inner = _step(
-      config, place, grads, extra, summed, inner_state, params
-    )
-    return hold(updates, acc_grads), new_inner
-
-  def no_step(acc_grads, summed, inner_state, params):
-    del summed, params
-    return hold(None, acc_grads), inner_state
-
-  operands = (window.acc_grads, summed, inner_state, params)
-  held, new_inner = place.cond(closed.emitted, step, no_step, *operands)
-  return held, new_inner, closed
+  new_inner = optax.tree.cast_like(new_inner, opt_state)
+  if emitted is not None:
+    updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
+    new_inner = optax.tree.where(emitted, new_inner, plain_inner)
+  if params is not None:
+    updates = place.like(updates, params)
+  return updates, place.like(new_inner, opt_state)
 
 
 def close_now(config, place, grads, window, inner_state, params, extra):
@@ -192,7 +153,26 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     held = optax.tree.cast_like(updates, acc_grads)
     return jax.tree.map(place.same_values, held, acc_grads)
 
-  closing = functools.partial(_close, config, place, grads, extra, hold)
+  def step(acc_grads, summed, inner_state, params):
+    updates, new_inner = _step(
+      config, place, grads, extra, summed, inner_state, params
+    )
+    return hold(updates, acc_grads), new_inner
+
+  def no_step(acc_grads, summed, inner_state, params):
+    del summed, params
+    return hold(None, acc_grads), inner_state
+
+  def closing(window, inner_state, params):
+    """Closes the window on the device, inside the outer ``cond``. A window
+    without tokens or with an invalid count emits no updates and keeps the
+    inner state: a nested ``cond``, since selecting between the new and the
+    old inner state would keep both alive (temporaries the size of the
+    inner state on every step)."""
+    summed, closed = _reduce(config, place, window)
+    operands = (window.acc_grads, summed, inner_state, params)
+    held, new_inner = place.cond(closed.emitted, step, no_step, *operands)
+    return held, new_inner, closed
 
   def accumulating(window, inner_state, params):
     del params
@@ -222,32 +202,28 @@ def _inner_shapes(config, place, grads, inner_state, params, extra):
   Without ``loss``, if ``inner`` needs ``value``, the error names ``loss``.
   """
   extra_args, with_loss = extra
+  scalars = [jax.ShapeDtypeStruct([], config.token_dtype)]
+  scalars.append(jax.ShapeDtypeStruct([], config.loss_dtype))
 
-  def shapes(extra_args):
-    def updates(g, s, p):
-      return inner_update(config, place, g, s, p, extra_args)[0]
-
+  def shapes(with_value):
+    extra = (extra_args, with_value)
+    step = functools.partial(_step, config, place, grads, extra)
     try:
-      types = place.reduced_types(grads)
-      return jax.eval_shape(updates, types, inner_state, params)
+      summed = _Sums(place.reduced_types(grads), *scalars)
+      return jax.eval_shape(step, summed, inner_state, params)[0], extra
     except Exception as e:
       refusal = place.refusal(e)
       if refusal is None:
         raise
       raise refusal from e
 
-  if with_loss:
-    value = jnp.zeros([], config.loss_dtype)
-    try:
-      return shapes(dict(extra_args, value=value)), (extra_args, True)
-    except TypeError as e:
-      if "unexpected keyword argument 'value'" not in str(e):
-        raise
   try:
-    return shapes(extra_args), (extra_args, False)
+    return shapes(with_loss)
   except TypeError as e:
-    error = _validation.needs_value_error(e)
-    if error is None or with_loss:
+    if with_loss and "unexpected keyword argument 'value'" in str(e):
+      return shapes(False)
+    error = None if with_loss else _validation.needs_value_error(e)
+    if error is None:
       raise
     raise error from e
 
@@ -255,9 +231,8 @@ def _inner_shapes(config, place, grads, inner_state, params, extra):
 def _holds_exactly(place, acc_grads: optax.Updates, updates: Any) -> bool:
   """Whether the accumulator's buffer can hold ``updates`` exactly: same
   shapes, a dtype that holds theirs, and what the placement allows."""
-  if jax.tree.structure(acc_grads) != jax.tree.structure(updates):
-    return False
-  return all(
+  same_tree = jax.tree.structure(acc_grads) == jax.tree.structure(updates)
+  return same_tree and all(
     a.shape == u.shape
     and jnp.promote_types(a.dtype, u.dtype) == a.dtype
     and place.can_hold(a, u)

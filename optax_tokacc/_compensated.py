@@ -26,10 +26,6 @@ import jax.numpy as jnp
 import optax
 
 
-def _wide(dtype) -> jnp.dtype:
-  return jnp.promote_types(dtype, jnp.float32)
-
-
 def _compensated_add(
   total: jax.Array, error: jax.Array, value: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -39,7 +35,7 @@ def _compensated_add(
   precision); the new total is rounded to the accumulator dtype and its
   exact rounding error (TwoSum) is kept, to be added back at the next step.
   """
-  wide = _wide(total.dtype)
+  wide = jnp.promote_types(total.dtype, jnp.float32)
   total_wide = total.astype(wide)
   value = value.astype(wide) + error.astype(wide)
   new_total = (total_wide + value).astype(total.dtype)
@@ -62,12 +58,8 @@ def _restarted(trees, restart: jax.Array, select: bool = False):
   ``select``: a select instead, for programs that hold no conditional.
   """
   if select:
-    return jax.tree.map(
-      lambda x: jnp.where(restart, jnp.zeros_like(x), x), trees
-    )
-  return jax.lax.cond(
-    restart, lambda t: jax.tree.map(jnp.zeros_like, t), lambda t: t, trees
-  )
+    return optax.tree.where(restart, optax.tree.zeros_like(trees), trees)
+  return jax.lax.cond(restart, optax.tree.zeros_like, lambda t: t, trees)
 
 
 def accumulate(
@@ -93,20 +85,17 @@ def accumulate(
     (acc_grads, acc_compensation), restart, select
   )
   sums = jax.tree.map(_compensated_add, acc_grads, acc_compensation, addends)
-  return jax.tree.transpose(
-    jax.tree.structure(acc_grads), jax.tree.structure((0, 0)), sums
-  )
+  return jax.tree.transpose(jax.tree.structure(acc_grads), None, sums)
 
 
-def window_sums(
-  acc_grads: optax.Updates, acc_compensation: optax.Updates, compensated: bool
-) -> optax.Updates:
-  """The window's sums: with compensation, ``total + error`` in >= float32."""
+def window_sums(window, compensated: bool) -> optax.Updates:
+  """The window's sums (``_window.Window``): with compensation, ``total +
+  error`` in >= float32."""
   if not compensated:
-    return acc_grads
+    return window.acc_grads
 
   def window_sum(total, error):
-    wide = _wide(total.dtype)
+    wide = jnp.promote_types(total.dtype, jnp.float32)
     return total.astype(wide) + error.astype(wide)
 
-  return jax.tree.map(window_sum, acc_grads, acc_compensation)
+  return jax.tree.map(window_sum, window.acc_grads, window.acc_compensation)

@@ -61,8 +61,7 @@ def as_count(num_tokens: jax.typing.ArrayLike, token_dtype) -> jax.Array:
 def add(total: jax.Array, count: jax.Array) -> jax.Array:
   """``total + count``, or -1 if either is invalid or the sum overflows."""
   if jnp.issubdtype(total.dtype, jnp.integer):
-    top = jnp.iinfo(total.dtype).max
-    fits = count <= top - jnp.maximum(total, 0)
+    fits = count <= jnp.iinfo(total.dtype).max - jnp.maximum(total, 0)
     new_total = total + jnp.where(fits, count, 0)
   else:
     new_total = total + count

@@ -68,8 +68,7 @@ def micro_batch(config, place, grads, num_tokens, loss, keep) -> MicroBatch:
   count = jnp.asarray(num_tokens)
   if config.mean_loss:
     count = _tokens.as_count(place.whole(count), config.token_dtype)
-  if loss is None:  # No loss: the window's loss is unknown, NaN.
-    loss = jnp.full([], jnp.nan, config.loss_dtype)
+  loss = jnp.nan if loss is None else loss  # No loss: the window's is NaN.
   loss = jnp.asarray(loss).astype(config.loss_dtype)
   return MicroBatch(grads, count, loss, keep)
 
@@ -80,9 +79,7 @@ def _adds(config, micro: MicroBatch) -> Optional[jax.Array]:
   if not config.mean_loss:
     return micro.keep
   has_tokens = micro.count > 0
-  if micro.keep is None:
-    return has_tokens
-  return jnp.logical_and(micro.keep, has_tokens)
+  return has_tokens if micro.keep is None else micro.keep & has_tokens
 
 
 def add(
@@ -98,9 +95,7 @@ def add(
     grad = grad.astype(dtype if config.compensated else acc.dtype)
     if config.mean_loss:
       grad = place.scale(grad, micro.count.astype(grad.dtype))
-    if adds is None:
-      return grad
-    return jnp.where(adds, grad, jnp.zeros_like(grad))
+    return grad if adds is None else jnp.where(adds, grad, jnp.zeros_like(grad))
 
   def accumulate(acc_grads, acc_compensation, addends, restart):
     return _compensated.accumulate(
@@ -124,19 +119,17 @@ def _add_scalars(config, place, window, micro, adds):
   loss = micro.loss
   if config.mean_loss:
     loss = place.scale(loss, micro.count.astype(loss.dtype))
-  flags = tuple(f for f in (micro.keep, adds) if f is not None)
 
-  def add_shares(acc_tokens, acc_loss, count, loss, flags):
-    flags = list(flags)
-    if micro.keep is not None:
-      count = jnp.where(flags.pop(0), count, jnp.zeros_like(count))
+  def add_shares(acc_tokens, acc_loss, count, loss, keep, adds):
+    if keep is not None:
+      count = jnp.where(keep, count, jnp.zeros_like(count))
     if adds is not None:
-      loss = jnp.where(flags.pop(0), loss, jnp.zeros_like(loss))
+      loss = jnp.where(adds, loss, jnp.zeros_like(loss))
     count = _tokens.as_count(count, config.token_dtype)
     return _tokens.add(acc_tokens, count), acc_loss + loss
 
   args = (window.acc_tokens, window.acc_loss)
-  args += (place.share(micro.count), place.share(loss), flags)
+  args += (place.share(micro.count), place.share(loss), micro.keep, adds)
   return place.per_device(add_shares, args, args[:2])
 
 
@@ -146,11 +139,8 @@ def should_close(config, place, gradient_step, mini_step, acc_tokens, emit_now):
   _validation.check_k(k)
   close = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
   if config.tokens_per_update is not None:
-    tokens = window_tokens(place, acc_tokens)
-    close = jnp.logical_or(close, tokens >= config.tokens_per_update)
-  if emit_now is None:
-    return close
-  return jnp.logical_or(close, place.any(emit_now))
+    close |= window_tokens(place, acc_tokens) >= config.tokens_per_update
+  return close if emit_now is None else close | place.any(emit_now)
 
 
 def window_tokens(place, acc_tokens) -> jax.Array:
@@ -171,11 +161,10 @@ def reset_if(place, close, window: Window) -> Window:
   """The window's count and loss zeroed if ``close``, on each device's
   share (a select on partial sums would make the compiler reduce them)."""
 
-  def reset(acc_tokens, acc_loss, close):
-    return tuple(
-      jnp.where(close, jnp.zeros_like(x), x) for x in (acc_tokens, acc_loss)
-    )
+  def reset(scalars, close):
+    return optax.tree.where(close, optax.tree.zeros_like(scalars), scalars)
 
-  args = (window.acc_tokens, window.acc_loss, jnp.asarray(close))
-  acc_tokens, acc_loss = place.per_device(reset, args, args[:2])
+  scalars = (window.acc_tokens, window.acc_loss)
+  args = (scalars, jnp.asarray(close))
+  acc_tokens, acc_loss = place.per_device(reset, args, scalars)
   return window._replace(acc_tokens=acc_tokens, acc_loss=acc_loss)
