@@ -123,12 +123,15 @@ def window_tokens(windows) -> int:
   return max(sum(int(jnp.sum(b['mask'])) for b in w) for w in windows)
 
 
-def round_off_atol(largest_updates, largest_param, windows) -> float:
+def round_off_atol(
+  largest_updates, largest_param, windows, term_roundings=TERM_ROUNDINGS
+) -> float:
   """How far float32 round-off can take accumulation from full-batch
   training, over steps whose largest updates are ``largest_updates``.
 
   A window's gradient sums the terms of its n counted tokens, each computed
-  through m = ``TERM_ROUNDINGS`` roundings. Two float32 evaluations in
+  through m = ``term_roundings`` roundings (this model's
+  ``TERM_ROUNDINGS`` unless another model's count is given). Two float32 evaluations in
   different orders (per micro-batch and then over the window, against the
   whole window at once) differ by at most 2 (n + m) u times the terms' size
   (u = 2**-24; Higham, Accuracy and Stability of Numerical Algorithms,
@@ -144,7 +147,7 @@ def round_off_atol(largest_updates, largest_param, windows) -> float:
   below 1e-3 of the gap the average of averages leaves.
   """
   n = window_tokens(windows)
-  relative = 2 * 2 * (n + TERM_ROUNDINGS) * UNIT_ROUND_OFF
+  relative = 2 * 2 * (n + term_roundings) * UNIT_ROUND_OFF
   rounding = 2 * UNIT_ROUND_OFF * largest_param
   return sum(relative * update + rounding for update in largest_updates)
 
