@@ -20,7 +20,6 @@ tokens and loss into the state; the step that closes the window (in one
 count, runs the wrapped optimizer once, and keeps its state's dtypes.
 """
 
-from collections.abc import Callable
 import functools
 from typing import Any, Optional, Union
 
@@ -39,22 +38,16 @@ from optax_tokacc import _window
 from optax_tokacc import _zero1
 from optax_tokacc._state import TokenWeightedMultiStepState
 
-AxisName = Union[str, tuple[str, ...]]
-EveryKSchedule = Union[int, Callable[[jax.Array], jax.typing.ArrayLike]]
-ShouldSkipUpdateFn = Callable[
-  [optax.Updates, jax.Array, Optional[optax.Params]], tuple[jax.Array, Any]
-]
-
 
 def token_weighted_multistep(
   inner: optax.GradientTransformation,
-  every_k_schedule: EveryKSchedule,
+  every_k_schedule: Union[int, optax.Schedule],
   *,
-  axis_name: Optional[AxisName] = None,
+  axis_name: Optional[_manual.AxisName] = None,
   loss_reduction: str = 'sum',
   accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
   compensated: bool = False,
-  should_skip_update_fn: Optional[ShouldSkipUpdateFn] = None,
+  should_skip_update_fn: Optional[optax.ShouldSkipUpdateFunction] = None,
   token_dtype: Optional[jax.typing.DTypeLike] = None,
   tokens_per_update: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -179,14 +172,13 @@ def placement(config, params, state=None, grads=None, num_tokens=None):
   the types of the parameters (``init``) or of the state's window."""
   if config.axis_name is not None:
     return _manual.Manual.of(config, params, grads, num_tokens)
-  if state is None:
-    axes = _explicit.data_axes(params)
+  if state is None:  # init: no inner state yet
+    axes, inner_state = _explicit.data_axes(params), None
   else:
-    axes = _explicit.unreduced(state.acc_tokens)
+    axes, inner_state = _explicit.unreduced(state.acc_tokens), state.inner_state
   if not axes:
     return _placement.Single()
   place = _partial_sums.PartialSums.of(axes, params, state)
-  inner_state = None if state is None else state.inner_state  # None: init
   return _zero1.DistributedOptimizer.of(place, config.inner, inner_state, grads)
 
 
@@ -199,10 +191,6 @@ def _init(
   def zeros(dtype_of):
     return jax.tree.map(lambda p: place.gradient_zeros(p, dtype_of(p)), params)
 
-  skip_state = ()
-  if config.should_skip_update_fn is not None:
-    step = jnp.zeros([], jnp.int32)
-    _, skip_state = _judge(config, place, zeros(jnp.result_type), step, params)
   state = TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
@@ -212,11 +200,14 @@ def _init(
     inner_state=config.inner.init(params),
     last_loss=jnp.full([], jnp.nan, config.loss_dtype),
     last_tokens=jnp.zeros([], config.token_dtype),
-    skip_state=skip_state,
     emitted=jnp.zeros([], jnp.bool_),
     acc_compensation=zeros(config.acc_dtype) if config.compensated else (),
     dropped_windows=jnp.zeros([], jnp.int32),
   )
+  if config.should_skip_update_fn is not None:
+    grads = zeros(jnp.result_type)
+    _, skip_state = _judge(config, place, grads, state.gradient_step, params)
+    state = state._replace(skip_state=skip_state)
   return place.leave(state)
 
 
@@ -275,10 +266,9 @@ def _update(
       config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now
     )
     closing = _closing.close_if(config, place, close, *args)
-  elif close:
-    closing = _closing.close_now(config, place, *args)
-  else:
-    closing = _closing.keep_open(config, place, *args)
+  else:  # the host's decision: no conditional
+    host = _closing.close_now if close else _closing.keep_open
+    closing = host(config, place, *args)
   new_state = _next_state(state, mini_step, close, closing, skip_state)
   return closing.updates, place.leave(new_state)
 

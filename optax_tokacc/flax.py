@@ -151,11 +151,10 @@ class TrainState(train_state.TrainState, _Accumulating):
       ValueError: if ``tx``'s state holds no
         :class:`optax_tokacc.TokenWeightedMultiStepState`.
     """
+    kwargs.update(micro_step=jnp.int32(0), has_updated=jnp.bool_(False))
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     state._acc_state()
-    return state.replace(
-      step=jnp.int32(0), micro_step=jnp.int32(0), has_updated=jnp.bool_(False)
-    )
+    return state.replace(step=jnp.int32(0))
 
   def apply_gradients(
     self,
@@ -194,13 +193,9 @@ class TrainState(train_state.TrainState, _Accumulating):
         f'grads holds an fp8 {_OVERWRITE_WITH_GRADIENT!r} collection, which '
         'cannot be accumulated; use flax.training.train_state.TrainState.'
       )
+    kwargs.update(num_tokens=num_tokens, loss=loss)
     updates, opt_state = self.tx.update(
-      grads,
-      self.opt_state,
-      self.params,
-      num_tokens=num_tokens,
-      loss=loss,
-      **kwargs,
+      grads, self.opt_state, self.params, **kwargs
     )
     params = optax.apply_updates(self.params, updates)
     new = self.replace(params=params, opt_state=opt_state)
@@ -314,9 +309,8 @@ class Optimizer(nnx.Optimizer, _Accumulating):
       What ``nnx.Optimizer.update`` returns (the updates in recent Flax).
     """
     step, before = self.step[...], self._acc_state().gradient_step[...]
-    updates = super().update(
-      model, grads, num_tokens=num_tokens, loss=loss, **kwargs
-    )
+    kwargs.update(num_tokens=num_tokens, loss=loss)
+    updates = super().update(model, grads, **kwargs)
     self.step[...], self.micro_step[...], self.emitted[...] = self._counters(
       before, step, self.micro_step[...]
     )
