@@ -23,6 +23,7 @@ so that logs, schedules and checkpoints line up with a run without
 accumulation, and count the micro-batches fed in ``micro_step``.
 """
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from flax import nnx
@@ -188,7 +189,7 @@ class TrainState(train_state.TrainState, _Accumulating):
       ValueError: if ``grads`` holds fp8 ``'_overwrite_with_gradient'``
         collections.
     """
-    if isinstance(grads, dict) and _OVERWRITE_WITH_GRADIENT in grads:
+    if isinstance(grads, Mapping) and _OVERWRITE_WITH_GRADIENT in grads:
       raise ValueError(
         f'grads holds an fp8 {_OVERWRITE_WITH_GRADIENT!r} collection, which '
         'cannot be accumulated; use flax.training.train_state.TrainState.'

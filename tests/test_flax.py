@@ -4,6 +4,7 @@ import functools
 from typing import NamedTuple
 
 import chex
+import flax
 from flax import nnx
 import flax.linen as nn
 from flax.training import train_state
@@ -279,9 +280,11 @@ def test_linen_train_state_needs_the_transform():
     linen_state(tokacc_flax.TrainState, optimizer())
 
 
-def test_linen_train_state_rejects_fp8_collections():
+@pytest.mark.parametrize('mapping', [dict, flax.core.FrozenDict])
+def test_linen_train_state_rejects_fp8_collections(mapping):
+  """Also in a ``FrozenDict`` (what ``model.init`` gives in older Flax)."""
   state = linen_state(tokacc_flax.TrainState, multistep(2))
-  grads = {'_overwrite_with_gradient': {}, 'params': state.params}
+  grads = mapping({'_overwrite_with_gradient': {}, 'params': state.params})
   with pytest.raises(ValueError, match='fp8'):
     state.apply_gradients(grads=grads, num_tokens=1)
 
