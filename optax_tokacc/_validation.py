@@ -183,7 +183,7 @@ def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
   integer = jnp.issubdtype(dtype, jnp.integer)
   if integer and (count != int(count) or count > jnp.iinfo(dtype).max):
     kinds = f'a whole number that fits the {dtype} token counter'
-    fix = ' Else set token_dtype=jnp.float32.'
+    fix = ' For fractional counts, set token_dtype=jnp.float32.'
     raise _refuse('num_tokens', kinds, got, fix, ValueError)
   return value
 
@@ -206,7 +206,7 @@ def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
   if tokens_per_update is not None or emit_now is not None:
     other = f'tokens_per_update={tokens_per_update}'
     other = 'emit_now' if tokens_per_update is None else other
-    raise ValueError(f'close={value} and {other} both decide: drop one.')
+    raise ValueError(f'close={value} and {other} both decide when: drop one.')
 
 
 def loss(value: Any) -> Any:
