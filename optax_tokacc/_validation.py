@@ -31,6 +31,7 @@ import optax
 from optax_tokacc import _explicit
 
 _REDUCTIONS = ('sum', 'mean')
+_REAL = (jnp.integer, jnp.floating)  # The dtypes of a real scalar.
 # The fix for a static argument that optax.inject_hyperparams made an array.
 _STATIC = ' With optax.inject_hyperparams, list it in static_args.'
 
@@ -62,28 +63,34 @@ class Config:
     return jax.dtypes.canonicalize_dtype(jnp.float64)
 
 
+def _refuse(
+  name: str, kinds: str, got: Any, fix: str = '', error: type = TypeError
+) -> Exception:
+  """The error for a bad ``name``: "``name`` must be ``kinds``; got ``got``."
+  and, where it is not obvious, the ``fix``."""
+  return error(f'{name} must be {kinds}; got {got}.{fix}')
+
+
+def _typed(value: Any) -> str:
+  """``value`` and its type, as an error echoes it."""
+  return f'{value!r} of type {type(value).__name__}'
+
+
 def check_options(
   inner: Any, should_skip_update_fn: Any, loss_reduction: Any, compensated: Any
 ) -> None:
   """Checks the constructor's non-dtype arguments."""
   if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(
-      'inner must be an optax.GradientTransformation such as optax.adam(1e-3)'
-      f' (called, not the function itself); got {inner!r}.'
-    )
+    kinds = 'an optax.GradientTransformation such as optax.adam(1e-3)'
+    raise _refuse('inner', kinds, repr(inner))
   if should_skip_update_fn is not None and not callable(should_skip_update_fn):
-    raise TypeError(
-      'should_skip_update_fn must be None or a function such as '
-      f'tokacc.skip_not_finite; got {should_skip_update_fn!r}.'
-    )
+    kinds = 'None or a function such as tokacc.skip_not_finite'
+    raise _refuse('should_skip_update_fn', kinds, repr(should_skip_update_fn))
   if loss_reduction not in _REDUCTIONS:
-    raise ValueError(
-      f'loss_reduction must be one of {_REDUCTIONS}; got {loss_reduction!r}.'
-    )
+    kinds = f'one of {_REDUCTIONS}'
+    raise _refuse('loss_reduction', kinds, repr(loss_reduction), '', ValueError)
   if not isinstance(compensated, (bool, np.bool_)):
-    raise TypeError(
-      f'compensated must be True or False; got {compensated!r}.{_STATIC}'
-    )
+    raise _refuse('compensated', 'True or False', repr(compensated), _STATIC)
 
 
 def positive_int(value: Any, name: str, kinds: str) -> int:
@@ -91,13 +98,10 @@ def positive_int(value: Any, name: str, kinds: str) -> int:
 
   ``kinds`` says what ``name`` must be, for the error.
   """
-  is_bool = isinstance(value, (bool, np.bool_))
-  if is_bool or not isinstance(value, (int, np.integer)):
-    raise TypeError(
-      f'{name} must be {kinds}; got {value!r} of type {type(value).__name__}.'
-    )
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise _refuse(name, kinds, _typed(value))
   if value < 1:
-    raise ValueError(f'{name} must be >= 1; got {name}={value}.')
+    raise _refuse(name, '>= 1', f'{name}={value}', error=ValueError)
   return int(value)
 
 
@@ -117,17 +121,9 @@ def schedule(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
 
 def check_k(k: Any) -> None:
   """``every_k_schedule``'s value must be an integer scalar."""
-  if not isinstance(k, (int, float, np.number, np.ndarray, jax.Array)):
-    raise TypeError(
-      'every_k_schedule(gradient_step) must return an integer scalar; got '
-      f'{k!r} of type {type(k).__name__}.'
-    )
-  if jnp.shape(k) != () or not jnp.issubdtype(jnp.result_type(k), jnp.integer):
-    raise TypeError(
-      'every_k_schedule(gradient_step) must return an integer scalar; got '
-      f'shape {jnp.shape(k)} and dtype {jnp.result_type(k)}. Round a '
-      'floating schedule, e.g. jnp.round(k).astype(jnp.int32).'
-    )
+  fix = ' Round a floating schedule, e.g. jnp.round(k).astype(jnp.int32).'
+  name = 'every_k_schedule(gradient_step)'
+  _scalar(k, name, 'an integer scalar', (jnp.integer,), fix, TypeError)
 
 
 def _dtype(value: Any, name: str, kinds: str, int32: bool) -> jnp.dtype:
@@ -135,9 +131,9 @@ def _dtype(value: Any, name: str, kinds: str, int32: bool) -> jnp.dtype:
   try:
     dtype = jnp.dtype(value)
   except TypeError as e:
-    raise TypeError(f'{name} must be {kinds}; got {value!r}.{_STATIC}') from e
+    raise _refuse(name, kinds, repr(value), _STATIC) from e
   if not (jnp.issubdtype(dtype, jnp.floating) or int32 and dtype == jnp.int32):
-    raise TypeError(f'{name} must be {kinds}; got {dtype}.')
+    raise _refuse(name, kinds, dtype)
   return jax.dtypes.canonicalize_dtype(dtype)
 
 
@@ -155,19 +151,18 @@ def token_dtype(dtype: Any) -> jnp.dtype:
   return _dtype(dtype, 'token_dtype', 'int32 or a floating dtype', int32=True)
 
 
-def _scalar(value: Any, name: str, what: str, fix='', kind='real') -> None:
-  """Checks that ``value`` (what ``name`` holds) is a scalar of ``kind``:
-  ``'real'`` (an integer or floating dtype) or ``'boolean'``."""
-  try:  # a str is no number, though jnp.result_type reads 'f4' as a dtype
-    dtype = None if isinstance(value, str) else jnp.result_type(value)
-  except TypeError:
-    dtype = None  # Not a number at all.
-  kinds = (jnp.integer, jnp.floating) if kind == 'real' else (jnp.bool_,)
-  must = f'{name} must be a {kind} scalar ({what}); got'
-  if dtype is None or not any(jnp.issubdtype(dtype, k) for k in kinds):
-    raise TypeError(f'{must} {value!r} of type {type(value).__name__}.{fix}')
+def _scalar(
+  value: Any, name: str, kinds: str, dtypes: tuple, fix='', error=ValueError
+) -> None:
+  """Checks that ``value`` (what ``name`` holds) is a scalar of one of
+  ``dtypes``; ``kinds`` says so in words, and ``error`` is raised for a
+  wrong shape."""
+  number = (int, float, np.number, np.bool_, np.ndarray, jax.Array)  # No str.
+  dtype = jnp.result_type(value) if isinstance(value, number) else None
+  if dtype is None or not any(jnp.issubdtype(dtype, d) for d in dtypes):
+    raise _refuse(name, kinds, _typed(value), fix)
   if jnp.shape(value) != ():
-    raise ValueError(f'{must} shape {jnp.shape(value)}.{fix}')
+    raise _refuse(name, kinds, f'shape {jnp.shape(value)}', fix, error)
 
 
 def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
@@ -176,25 +171,20 @@ def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
     raise TypeError(
       'num_tokens is required: tx.update(grads, state, params, num_tokens=n).'
     )
-  what = 'the counted tokens of this micro-batch on this device'
-  _scalar(value, 'num_tokens', what, ' Sum a mask: num_tokens=mask.sum().')
+  kinds = "a real scalar (this device's counted tokens of this micro-batch)"
+  fix = ' Sum a mask: num_tokens=mask.sum().'
+  _scalar(value, 'num_tokens', kinds, _REAL, fix)
   if isinstance(value, jax.core.Tracer):
     return value
   count = np.asarray(value).item()
+  got = f'num_tokens={count}'
   if not 0 <= count < np.inf:  # Also NaN.
-    raise ValueError(
-      f'num_tokens must be a finite count >= 0; got num_tokens={count}.'
-    )
-  if not jnp.issubdtype(dtype, jnp.integer):
-    return value
-  if float(count) != int(count):
-    raise ValueError(
-      f'num_tokens={count} is not a whole number: use token_dtype=jnp.float32.'
-    )
-  if int(count) > jnp.iinfo(dtype).max:
-    raise ValueError(
-      f'num_tokens={count} does not fit the {dtype} token counter.'
-    )
+    raise _refuse('num_tokens', 'a finite count >= 0', got, error=ValueError)
+  integer = jnp.issubdtype(dtype, jnp.integer)
+  if integer and (count != int(count) or count > jnp.iinfo(dtype).max):
+    kinds = f'a whole number that fits the {dtype} token counter'
+    fix = ' For fractional counts, set token_dtype=jnp.float32.'
+    raise _refuse('num_tokens', kinds, got, fix, ValueError)
   return value
 
 
@@ -202,7 +192,7 @@ def emit_now(value: Any) -> Optional[jax.Array]:
   """``emit_now`` as a boolean scalar, or None when statically False."""
   if isinstance(value, (bool, np.bool_)) and not value:
     return None
-  _scalar(value, 'emit_now', 'whether to close the window now', kind='boolean')
+  _scalar(value, 'emit_now', 'a boolean scalar', (jnp.bool_,))
   return jnp.asarray(value, jnp.bool_)
 
 
@@ -211,22 +201,18 @@ def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
   if value is None:
     return
   if not isinstance(value, bool):  # Also a traced value.
-    raise TypeError(
-      'close must be None or a Python bool, not traced (to close on the '
-      f'device, pass emit_now); got close={value!r}.'
-    )
+    kinds = 'None or a Python bool, not traced (on the device, pass emit_now)'
+    raise _refuse('close', kinds, f'close={value!r}')
   if tokens_per_update is not None or emit_now is not None:
     other = f'tokens_per_update={tokens_per_update}'
     other = 'emit_now' if tokens_per_update is None else other
-    raise ValueError(
-      f'close={value} decides on the host, {other} on the device: drop one.'
-    )
+    raise ValueError(f'close={value} and {other} both decide when: drop one.')
 
 
 def loss(value: Any) -> Any:
   """Checks ``loss``: None, or a real scalar."""
   if value is not None:
-    _scalar(value, 'loss', "this micro-batch's loss")
+    _scalar(value, 'loss', "a real scalar (this micro-batch's loss)", _REAL)
   return value
 
 
@@ -314,17 +300,13 @@ def call_skip_fn(
 ) -> tuple[jax.Array, Any]:
   """Calls ``should_skip_update_fn`` and checks what it returns."""
   result = should_skip_update_fn(grads, gradient_step, params)
+  name = 'should_skip_update_fn(grads, step, params)'
   if not (isinstance(result, tuple) and len(result) == 2):
-    raise TypeError(
-      'should_skip_update_fn must return a pair (should_skip, skip_state), '
-      f'as optax.skip_not_finite does; got {type(result).__name__}.'
-    )
+    kinds = 'a pair (should_skip, skip_state), as optax.skip_not_finite gives'
+    raise _refuse(name, kinds, type(result).__name__)
   skip, skip_state = result
-  if jnp.shape(skip) != ():
-    raise ValueError(
-      'should_skip_update_fn must return should_skip a boolean scalar; got '
-      f'shape {jnp.shape(skip)}. Reduce it, e.g. with jnp.any(...).'
-    )
+  fix = ' Reduce it, e.g. with jnp.any(...).'
+  _scalar(skip, f'{name}[0]', 'a boolean scalar', (jnp.bool_, jnp.number), fix)
   return jnp.asarray(skip, jnp.bool_), skip_state
 
 
@@ -333,9 +315,7 @@ def axis_name(value: Any) -> None:
   names = (value,) if isinstance(value, str) else value
   strs = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
   if not (strs and names):
-    raise TypeError(
-      f"axis_name must be a str or a tuple of str (e.g. 'data'); got {value!r}."
-    )
+    raise _refuse('axis_name', 'a str or a tuple of str', repr(value))
 
 
 def tokens_per_update(value: Any) -> Optional[int]:
@@ -358,9 +338,7 @@ def extra_args(extra: dict[str, Any]) -> None:
   but a window of micro-batches has none to re-evaluate.
   """
   if 'value' in extra:
-    raise TypeError(
-      "tx.update got value=...: pass the micro-batch's loss as loss= instead."
-    )
+    raise TypeError('tx.update got value=...: pass the loss as loss= instead.')
   for name, arg in extra.items():
     if name in _OBJECTIVE_FNS or callable(arg):
       raise TypeError(
