@@ -178,14 +178,9 @@ def state_partition_specs(
   def fix(node, zero_node):
     if not _is_state(node):
       return node
-    return node._replace(
-      acc_grads=jax.tree.map(gradient, node.acc_grads),
-      acc_compensation=jax.tree.map(gradient, node.acc_compensation),
-      acc_tokens=scalar,
-      acc_loss=scalar,
-      # scalars: replicated or slots
-      skip_state=jax.tree.map(gradient, node.skip_state),
-      inner_state=zero_node.inner_state,
+    # skip_state's scalars: replicated, or slots
+    return _state.map_per_device(gradient, node)._replace(
+      acc_tokens=scalar, acc_loss=scalar, inner_state=zero_node.inner_state
     )
 
   specs = jax.tree.map(fix, specs, zero, is_leaf=_is_state)
