@@ -171,22 +171,16 @@ def state_partition_specs(
     if _inner_states(zero) == _inner_states(specs):
       raise ValueError(
         f'shard_optimizer_over={shard_optimizer_over!r}: inner keeps no '
-        'parameter-shaped state the axes divide, so there is nothing to shard.'
-        ' Use an optimizer with moments (e.g. optax.adamw), or leave it out.'
+        'parameter-shaped state the axes divide: nothing to shard; leave it out.'
       )
   gradient, scalar = _layout(axis_name, jax.tree.leaves(param_specs))
 
   def fix(node, zero_node):
     if not _is_state(node):
       return node
-    per_device = functools.partial(jax.tree.map, gradient)
-    return node._replace(
-      acc_grads=per_device(node.acc_grads),
-      acc_compensation=per_device(node.acc_compensation),
-      acc_tokens=scalar,
-      acc_loss=scalar,
-      skip_state=per_device(node.skip_state),  # scalars: replicated or slots
-      inner_state=zero_node.inner_state,
+    # skip_state's scalars: replicated, or slots
+    return _state.map_per_device(gradient, node)._replace(
+      acc_tokens=scalar, acc_loss=scalar, inner_state=zero_node.inner_state
     )
 
   specs = jax.tree.map(fix, specs, zero, is_leaf=_is_state)

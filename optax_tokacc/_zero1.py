@@ -54,12 +54,25 @@ def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
   if axis_name is not None:
     raise ValueError(
       f'shard_optimizer_over={shard_over!r} needs explicit sharding, not '
-      f'axis_name={axis_name!r}: type the parameters reduced over the data '
-      "axes (jax.P(reduced={'data'})) under jax.jit, and leave axis_name=None."
+      f'axis_name={axis_name!r}: leave it None and type the parameters reduced.'
     )
   axes = _manual.as_tuple(shard_over)
   mesh = _mesh(params) if mesh is None else mesh
-  _check_axes(axes, jax.tree.leaves(param_specs), mesh, shard_over)
+  specs = jax.tree.leaves(param_specs)
+  split = jax.tree.leaves([_explicit.partitions(s) for s in specs])
+  for axis in axes:  # refuse axes the state cannot be sharded over
+    if axis not in mesh.axis_names:
+      problem = f'{axis!r} is not an axis of the mesh {mesh.axis_names}'
+    elif axis in split:
+      problem = f'the parameters are sharded over {axis!r}'
+    elif not any(axis in s.reduced for s in specs):
+      problem = f'{axis!r} is not a data axis'
+    else:
+      continue
+    raise ValueError(
+      f'shard_optimizer_over={shard_over!r}: {problem}. Name data axes, over '
+      "which the parameters are typed reduced (jax.P(reduced={'data'}))."
+    )
   size = math.prod(mesh.shape[axis] for axis in axes)
 
   def shard(x, found):
@@ -76,34 +89,13 @@ def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
 def _mesh(params: Any) -> Any:
   """The mesh of ``jax.set_mesh``, else that of the parameters."""
   mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty:
-    return mesh
-  for leaf in jax.tree.leaves(params):
-    if _explicit.spec(leaf) is not None:
-      return _explicit.mesh_of(leaf)
-  raise ValueError(
-    'shard_optimizer_over needs the mesh: call inside jax.set_mesh(mesh), '
-    'or pass parameters placed on it.'
-  )
-
-
-def _check_axes(axes: tuple, specs: list, mesh: Any, shard_over: Any) -> None:
-  """Refuses axes the optimizer state cannot be sharded over."""
-  split = jax.tree.leaves([_explicit.partitions(s) for s in specs])
-  data_axes = frozenset().union(*(s.reduced for s in specs))
-  for axis in axes:
-    if axis not in mesh.axis_names:
-      problem = f'{axis!r} is not an axis of the mesh {mesh.axis_names}'
-    elif axis in split:
-      problem = f'the parameters are sharded over {axis!r}'
-    elif axis not in data_axes:
-      problem = f'{axis!r} is not a data axis'
-    else:
-      continue
+  placed = [x for x in jax.tree.leaves(params) if _explicit.spec(x) is not None]
+  if mesh.empty and not placed:
     raise ValueError(
-      f'shard_optimizer_over={shard_over!r}: {problem}. Name data axes, over '
-      "which the parameters are typed reduced (jax.P(reduced={'data'}))."
+      'shard_optimizer_over needs the mesh: call inside jax.set_mesh(mesh), '
+      'or pass parameters placed on it.'
     )
+  return _explicit.mesh_of(placed[0]) if mesh.empty else mesh
 
 
 class Target(NamedTuple):
@@ -215,14 +207,13 @@ def _targets(inner, inner_state, grads, axes) -> tuple:
       found[index].add(P(*_explicit.partitions(_explicit.spec(leaf))))
     return leaf
 
-  optax.tree_map_params(
-    inner,
-    record,
-    inner_state,
-    treedef.unflatten(range(len(leaves))),
-    is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-  )
+  indices = treedef.unflatten(range(len(leaves)))
+  optax.tree_map_params(inner, record, inner_state, indices, is_leaf=_is_masked)
   return tuple(_target(x, specs, axes) for x, specs in zip(leaves, found))
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
 
 
 def _target(grad: Any, specs: set, axes: frozenset) -> Optional[Target]:
@@ -239,7 +230,6 @@ def _target(grad: Any, specs: set, axes: frozenset) -> Optional[Target]:
       return Target(dim, parts[dim], spec)
   raise ValueError(
     f'The optimizer state of a gradient typed {jax.typeof(grad)} is sharded '
-    f'as {sorted(map(str, specs))}; the window is reduce-scattered only into '
-    "the gradient's layout with one more dimension split over data axes. "
-    'Build the state with tokacc.init_sharded(..., shard_optimizer_over=...).'
+    f'as {sorted(map(str, specs))}, not like the gradient with one dimension '
+    'more split over data axes, as shard_optimizer_over=... lays it out.'
   )
