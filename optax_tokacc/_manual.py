@@ -74,11 +74,8 @@ class Manual(_placement.Single):
     over = grad_sum_axes(num_tokens, grads, param_axes, axes, config.mean_loss)
     return cls(axes, tracked, over, param_axes)
 
-  def enter(self, state):
-    return _state.without_device_slot(state)
-
-  def leave(self, state):
-    return _state.with_device_slot(state)
+  enter = staticmethod(_state.without_device_slot)
+  leave = staticmethod(_state.with_device_slot)
 
   def _over(self, x: Any) -> tuple[str, ...]:
     """The axes to sum a per-device value over: those it varies over."""
