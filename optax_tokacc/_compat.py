@@ -22,16 +22,15 @@ a version difference is handled in one place:
   over in ``aval.vma``; under ``pmap`` a ``jax.ShapeDtypeStruct`` (e.g. from
   ``jax.eval_shape``) holds ``vma=None`` there. JAX 0.10 replaced ``vma`` by
   ``aval.manual_axis_type.varying``.
-- ``pcast_to_varying``: ``lax.pcast(x, axes, to='varying')`` from jax 0.8.2;
-  before that the only spelling is ``lax.pvary(x, axes)``, which later
-  releases deprecate.
+
+``lax.pcast(x, axes, to='varying')`` and the manual axes in a value's type
+(``jax.typeof(x).sharding.mesh.manual_axes``, ``pmap``'s axis included) are
+the same on every supported version, and are called directly.
 """
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax import lax
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -50,30 +49,3 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(manual_axis_type.varying)
   # jax 0.8 / 0.9; `vma` is None on a ShapeDtypeStruct under pmap.
   return frozenset(getattr(aval, 'vma', None) or ())
-
-
-def pcast_to_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
-  """Marks ``x`` as varying over ``axes`` (no work at run time).
-
-  Args:
-    x: an array inside ``shard_map`` or ``pmap``.
-    axes: names of bound mesh axes; those ``x`` already varies over must not
-      be repeated (see :func:`varying_axes`).
-
-  Returns:
-    ``x``, typed as varying over ``axes`` as well.
-  """
-  axes = tuple(axes)
-  if not axes:
-    return x
-  if hasattr(lax, 'pcast'):
-    return lax.pcast(x, axes, to='varying')
-  return lax.pvary(x, axes)  # pragma: no cover (jax < 0.8.2)
-
-
-def manual_axes(x: Any) -> frozenset:
-  """The mesh axes that are manual where ``x`` lives (``shard_map``'s, or
-  ``pmap``'s axis); empty where JAX does not say (older versions)."""
-  sharding = getattr(jax.typeof(x), 'sharding', None)
-  mesh = getattr(sharding, 'mesh', None)
-  return frozenset(getattr(mesh, 'manual_axes', None) or ())

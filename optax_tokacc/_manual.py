@@ -30,7 +30,6 @@ import jax
 from jax import lax
 import optax
 
-from optax_tokacc import _compat
 from optax_tokacc import _placement
 from optax_tokacc import _state
 from optax_tokacc import _tokens
@@ -70,19 +69,13 @@ class Manual(_placement.Single):
     if not tracked:
       check_untracked(axes)
       return cls(axes, grad_axes=(axes,) * len(jax.tree.leaves(grads)))
-    param_axes = None
-    if params is not None:
-      param_axes = tuple(map(varying_axes, jax.tree.leaves(params)))
-    grad_axes = grad_sum_axes(
-      num_tokens, grads, param_axes, axes, config.mean_loss
-    )
-    return cls(axes, tracked, grad_axes, param_axes)
+    leaves = jax.tree.leaves(params)
+    param_axes = None if params is None else tuple(map(varying_axes, leaves))
+    over = grad_sum_axes(num_tokens, grads, param_axes, axes, config.mean_loss)
+    return cls(axes, tracked, over, param_axes)
 
-  def enter(self, state):
-    return _state.without_device_slot(state)
-
-  def leave(self, state):
-    return _state.with_device_slot(state)
+  enter = staticmethod(_state.without_device_slot)
+  leave = staticmethod(_state.with_device_slot)
 
   def _over(self, x: Any) -> tuple[str, ...]:
     """The axes to sum a per-device value over: those it varies over."""
@@ -91,25 +84,19 @@ class Manual(_placement.Single):
     )
 
   def total(self, fn, x):
-    over = self._over(x)
-    return lax.psum(fn(x), over) if over else fn(x)
+    return lax.psum(fn(x), self._over(x))  # no axes: fn(x) itself
 
   def any(self, flag):
     over = self._over(flag)
     return lax.pmax(flag.astype('int32'), over) > 0 if over else flag
 
   def reduce(self, sums, acc_tokens, acc_loss):
-    """One ``psum`` per distinct set of axes: in data parallelism every
-    leaf and the scalars share them, a single all-reduce per window."""
+    """Each value summed over its axes; XLA combines the all-reduces (in
+    data parallelism, a single all-reduce per window)."""
     leaves, treedef = jax.tree.flatten(sums)
-    values = [*leaves, _tokens.to_parts(acc_tokens), acc_loss]
-    scalar_axes = self._over(acc_tokens)
-    value_axes = (*self.grad_axes, scalar_axes, scalar_axes)
-    for over in filter(None, dict.fromkeys((scalar_axes, *self.grad_axes))):
-      group = [i for i, axes in enumerate(value_axes) if axes == over]
-      for i, summed in zip(group, lax.psum([values[i] for i in group], over)):
-        values[i] = summed
-    *leaves, parts, loss = values
+    scalars = (_tokens.to_parts(acc_tokens), acc_loss)
+    leaves = [lax.psum(x, over) for x, over in zip(leaves, self.grad_axes)]
+    parts, loss = lax.psum(scalars, self._over(acc_tokens))
     if self.param_axes is not None:
       leaves = [self._invariant(x, s) for x, s in zip(leaves, self.param_axes)]
     return _placement.Reduced(treedef.unflatten(leaves), parts, loss)
@@ -142,7 +129,7 @@ def as_tuple(axis_name: AxisName) -> tuple[str, ...]:
 
 def make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
   """Marks ``x`` as varying over ``axes`` too (no work at run time)."""
-  return _compat.pcast_to_varying(x, sorted(axes - varying_axes(x)))
+  return lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to='varying')
 
 
 def check_untracked(axes: tuple[str, ...]) -> None:
@@ -152,11 +139,11 @@ def check_untracked(axes: tuple[str, ...]) -> None:
   (the batch may be split over them)."""
   if len(axes) > 1:
     raise ValueError(
-      f'axis_name={axes!r} names several data axes, where sharded and '
-      'replicated parameters cannot be told apart without variance tracking.'
-      ' Use jax.shard_map with check_vma=True (the default).'
+      f'axis_name={axes!r} names several data axes, which need variance '
+      'tracking: use jax.shard_map with check_vma=True (the default).'
     )
-  others = _compat.manual_axes(lax.axis_index(axes[0])) - set(axes)
+  mesh = jax.typeof(lax.axis_index(axes[0])).sharding.mesh
+  others = set(mesh.manual_axes) - set(axes)
   if others:
     raise ValueError(
       f'shard_map is manual over {sorted(others)} too, which axis_name='
@@ -213,10 +200,9 @@ def grad_sum_axes(
     missing, what = outside, 'a gradient of a parameter replicated there'
   if missing:
     raise ValueError(
-      f'{what} varies over the mesh axes {sorted(missing)}, which '
-      f'axis_name={axes!r} leaves out: the window would be summed '
-      'over only some of the devices holding its data. Pass axis_name='
-      f'{axes + tuple(sorted(missing))!r}.'
+      f'{what} varies over the mesh axes {sorted(missing)}, which axis_name='
+      f'{axes!r} leaves out: the window would miss some of its devices. '
+      f'Pass axis_name={axes + tuple(sorted(missing))!r}.'
     )
   pcast = f'jax.lax.pcast(params, {axes!r}, to="varying")'
   if summed and mean_loss:

@@ -49,9 +49,8 @@ class PartialSums(_placement.Single):
 
   @classmethod
   def of(cls, axes, params, state) -> 'PartialSums':
-    if state is not None:
-      return cls(axes, _explicit.mesh_of(state.acc_tokens))
-    like = next(p for p in jax.tree.leaves(params) if _explicit.reduced(p))
+    reduced = filter(_explicit.reduced, jax.tree.leaves(params))
+    like = next(reduced) if state is None else state.acc_tokens
     return cls(axes, _explicit.mesh_of(like))
 
   def scalar_zeros(self, dtype):
@@ -93,8 +92,12 @@ class PartialSums(_placement.Single):
       return super().judge(skip_fn, grads, step, params, exact)
     axes = tuple(sorted(self.axes))
 
-    def decide(*args):
-      return _psum_tree(_validation.call_skip_fn(skip_fn, *args), axes)
+    def decide(*args):  # summed in one psum, bools as any device's
+      decision = _validation.call_skip_fn(skip_fn, *args)
+      summed = lax.psum(decision, axes)  # bools summed as int32
+      return jax.tree.map(
+        lambda s, x: s > 0 if x.dtype == jnp.bool_ else s, summed, decision
+      )
 
     return _explicit.local(decide, (grads, step, params), P())
 
@@ -103,24 +106,14 @@ class PartialSums(_placement.Single):
     return _explicit.local(lambda v: lax.psum(fn(v), axes), (x,), P())
 
   def reduce(self, sums, acc_tokens, acc_loss):
-    """The partial sums reduced on each device in one ``psum`` per distinct
-    set of axes (one all-reduce in data parallelism)."""
-    over = [sorted(_explicit.unreduced(x)) for x in jax.tree.leaves(sums)]
-    sum_over = _manual.Manual(
-      tuple(sorted(self.axes)), grad_axes=tuple(map(tuple, over))
-    )
+    """The partial sums reduced on each device (``Manual.reduce``: one
+    all-reduce in data parallelism)."""
+    leaves = jax.tree.leaves(sums)
+    over = tuple(tuple(sorted(_explicit.unreduced(x))) for x in leaves)
+    sum_over = _manual.Manual(tuple(sorted(self.axes)), grad_axes=over)
     specs = jax.tree.map(lambda x: _explicit.spec(x, unreduced=False), sums)
     return _explicit.local(
       sum_over.reduce,
       (sums, acc_tokens, acc_loss),
       _placement.Reduced(specs, P(), P()),
     )
-
-
-def _psum_tree(tree: Any, axes: tuple) -> Any:
-  """Sums a tree over ``axes`` in one ``psum`` (bools as any-device)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  wide = [x.astype(jnp.int32) if x.dtype == jnp.bool_ else x for x in leaves]
-  summed = lax.psum(wide, axes)
-  out = [s > 0 if x.dtype == jnp.bool_ else s for s, x in zip(summed, leaves)]
-  return treedef.unflatten(out)

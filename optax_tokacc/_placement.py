@@ -81,18 +81,17 @@ class Single:
     """The inverse of :meth:`enter`."""
     return state
 
-  def gradient_zeros(self, param: Any, dtype: Any) -> jax.Array:
-    """The accumulator's zeros for ``param``'s gradient, typed like it."""
-    return _explicit.gradient_zeros(param, dtype)
+  #: ``(param, dtype)``: the accumulator's zeros for ``param``'s gradient,
+  #: typed like it.
+  gradient_zeros = staticmethod(_explicit.gradient_zeros)
 
   def scalar_zeros(self, dtype: Any) -> jax.Array:
     """A zero count or loss of the window."""
     return jnp.zeros([], dtype)
 
-  def whole(self, x: Any) -> Any:
-    """``x`` summed over the devices that hold parts of it, now (a value
-    typed unreduced is reduced; any other is already whole)."""
-    return _explicit.reduce_now(x)
+  #: ``x`` summed over the devices that hold parts of it, now (a value
+  #: typed unreduced is reduced; any other is already whole).
+  whole = staticmethod(_explicit.reduce_now)
 
   def reduced_types(self, grads: Any) -> Any:
     """Values typed as :meth:`reduce` types the window's sums (for shapes
@@ -117,9 +116,9 @@ class Single:
     ``like`` (a tree of values, or of their shapes)."""
     return jax.tree.map(self.same_values, fn(*args), like)
 
-  def same_values(self, x: Any, like: Any) -> Any:
-    """``x``, held whole and alike on every device, typed like ``like``."""
-    return _explicit.retype_same_values(x, like)
+  #: ``(x, like)``: ``x``, held whole and alike on every device, typed like
+  #: ``like``.
+  same_values = staticmethod(_explicit.retype_same_values)
 
   def judge(
     self, skip_fn: Callable, grads: Any, step: Any, params: Any, exact: bool
@@ -147,19 +146,17 @@ class Single:
     (``_tokens.to_parts``) and its loss, summed over the devices."""
     return Reduced(sums, _tokens.to_parts(acc_tokens), acc_loss)
 
-  def for_inner(self, tree: Any) -> Any:
-    """A tree in the types that optax's nonlinear updates take (reduced
-    types dropped, free)."""
-    return _explicit.without_reduced(tree)
+  #: A tree in the types that optax's nonlinear updates take (reduced types
+  #: dropped, free).
+  for_inner = staticmethod(_explicit.without_reduced)
 
-  def like(self, tree: Any, reference: Any) -> Any:
-    """``tree`` (whole values) typed like ``reference`` again."""
-    return _explicit.like(tree, reference)
+  #: ``(tree, reference)``: ``tree`` (whole values) typed like ``reference``
+  #: again.
+  like = staticmethod(_explicit.like)
 
-  def can_hold(self, acc: Any, update: Any) -> bool:
-    """Whether an accumulator leaf's buffer may hold an update's value:
-    where typed, it splits its dimensions alike."""
-    return _explicit.same_layout(acc, update)
+  #: ``(acc, update)``: whether an accumulator leaf's buffer may hold an
+  #: update's value: where typed, it splits its dimensions alike.
+  can_hold = staticmethod(_explicit.same_layout)
 
   def cond(self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops):
     """``lax.cond``, where the branches' outputs may differ in type."""
