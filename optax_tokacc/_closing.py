@@ -81,16 +81,14 @@ def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
   return _Sums(sums, divisor, mean_loss), closed
 
 
-def _step(
-  config, place, grads, extra: Extra, summed, opt_state, params, emitted=None
-):
+def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
   """``inner.update`` run once on the window's token-mean gradient, with
-  ``value=`` the window's token-mean loss where ``extra`` says so, its
-  state's dtypes kept, in the types optax's nonlinear updates take; the
-  updates come typed like the parameters, so that ``optax.apply_updates``
-  keeps their type. With ``emitted`` (a window closed by the host), the
-  updates are -0.0 and the state is kept unless ``emitted``: selects, where
-  the device uses a ``cond``."""
+  ``value=`` the window's token-mean loss where ``extra`` (an :class:`Extra`)
+  says so, its state's dtypes kept, in the types optax's nonlinear updates
+  take; the updates come typed like the parameters, so that
+  ``optax.apply_updates`` keeps their type. With ``emitted`` (a window
+  closed by the host), the updates are -0.0 and the state is kept unless
+  ``emitted``: selects, where the device uses a ``cond``."""
 
   def mean(s):
     wide = jnp.promote_types(s.dtype, jnp.float32)
@@ -132,11 +130,10 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
   """Closes the window if ``close``, in one ``lax.cond``; ``extra`` is an
   :class:`Extra` (or the tuple of its fields).
 
-  Returns a :class:`Closing`. The updates have the
-  shapes and dtypes of ``inner``'s (``jax.eval_shape``, as in
-  ``optax.MultiSteps``). Everything the branches read is an operand, never
-  a closure: a buffer that reaches the ``cond`` twice is copied on every
-  micro-step.
+  Returns a :class:`Closing`. The updates have the shapes and dtypes of
+  ``inner``'s (``jax.eval_shape``, as in ``optax.MultiSteps``). Everything
+  the branches read is an operand, never a closure: a buffer that reaches
+  the ``cond`` twice is copied on every micro-step.
   """
   shapes, inner_step = _inner(config, place, grads, inner_state, params, extra)
   buffer = _holds_exactly(place, window.acc_grads, shapes)
@@ -232,13 +229,13 @@ def _raise(error: Exception, ours: Optional[Exception]) -> NoReturn:
 def _holds_exactly(place, acc_grads: optax.Updates, updates: Any) -> bool:
   """Whether the accumulator's buffer can hold ``updates`` exactly: same
   shapes, a dtype that holds theirs, and what the placement allows."""
+
+  def holds(a, u):
+    dtype_holds = jnp.promote_types(a.dtype, u.dtype) == a.dtype
+    return a.shape == u.shape and dtype_holds and place.can_hold(a, u)
+
   same_tree = jax.tree.structure(acc_grads) == jax.tree.structure(updates)
-  return same_tree and all(
-    a.shape == u.shape
-    and jnp.promote_types(a.dtype, u.dtype) == a.dtype
-    and place.can_hold(a, u)
-    for a, u in zip(jax.tree.leaves(acc_grads), jax.tree.leaves(updates))
-  )
+  return same_tree and jax.tree.all(jax.tree.map(holds, acc_grads, updates))
 
 
 def _zeros(shapes: Any) -> Any:
