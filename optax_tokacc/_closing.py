@@ -23,7 +23,7 @@ live and how they are reduced is the placement's (``_placement``).
 """
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn, Optional
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,13 @@ class Closing(NamedTuple):
   closed: 'Closed'
 
 
+class Extra(NamedTuple):
+  """What ``inner.update`` gets beside its three arguments."""
+
+  args: dict[str, Any]  # the extra args passed to ``tx.update``
+  with_loss: bool  # whether it gets ``value=``, the window's loss
+
+
 class _Sums(NamedTuple):
   """The window summed over the devices: what ``inner``'s step reads."""
 
@@ -68,33 +75,30 @@ def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
   sums = _compensated.window_sums(window, config.compensated)
   sums, parts, loss_sum = place.reduce(sums, window.acc_tokens, window.acc_loss)
   total, valid = _tokens.from_parts(parts, config.token_dtype)
-  emitted = jnp.logical_and(valid, total > 0)
   divisor = jnp.maximum(total, 1)
   mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
-  closed = Closed(emitted, valid, total, mean_loss)
+  closed = Closed(jnp.logical_and(valid, total > 0), valid, total, mean_loss)
   return _Sums(sums, divisor, mean_loss), closed
 
 
 def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
   """``inner.update`` run once on the window's token-mean gradient, with
-  ``value=`` the window's token-mean loss where ``extra`` says so, its
-  state's dtypes kept, in the types optax's nonlinear updates take; the
-  updates come typed like the parameters, so that ``optax.apply_updates``
-  keeps their type. With ``emitted`` (a window closed by the host), the
-  updates are -0.0 and the state is kept unless ``emitted``: selects, where
-  the device uses a ``cond``."""
+  ``value=`` the window's token-mean loss where ``extra`` (an :class:`Extra`)
+  says so, its state's dtypes kept, in the types optax's nonlinear updates
+  take; the updates come typed like the parameters, so that
+  ``optax.apply_updates`` keeps their type. With ``emitted`` (a window
+  closed by the host), the updates are -0.0 and the state is kept unless
+  ``emitted``: selects, where the device uses a ``cond``."""
 
   def mean(s):
     wide = jnp.promote_types(s.dtype, jnp.float32)
     return s.astype(wide) / summed.divisor.astype(wide)
 
-  extra_args, with_value = extra
-  if with_value:
-    extra_args = dict(extra_args, value=summed.mean_loss)
+  value = {'value': summed.mean_loss} if extra.with_loss else {}
   mean_grads = optax.tree.cast_like(jax.tree.map(mean, summed.sums), grads)
   plain_inner = place.for_inner(opt_state)
   updates, new_inner = config.inner.update(
-    mean_grads, plain_inner, place.for_inner(params), **extra_args
+    mean_grads, plain_inner, place.for_inner(params), **extra.args, **value
   )
   new_inner = optax.tree.cast_like(new_inner, opt_state)
   if emitted is not None:
@@ -109,34 +113,29 @@ def close_now(config, place, grads, window, inner_state, params, extra):
   """Closes the window without a conditional (the host decided: ``close=
   True``): the reduction sits in the program beside the backward pass.
   Returns a :class:`Closing`, as :func:`close_if`."""
-  _, extra = _inner_shapes(config, place, grads, inner_state, params, extra)
+  _, step = _inner(config, place, grads, inner_state, params, extra)
   summed, closed = _reduce(config, place, window)
-  updates, inner_state = _step(
-    config, place, grads, extra, summed, inner_state, params, closed.emitted
-  )
+  updates, inner_state = step(summed, inner_state, params, closed.emitted)
   return Closing(updates, reset_if(place, True, window), inner_state, closed)
 
 
 def keep_open(config, place, grads, window, inner_state, params, extra):
   """The window left open (the host decided: ``close=False``): -0.0
   updates shaped like ``inner``'s, and no ``inner`` work."""
-  shapes, _ = _inner_shapes(config, place, grads, inner_state, params, extra)
+  shapes, _ = _inner(config, place, grads, inner_state, params, extra)
   return Closing(_zeros(shapes), window, inner_state, _open(window))
 
 
 def close_if(config, place, close, grads, window, inner_state, params, extra):
-  """Closes the window if ``close``, in one ``lax.cond``; ``extra`` is
-  ``(extra_args, whether loss was passed)``.
+  """Closes the window if ``close``, in one ``lax.cond``; ``extra`` is an
+  :class:`Extra` (or the tuple of its fields).
 
-  Returns a :class:`Closing`. The updates have the
-  shapes and dtypes of ``inner``'s (``jax.eval_shape``, as in
-  ``optax.MultiSteps``). Everything the branches read is an operand, never
-  a closure: a buffer that reaches the ``cond`` twice is copied on every
-  micro-step.
+  Returns a :class:`Closing`. The updates have the shapes and dtypes of
+  ``inner``'s (``jax.eval_shape``, as in ``optax.MultiSteps``). Everything
+  the branches read is an operand, never a closure: a buffer that reaches
+  the ``cond`` twice is copied on every micro-step.
   """
-  shapes, extra = _inner_shapes(
-    config, place, grads, inner_state, params, extra
-  )
+  shapes, inner_step = _inner(config, place, grads, inner_state, params, extra)
   buffer = _holds_exactly(place, window.acc_grads, shapes)
 
   def hold(updates, acc_grads):
@@ -154,9 +153,7 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     return jax.tree.map(place.same_values, held, acc_grads)
 
   def step(acc_grads, summed, inner_state, params):
-    updates, new_inner = _step(
-      config, place, grads, extra, summed, inner_state, params
-    )
+    updates, new_inner = inner_step(summed, inner_state, params)
     return hold(updates, acc_grads), new_inner
 
   def no_step(acc_grads, summed, inner_state, params):
@@ -195,49 +192,50 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
   return Closing(updates, window._replace(acc_grads=held), inner_state, closed)
 
 
-def _inner_shapes(config, place, grads, inner_state, params, extra):
-  """The shapes, dtypes and types of ``inner``'s updates, and ``(extra_args,
-  whether inner takes value)``: with ``loss`` passed it gets the window's
-  loss unless it accepts no ``value`` keyword (``optax.contrib.sam``).
-  Without ``loss``, if ``inner`` needs ``value``, the error names ``loss``.
+def _inner(config, place, grads, inner_state, params, extra):
+  """The shapes, dtypes and types of ``inner``'s updates, and its step
+  (:func:`_step` with ``extra``, an :class:`Extra` or the tuple of its
+  fields, bound): with ``loss`` passed it gets the window's loss unless it
+  accepts no ``value`` keyword (``optax.contrib.sam``). Without ``loss``, if
+  ``inner`` needs ``value``, the error names ``loss``.
   """
-  extra_args, with_loss = extra
   scalars = [jax.ShapeDtypeStruct([], config.token_dtype)]
   scalars.append(jax.ShapeDtypeStruct([], config.loss_dtype))
 
-  def shapes(with_value):
-    extra = (extra_args, with_value)
+  def shapes(extra):
     step = functools.partial(_step, config, place, grads, extra)
     try:
       summed = _Sums(place.reduced_types(grads), *scalars)
-      return jax.eval_shape(step, summed, inner_state, params)[0], extra
+      return jax.eval_shape(step, summed, inner_state, params)[0], step
     except Exception as e:
-      refusal = place.refusal(e)
-      if refusal is None:
-        raise
-      raise refusal from e
+      _raise(e, place.refusal(e))
 
+  extra = Extra(*extra)
   try:
-    return shapes(with_loss)
+    return shapes(extra)
   except TypeError as e:
-    if with_loss and "unexpected keyword argument 'value'" in str(e):
-      return shapes(False)
-    error = None if with_loss else _validation.needs_value_error(e)
-    if error is None:
-      raise
-    raise error from e
+    if extra.with_loss and "unexpected keyword argument 'value'" in str(e):
+      return shapes(extra._replace(with_loss=False))
+    _raise(e, None if extra.with_loss else _validation.needs_value_error(e))
+
+
+def _raise(error: Exception, ours: Optional[Exception]) -> NoReturn:
+  """Raises ``ours`` (our error for ``error``), or ``error`` where None."""
+  if ours is None:
+    raise error
+  raise ours from error
 
 
 def _holds_exactly(place, acc_grads: optax.Updates, updates: Any) -> bool:
   """Whether the accumulator's buffer can hold ``updates`` exactly: same
   shapes, a dtype that holds theirs, and what the placement allows."""
+
+  def holds(a, u):
+    dtype_holds = jnp.promote_types(a.dtype, u.dtype) == a.dtype
+    return a.shape == u.shape and dtype_holds and place.can_hold(a, u)
+
   same_tree = jax.tree.structure(acc_grads) == jax.tree.structure(updates)
-  return same_tree and all(
-    a.shape == u.shape
-    and jnp.promote_types(a.dtype, u.dtype) == a.dtype
-    and place.can_hold(a, u)
-    for a, u in zip(jax.tree.leaves(acc_grads), jax.tree.leaves(updates))
-  )
+  return same_tree and jax.tree.all(jax.tree.map(holds, acc_grads, updates))
 
 
 def _zeros(shapes: Any) -> Any:
@@ -247,8 +245,7 @@ def _zeros(shapes: Any) -> Any:
   them leaves every parameter bit-identical (-0.0 + 0.0 is +0.0)."""
 
   def zeros(shape):
-    found = _explicit.spec(shape)
-    plain = found is None or found == P(*[None] * len(shape.shape))
+    plain = _explicit.spec(shape) in (None, P(*[None] * len(shape.shape)))
     sharding = None if plain else shape.sharding
     return _signed(jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding))
 

@@ -48,8 +48,7 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
     return None
   parts = partitions(found)
   parts += (None,) * (len(jnp.shape(x)) - len(parts))
-  kept = found.unreduced if unreduced else frozenset()
-  return P(*parts, reduced=found.reduced, unreduced=kept)
+  return found.update(parts, unreduced=None if unreduced else frozenset())
 
 
 def partitions(found: P) -> tuple:
@@ -59,11 +58,10 @@ def partitions(found: P) -> tuple:
 
 
 def _sharding(x: Any) -> Any:
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return x.sharding
-  if isinstance(x, jax.Array):  # Python and NumPy values carry no layout
-    return getattr(jax.typeof(x), 'sharding', None)
-  return None
+  """The sharding of ``x``'s type (a shape's own); Python and NumPy values
+  carry none."""
+  typed = jax.typeof(x) if isinstance(x, jax.Array) else x
+  return getattr(typed, 'sharding', None)
 
 
 def mesh_of(x: Any) -> Any:
@@ -76,10 +74,8 @@ def deferred(axes: Any, mesh: Any) -> frozenset:
   known): partial sums over a single device are already the sum (and JAX
   0.10.2 cannot lower a ``shard_map`` with unreduced specs over a size-1
   axis)."""
-  axes = frozenset(axes or ())
-  if mesh is None or mesh.empty:
-    return axes
-  return frozenset(a for a in axes if mesh.shape.get(a, 2) > 1)
+  sizes = {} if mesh is None or mesh.empty else mesh.shape
+  return frozenset(a for a in axes or () if sizes.get(a, 2) > 1)
 
 
 def unreduced(x: Any) -> frozenset:
@@ -96,8 +92,7 @@ def reduce_trivial(tree: Any) -> Any:
     found, kept = spec(x), unreduced(x)
     if found is None or kept == found.unreduced:
       return x
-    parts = partitions(found)
-    return jax.reshard(x, P(*parts, reduced=found.reduced, unreduced=kept))
+    return jax.reshard(x, found.update(unreduced=kept))
 
   return jax.tree.map(reduce, tree)
 
@@ -115,10 +110,8 @@ def sharded(x: Any) -> frozenset:
 
 def check_supported(tree: Any, what: str) -> None:
   """Refuses reduced or unreduced types on a JAX that cannot run them."""
-  if SUPPORTED:
-    return
   for leaf in jax.tree.leaves(tree):
-    if reduced(leaf) or unreduced(leaf):
+    if not SUPPORTED and (reduced(leaf) or unreduced(leaf)):
       raise NotImplementedError(
         f'{what} typed reduced or unreduced ({jax.typeof(leaf)}) need '
         f'jax >= {".".join(map(str, MIN_JAX))}; found jax {jax.__version__}. '
@@ -156,10 +149,7 @@ def without_reduced(tree: Any) -> Any:
   optax's nonlinear updates can take."""
 
   def plain(x):
-    if not reduced(x):
-      return x
-    found = spec(x)
-    return to_type(x, P(*partitions(found), unreduced=found.unreduced))
+    return to_type(x, spec(x).update(reduced=frozenset())) if reduced(x) else x
 
   return jax.tree.map(plain, tree)
 
@@ -169,9 +159,8 @@ def like(tree: Any, reference: Any) -> Any:
   is typed reduced (free: the values are already replicated)."""
 
   def retype(x, ref):
-    if not reduced(ref) or reduced(x) == reduced(ref):
-      return x
-    return to_type(x, spec(ref))
+    same = not reduced(ref) or reduced(x) == reduced(ref)
+    return x if same else to_type(x, spec(ref))
 
   return jax.tree.map(retype, tree, reference)
 
@@ -184,13 +173,9 @@ def local(fn: Callable, args: tuple, out_specs: Any) -> Any:
   whose partial sums (or replicated values) ``out_specs`` describes. Entering
   and leaving move no data.
   """
-  typed = next(x for x in jax.tree.leaves(args) if spec(x) is not None)
+  mesh = mesh_of(next(x for x in jax.tree.leaves(args) if spec(x) is not None))
   return jax.shard_map(
-    fn,
-    mesh=mesh_of(typed),
-    in_specs=specs(args),
-    out_specs=out_specs,
-    check_vma=False,
+    fn, mesh=mesh, in_specs=specs(args), out_specs=out_specs, check_vma=False
   )(*args)
 
 

@@ -68,8 +68,8 @@ def micro_batch(config, place, grads, num_tokens, loss, keep) -> MicroBatch:
   count = jnp.asarray(num_tokens)
   if config.mean_loss:
     count = _tokens.as_count(place.whole(count), config.token_dtype)
-  loss = jnp.nan if loss is None else loss  # No loss: the window's is NaN.
-  loss = jnp.asarray(loss).astype(config.loss_dtype)
+  # No loss: the window's is NaN.
+  loss = jnp.asarray(jnp.nan if loss is None else loss, config.loss_dtype)
   return MicroBatch(grads, count, loss, keep)
 
 
