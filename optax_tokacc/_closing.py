@@ -128,7 +128,7 @@ def keep_open(config, place, grads, window, inner_state, params, extra):
 
 def close_if(config, place, close, grads, window, inner_state, params, extra):
   """Closes the window if ``close``, in one ``lax.cond``; ``extra`` is an
-  :class:`Extra` (or the tuple of its fields).
+  :class:`Extra`.
 
   Returns a :class:`Closing`. The updates have the shapes and dtypes of
   ``inner``'s (``jax.eval_shape``, as in ``optax.MultiSteps``). Everything
@@ -194,8 +194,7 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
 
 def _inner(config, place, grads, inner_state, params, extra):
   """The shapes, dtypes and types of ``inner``'s updates, and its step
-  (:func:`_step` with ``extra``, an :class:`Extra` or the tuple of its
-  fields, bound): with ``loss`` passed it gets the window's loss unless it
+  (:func:`_step` with ``extra``, an :class:`Extra`, bound): with ``loss`` passed it gets the window's loss unless it
   accepts no ``value`` keyword (``optax.contrib.sam``). Without ``loss``, if
   ``inner`` needs ``value``, the error names ``loss``.
   """
@@ -210,7 +209,6 @@ def _inner(config, place, grads, inner_state, params, extra):
     except Exception as e:
       _raise(e, place.refusal(e))
 
-  extra = Extra(*extra)
   try:
     return shapes(extra)
   except TypeError as e:

@@ -259,7 +259,7 @@ def _update(
   mini_step = optax.safe_increment(state.mini_step)
   if keep is not None and not place.advances_rejected:
     mini_step = jnp.where(keep, mini_step, state.mini_step)
-  extra = (extra_args, loss is not None)
+  extra = _closing.Extra(extra_args, loss is not None)
   args = (grads, window, state.inner_state, params, extra)
   if close is None:
     close = _window.should_close(

@@ -43,10 +43,6 @@ def _slot(axes: tuple[str, ...], spec: P) -> P:
   return P(tuple(a for a in axes if a not in split), *spec)
 
 
-def _is_state(x: Any) -> bool:
-  return isinstance(x, _state.TokenWeightedMultiStepState)
-
-
 def _layout(axis_name: Any, specs: list) -> tuple:
   """How the per-device fields are laid out, from the parameters' ``specs``:
   the map of the accumulator's specs, and the spec of the scalars.
@@ -176,22 +172,22 @@ def state_partition_specs(
   gradient, scalar = _layout(axis_name, jax.tree.leaves(param_specs))
 
   def fix(node, zero_node):
-    if not _is_state(node):
+    if not _state.is_state(node):
       return node
     # skip_state's scalars: replicated, or slots
     return _state.map_per_device(gradient, node)._replace(
       acc_tokens=scalar, acc_loss=scalar, inner_state=zero_node.inner_state
     )
 
-  specs = jax.tree.map(fix, specs, zero, is_leaf=_is_state)
+  specs = jax.tree.map(fix, specs, zero, is_leaf=_state.is_state)
   if manual_axes is None:
     return specs
   return _only_manual(specs, axis_name, manual_axes)
 
 
 def _inner_states(specs: Any) -> list:
-  nodes = jax.tree.leaves(specs, is_leaf=_is_state)
-  return [n.inner_state for n in nodes if _is_state(n)]
+  nodes = jax.tree.leaves(specs, is_leaf=_state.is_state)
+  return [n.inner_state for n in nodes if _state.is_state(n)]
 
 
 def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:

@@ -126,7 +126,8 @@ def with_device_slot(state: 'TokenWeightedMultiStepState'):
   return map_per_device(lambda x: jnp.asarray(x)[None], state)
 
 
-def _is_state(x: Any) -> bool:
+def is_state(x: Any) -> bool:
+  """Whether ``x`` is a :class:`TokenWeightedMultiStepState`."""
   return isinstance(x, TokenWeightedMultiStepState)
 
 
@@ -153,8 +154,8 @@ def find_state(opt_state: optax.OptState) -> TokenWeightedMultiStepState:
     >>> int(tokacc.find_state(state).gradient_step)
     0
   """
-  leaves = jax.tree.leaves(opt_state, is_leaf=_is_state)
-  found = [leaf for leaf in leaves if _is_state(leaf)]
+  leaves = jax.tree.leaves(opt_state, is_leaf=is_state)
+  found = [leaf for leaf in leaves if is_state(leaf)]
   if len(found) != 1:
     raise ValueError(
       'opt_state must hold exactly one TokenWeightedMultiStepState; found '
