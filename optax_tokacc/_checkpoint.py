@@ -108,10 +108,8 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
   """
 
   def merge(x, ref):
-    if _explicit.reduced(ref):
-      return _explicit.to_type(x, _explicit.spec(ref))
     if not _explicit.unreduced(ref):
-      return x
+      return _explicit.like(x, ref)
     if jnp.shape(x) != jax.eval_shape(_rows, ref).shape:
       raise ValueError(
         f'from_checkpoint: a leaf of shape {jnp.shape(x)} does not hold the '

@@ -75,12 +75,10 @@ def to_parts(count: jax.Array) -> jax.Array:
   The last part counts invalid devices. Integers are split into 11-bit
   parts (exact for up to 2**13 devices); floats are carried as they are.
   """
-  invalid = (count < 0).astype(jnp.float32)
-  count = jnp.maximum(count, 0)
-  if not jnp.issubdtype(count.dtype, jnp.integer):
-    return jnp.stack([count.astype(jnp.float32), invalid])
-  parts = [(count >> (_PART_BITS * i)) & _MASK for i in range(_NUM_PARTS)]
-  return jnp.stack([p.astype(jnp.float32) for p in parts] + [invalid])
+  parts = [jnp.maximum(count, 0)]
+  if jnp.issubdtype(count.dtype, jnp.integer):
+    parts = [(parts[0] >> (_PART_BITS * i)) & _MASK for i in range(_NUM_PARTS)]
+  return jnp.stack([p.astype(jnp.float32) for p in [*parts, count < 0]])
 
 
 def from_parts(parts: jax.Array, token_dtype) -> tuple[jax.Array, jax.Array]:
