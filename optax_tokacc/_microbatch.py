@@ -120,13 +120,12 @@ def microbatched_value_and_grad(
     num_microbatches = _batch_size(batch, microbatch_size) // microbatch_size
     split = jax.tree.map(lambda x: _split(x, microbatch_size), batch)
 
-    def one(index):
-      microbatch = jax.tree.map(lambda x: x[index], split)
-      sums, grads = value_and_grad(params, microbatch)
+    def one(m):  # micro-batch m
+      sums, grads = value_and_grad(params, jax.tree.map(lambda x: x[m], split))
       return sums, jax.tree.map(_at_least_float32, grads)
 
-    def add(index, total):
-      return jax.tree.map(jnp.add, total, one(index))
+    def add(m, total):
+      return jax.tree.map(jnp.add, total, one(m))
 
     # zeros typed like the sums (unreduced gradients included)
     zeros = optax.tree.zeros_like(jax.eval_shape(one, 0))

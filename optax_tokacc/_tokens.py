@@ -29,7 +29,6 @@ INVALID = -1
 # 3 parts of 11 bits cover int32, and their sums over up to 2**13 devices
 # stay below 2**24, the float32 range of exact integers.
 _PART_BITS = 11
-_NUM_PARTS = 3
 _MASK = (1 << _PART_BITS) - 1
 
 
@@ -77,7 +76,7 @@ def to_parts(count: jax.Array) -> jax.Array:
   """
   parts = [jnp.maximum(count, 0)]
   if jnp.issubdtype(count.dtype, jnp.integer):
-    parts = [(parts[0] >> (_PART_BITS * i)) & _MASK for i in range(_NUM_PARTS)]
+    parts = [(parts[0] >> (_PART_BITS * i)) & _MASK for i in range(3)]
   return jnp.stack([p.astype(jnp.float32) for p in [*parts, count < 0]])
 
 
@@ -88,7 +87,7 @@ def from_parts(parts: jax.Array, token_dtype) -> tuple[jax.Array, jax.Array]:
     total = parts[0].astype(token_dtype)
     return total, jnp.logical_and(no_invalid, jnp.isfinite(total))
   # Carry each part's excess bits into the next (sums stay below 2**25).
-  low, mid, high = (parts[i].astype(jnp.int32) for i in range(_NUM_PARTS))
+  low, mid, high = (parts[i].astype(jnp.int32) for i in range(3))
   mid = mid + (low >> _PART_BITS)
   high = high + (mid >> _PART_BITS)
   fits = high <= (jnp.iinfo(token_dtype).max >> (2 * _PART_BITS))
