@@ -58,12 +58,10 @@ def as_count(num_tokens: jax.typing.ArrayLike, token_dtype) -> jax.Array:
 
 def add(total: jax.Array, count: jax.Array) -> jax.Array:
   """``total + count``, or -1 if either is invalid or the sum overflows."""
-  if jnp.issubdtype(total.dtype, jnp.integer):
-    fits = count <= jnp.iinfo(total.dtype).max - jnp.maximum(total, 0)
-    new_total = total + jnp.where(fits, count, 0)
-  else:
-    new_total = total + count
-    fits = jnp.isfinite(new_total)
+  new_total = total + count
+  # Two int32 counts >= 0 overflow (wrap) to a negative sum.
+  integer = jnp.issubdtype(total.dtype, jnp.integer)
+  fits = new_total >= 0 if integer else jnp.isfinite(new_total)
   valid = (total >= 0) & (count >= 0) & fits
   return jnp.where(valid, new_total, jnp.asarray(INVALID, total.dtype))
 
