@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from optax_tokacc import _explicit
 
@@ -88,7 +87,7 @@ def _rows(x: Any) -> Any:
   if not axes:
     return _explicit.without_reduced(x)
   lead = tuple(a for a in _explicit.mesh_of(x).axis_names if a in axes)
-  out = P(lead, *_explicit.partitions(_explicit.spec(x)))
+  out = jax.P(lead, *_explicit.partitions(_explicit.spec(x)))
   return _explicit.local(lambda v: v[None], (x,), out)
 
 
