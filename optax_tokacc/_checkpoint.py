@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from optax_tokacc import _explicit
 
@@ -88,7 +87,7 @@ def _rows(x: Any) -> Any:
   if not axes:
     return _explicit.without_reduced(x)
   lead = tuple(a for a in _explicit.mesh_of(x).axis_names if a in axes)
-  out = P(lead, *_explicit.partitions(_explicit.spec(x)))
+  out = jax.P(lead, *_explicit.partitions(_explicit.spec(x)))
   return _explicit.local(lambda v: v[None], (x,), out)
 
 
@@ -108,10 +107,8 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
   """
 
   def merge(x, ref):
-    if _explicit.reduced(ref):
-      return _explicit.to_type(x, _explicit.spec(ref))
     if not _explicit.unreduced(ref):
-      return x
+      return _explicit.like(x, ref)
     if jnp.shape(x) != jax.eval_shape(_rows, ref).shape:
       raise ValueError(
         f'from_checkpoint: a leaf of shape {jnp.shape(x)} does not hold the '

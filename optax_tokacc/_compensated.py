@@ -35,11 +35,10 @@ def _compensated_add(
   precision); the new total is rounded to the accumulator dtype and its
   exact rounding error (TwoSum) is kept, to be added back at the next step.
   """
-  wide = jnp.promote_types(total.dtype, jnp.float32)
-  total_wide = total.astype(wide)
-  value = value.astype(wide) + error.astype(wide)
+  value = _wide_sum(value, error)
+  total_wide = total.astype(value.dtype)
   new_total = (total_wide + value).astype(total.dtype)
-  new_wide = new_total.astype(wide)
+  new_wide = new_total.astype(value.dtype)
   virtual = new_wide - total_wide
   new_error = (total_wide - (new_wide - virtual)) + (value - virtual)
   return new_total, new_error.astype(total.dtype)
@@ -77,13 +76,12 @@ def accumulate(
   leak into the new window. ``acc_compensation`` is ``()`` when summation
   is not compensated.
   """
-  if not compensated:
-    acc_grads = _restarted(acc_grads, restart, select)
-    addends = optax.tree.cast_like(addends, acc_grads)
-    return jax.tree.map(jnp.add, acc_grads, addends), ()
   acc_grads, acc_compensation = _restarted(
     (acc_grads, acc_compensation), restart, select
   )
+  if not compensated:
+    addends = optax.tree.cast_like(addends, acc_grads)
+    return jax.tree.map(jnp.add, acc_grads, addends), ()
   sums = jax.tree.map(_compensated_add, acc_grads, acc_compensation, addends)
   return jax.tree.transpose(jax.tree.structure(acc_grads), None, sums)
 
@@ -93,9 +91,11 @@ def window_sums(window, compensated: bool) -> optax.Updates:
   error`` in >= float32."""
   if not compensated:
     return window.acc_grads
+  return jax.tree.map(_wide_sum, window.acc_grads, window.acc_compensation)
 
-  def window_sum(total, error):
-    wide = jnp.promote_types(total.dtype, jnp.float32)
-    return total.astype(wide) + error.astype(wide)
 
-  return jax.tree.map(window_sum, window.acc_grads, window.acc_compensation)
+def _wide_sum(x: jax.Array, error: jax.Array) -> jax.Array:
+  """``x + error`` in at least float32 (``error`` has the accumulator's
+  dtype, as the total it compensates)."""
+  wide = jnp.promote_types(error.dtype, jnp.float32)
+  return x.astype(wide) + error.astype(wide)

@@ -148,12 +148,11 @@ def token_cross_entropy(
     weights = jnp.where(labels != ignore_index, weights, 0)
   counted = weights != 0
   safe_labels = jnp.where(counted, labels, jnp.zeros_like(labels))
-  compute_dtype = jnp.promote_types(logits.dtype, jnp.float32)
+  logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   token_losses = optax.losses.softmax_cross_entropy_with_integer_labels(
-    logits.astype(compute_dtype), safe_labels
+    logits, safe_labels
   )
-  weighted = token_losses * weights.astype(compute_dtype)
-  weighted = jnp.where(counted, weighted, jnp.zeros_like(weighted))
+  weighted = jnp.where(counted, token_losses * weights.astype(logits.dtype), 0)
   return _sum(weighted, out_sharding), _sum(weights, out_sharding)
 
 

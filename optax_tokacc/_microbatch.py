@@ -27,7 +27,6 @@ from typing import Any
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
@@ -120,13 +119,12 @@ def microbatched_value_and_grad(
     num_microbatches = _batch_size(batch, microbatch_size) // microbatch_size
     split = jax.tree.map(lambda x: _split(x, microbatch_size), batch)
 
-    def one(index):
-      microbatch = jax.tree.map(lambda x: x[index], split)
-      sums, grads = value_and_grad(params, microbatch)
+    def one(m):  # micro-batch m
+      sums, grads = value_and_grad(params, jax.tree.map(lambda x: x[m], split))
       return sums, jax.tree.map(_at_least_float32, grads)
 
-    def add(index, total):
-      return jax.tree.map(jnp.add, total, one(index))
+    def add(m, total):
+      return jax.tree.map(jnp.add, total, one(m))
 
     # zeros typed like the sums (unreduced gradients included)
     zeros = optax.tree.zeros_like(jax.eval_shape(one, 0))
@@ -143,7 +141,7 @@ def _split(x: jax.Array, microbatch_size: int) -> jax.Array:
   split over them. On an explicit mesh the layout is given, as JAX asks
   (optax 0.2.8 compares JAX versions as strings and does not)."""
   rows = (microbatch_size, -1) + tuple(jnp.shape(x)[1:])
-  parts = _explicit.partitions(_explicit.spec(x) or P())
+  parts = _explicit.partitions(_explicit.spec(x) or jax.P())
   layout = None  # as JAX gives it, unless the batch is split over devices
   if any(p is not None for p in parts):
     splits = x.shape[0] // jax.typeof(x).sharding.shard_shape(x.shape)[0]
@@ -152,7 +150,7 @@ def _split(x: jax.Array, microbatch_size: int) -> jax.Array:
         f'microbatch_size={microbatch_size} must be a multiple of the '
         f'{splits} devices the batch is split over.'
       )
-    layout = P(parts[0], None, *parts[1:])
+    layout = jax.P(parts[0], None, *parts[1:])
   return jnp.swapaxes(jnp.reshape(x, rows, out_sharding=layout), 0, 1)
 
 

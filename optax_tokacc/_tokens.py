@@ -29,7 +29,6 @@ INVALID = -1
 # 3 parts of 11 bits cover int32, and their sums over up to 2**13 devices
 # stay below 2**24, the float32 range of exact integers.
 _PART_BITS = 11
-_NUM_PARTS = 3
 _MASK = (1 << _PART_BITS) - 1
 
 
@@ -42,30 +41,27 @@ def as_count(num_tokens: jax.typing.ArrayLike, token_dtype) -> jax.Array:
   number >= 0.
   """
   value = jnp.asarray(num_tokens)
+  valid = value >= 0
   if not jnp.issubdtype(token_dtype, jnp.integer):
-    valid = jnp.logical_and(value >= 0, jnp.isfinite(value))
+    valid = jnp.logical_and(valid, jnp.isfinite(value))
     return jnp.where(valid, value.astype(token_dtype), INVALID)
   top = jnp.iinfo(token_dtype).max
-  if jnp.issubdtype(value.dtype, jnp.integer):
-    valid = value >= 0
-    if jnp.iinfo(value.dtype).max > top:
-      valid = jnp.logical_and(valid, value <= top)
-  else:
+  if not jnp.issubdtype(value.dtype, jnp.integer):
     # 2**31 is exact in float32, 2**31 - 1 is not.
-    valid = jnp.logical_and(value >= 0, value < float(top) + 1.0)
+    valid = jnp.logical_and(valid, value < float(top) + 1.0)
     valid = jnp.logical_and(valid, value == jnp.floor(value))
+  elif jnp.iinfo(value.dtype).max > top:
+    valid = jnp.logical_and(valid, value <= top)
   safe = jnp.where(valid, value, 0).astype(token_dtype)
   return jnp.where(valid, safe, jnp.asarray(INVALID, token_dtype))
 
 
 def add(total: jax.Array, count: jax.Array) -> jax.Array:
   """``total + count``, or -1 if either is invalid or the sum overflows."""
-  if jnp.issubdtype(total.dtype, jnp.integer):
-    fits = count <= jnp.iinfo(total.dtype).max - jnp.maximum(total, 0)
-    new_total = total + jnp.where(fits, count, 0)
-  else:
-    new_total = total + count
-    fits = jnp.isfinite(new_total)
+  new_total = total + count
+  # Two int32 counts >= 0 overflow (wrap) to a negative sum.
+  integer = jnp.issubdtype(total.dtype, jnp.integer)
+  fits = new_total >= 0 if integer else jnp.isfinite(new_total)
   valid = (total >= 0) & (count >= 0) & fits
   return jnp.where(valid, new_total, jnp.asarray(INVALID, total.dtype))
 
@@ -76,12 +72,10 @@ def to_parts(count: jax.Array) -> jax.Array:
   The last part counts invalid devices. Integers are split into 11-bit
   parts (exact for up to 2**13 devices); floats are carried as they are.
   """
-  invalid = (count < 0).astype(jnp.float32)
-  count = jnp.maximum(count, 0)
-  if not jnp.issubdtype(count.dtype, jnp.integer):
-    return jnp.stack([count.astype(jnp.float32), invalid])
-  parts = [(count >> (_PART_BITS * i)) & _MASK for i in range(_NUM_PARTS)]
-  return jnp.stack([p.astype(jnp.float32) for p in parts] + [invalid])
+  parts = [jnp.maximum(count, 0)]
+  if jnp.issubdtype(count.dtype, jnp.integer):
+    parts = [(parts[0] >> (_PART_BITS * i)) & _MASK for i in range(3)]
+  return jnp.stack([p.astype(jnp.float32) for p in [*parts, count < 0]])
 
 
 def from_parts(parts: jax.Array, token_dtype) -> tuple[jax.Array, jax.Array]:
@@ -90,14 +84,11 @@ def from_parts(parts: jax.Array, token_dtype) -> tuple[jax.Array, jax.Array]:
   if not jnp.issubdtype(token_dtype, jnp.integer):
     total = parts[0].astype(token_dtype)
     return total, jnp.logical_and(no_invalid, jnp.isfinite(total))
-  total = jnp.zeros([], token_dtype)
-  carry = jnp.zeros([], jnp.int32)
-  for i in range(_NUM_PARTS - 1):
-    part = parts[i].astype(jnp.int32) + carry
-    total = total | ((part & _MASK) << (_PART_BITS * i)).astype(token_dtype)
-    carry = part >> _PART_BITS
-  high = parts[_NUM_PARTS - 1].astype(jnp.int32) + carry
-  shift = _PART_BITS * (_NUM_PARTS - 1)
-  fits = high <= (jnp.iinfo(token_dtype).max >> shift)
-  total = total | (jnp.where(fits, high, 0) << shift).astype(token_dtype)
-  return total, jnp.logical_and(no_invalid, fits)
+  # Carry each part's excess bits into the next (sums stay below 2**25).
+  low, mid, high = (parts[i].astype(jnp.int32) for i in range(3))
+  mid = mid + (low >> _PART_BITS)
+  high = high + (mid >> _PART_BITS)
+  fits = high <= (jnp.iinfo(token_dtype).max >> (2 * _PART_BITS))
+  high = jnp.where(fits, high, 0)
+  total = (low & _MASK) | (mid & _MASK) << _PART_BITS | high << 2 * _PART_BITS
+  return total.astype(token_dtype), jnp.logical_and(no_invalid, fits)
