@@ -194,6 +194,10 @@ UPDATE_CASES = [
   ('num_tokens_complex', {'num_tokens': 3j}, TypeError, r'num_tokens must'),
   ('loss_complex', {'loss': 1j}, TypeError, r'loss must be a real scalar'),
   ('loss_dtype_name', {'loss': 'float32'}, TypeError, r'loss must be a real'),
+  # A dtype passed as a value: it used to fail later, comparing a type.
+  ('num_tokens_dtype', {'num_tokens': jnp.int32}, TypeError, r'num_tokens'),
+  ('num_tokens_type', {'num_tokens': int}, TypeError, r'num_tokens must be'),
+  ('loss_dtype', {'loss': jnp.float32}, TypeError, r'loss must be a real'),
   ('emit_now_str', {'emit_now': 'False'}, TypeError, r'emit_now must be'),
   (
     'loss_vector',
