@@ -21,9 +21,6 @@ adds ``checkify`` checks that report such inputs with the micro-step where
 they occurred, for debugging, at the cost of the checks.
 """
 
-from typing import Any, Optional
-
-import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
 import optax
@@ -79,16 +76,9 @@ def with_input_checks(
     token_weighted_multistep: num_tokens=-3 is negative ... mini_step=0, ...
   """
 
-  def update_fn(
-    updates: optax.Updates,
-    state: optax.OptState,
-    params: Optional[optax.Params] = None,
-    *,
-    num_tokens: Optional[jax.typing.ArrayLike] = None,
-    loss: Optional[jax.typing.ArrayLike] = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, optax.OptState]:
+  def update_fn(updates, state, params=None, **extra_args):
     before = find_state(state)
+    num_tokens, loss = extra_args.get('num_tokens'), extra_args.get('loss')
 
     def check(ok, message, **values):
       at = dict(mini_step=before.mini_step, gradient_step=before.gradient_step)
@@ -102,18 +92,14 @@ def with_input_checks(
         'dropped.',
         num_tokens=jnp.asarray(num_tokens),
       )
-    if loss is not None:
-      extra_args['loss'] = loss
-      if jnp.shape(loss) == ():
-        check(
-          jnp.isfinite(loss),
-          'loss={loss} is not finite at mini_step={mini_step}, '
-          'gradient_step={gradient_step}.',
-          loss=jnp.asarray(loss),
-        )
-    new_updates, new_state = tx.update(
-      updates, state, params, num_tokens=num_tokens, **extra_args
-    )
+    if loss is not None and jnp.shape(loss) == ():
+      check(
+        jnp.isfinite(loss),
+        'loss={loss} is not finite at mini_step={mini_step}, '
+        'gradient_step={gradient_step}.',
+        loss=jnp.asarray(loss),
+      )
+    new_updates, new_state = tx.update(updates, state, params, **extra_args)
     check(
       find_state(new_state).dropped_windows == before.dropped_windows,
       'the window closed at mini_step={mini_step}, gradient_step='
