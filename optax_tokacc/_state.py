@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_tokacc import _window
+
 
 class TokenWeightedMultiStepState(NamedTuple):
   """State of :func:`optax_tokacc.token_weighted_multistep`.
@@ -89,13 +91,8 @@ class TokenWeightedMultiStepState(NamedTuple):
   dropped_windows: jax.typing.ArrayLike = np.int32(0)
 
 
-PER_DEVICE_FIELDS = (
-  'acc_grads',
-  'acc_tokens',
-  'acc_loss',
-  'skip_state',
-  'acc_compensation',
-)
+# The window's sums (``_window.Window``) and the skip state.
+PER_DEVICE_FIELDS = _window.Window._fields + ('skip_state',)
 
 
 def map_per_device(fn: Any, state: 'TokenWeightedMultiStepState'):

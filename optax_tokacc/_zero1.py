@@ -179,12 +179,12 @@ class DistributedOptimizer(_partial_sums.PartialSums):
   def like(self, tree, reference):
     """Shards all-gathered where ``reference`` is whole, then typed like it."""
 
+    sharded, axes = _explicit.sharded, self.axes
+
     def gather(x, ref):
-      if _explicit.sharded(x) & self.axes and not (
-        _explicit.sharded(ref) & self.axes
-      ):
-        x = jax.reshard(x, P(*_explicit.partitions(_explicit.spec(ref))))
-      return x
+      if not sharded(x) & axes or sharded(ref) & axes:
+        return x
+      return jax.reshard(x, P(*_explicit.partitions(_explicit.spec(ref))))
 
     return _explicit.like(jax.tree.map(gather, tree, reference), reference)
 
