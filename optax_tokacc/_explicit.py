@@ -48,7 +48,8 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
     return None
   parts = partitions(found)
   parts += (None,) * (len(jnp.shape(x)) - len(parts))
-  return found.update(parts, unreduced=None if unreduced else frozenset())
+  kept = found.unreduced if unreduced else frozenset()  # P.update differs
+  return P(*parts, reduced=found.reduced, unreduced=kept)  # on jax 0.8
 
 
 def partitions(found: P) -> tuple:

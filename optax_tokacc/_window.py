@@ -148,9 +148,7 @@ def window_tokens(place, acc_tokens) -> jax.Array:
   ``tokens_per_update``; an invalid count counts 0, a total beyond the
   counter counts as its maximum). Where the window is split over devices,
   a scalar all-reduce on every micro-step."""
-  parts = place.total(
-    lambda acc: _tokens.to_parts(jnp.maximum(acc, 0)), acc_tokens
-  )
+  parts = place.total(lambda n: _tokens.to_parts(jnp.maximum(n, 0)), acc_tokens)
   total, fits = _tokens.from_parts(parts, acc_tokens.dtype)
   integer = jnp.issubdtype(acc_tokens.dtype, jnp.integer)
   top = (jnp.iinfo if integer else jnp.finfo)(acc_tokens.dtype).max
