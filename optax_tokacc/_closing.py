@@ -27,7 +27,6 @@ from typing import Any, NamedTuple, NoReturn, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import optax
 
 from optax_tokacc import _compensated
@@ -243,8 +242,7 @@ def _zeros(shapes: Any) -> Any:
   them leaves every parameter bit-identical (-0.0 + 0.0 is +0.0)."""
 
   def zeros(shape):
-    plain = _explicit.spec(shape) in (None, P(*[None] * len(shape.shape)))
-    sharding = None if plain else shape.sharding
+    sharding = None if _explicit.untyped(shape) else shape.sharding
     return _signed(jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding))
 
   return jax.tree.map(zeros, shapes)

@@ -52,6 +52,12 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
   return P(*parts, reduced=found.reduced, unreduced=kept)  # on jax 0.8
 
 
+def untyped(x: Any) -> bool:
+  """Whether ``x``'s type carries no named sharding, or only replication
+  (no split dimension, no reduced or unreduced axis)."""
+  return spec(x) in (None, P(*[None] * len(jnp.shape(x))))
+
+
 def partitions(found: P) -> tuple:
   """The per-dimension entries of a spec (iterating a spec that has
   reduced or unreduced axes is an error in JAX)."""

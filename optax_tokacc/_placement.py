@@ -40,6 +40,8 @@ from optax_tokacc import _explicit
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
 
+_LIBRARIES = ('optax_tokacc', 'optax', 'flax')  # frames warn() skips
+
 
 def warn(message: str) -> None:
   """Warns at the line that calls into the libraries (``tx.update`` in the
@@ -48,9 +50,6 @@ def warn(message: str) -> None:
   while frame.f_globals.get('__name__', '').split('.')[0] in _LIBRARIES:
     frame, level = frame.f_back, level + 1
   warnings.warn(f'token_weighted_multistep: {message}', stacklevel=level)
-
-
-_LIBRARIES = ('optax_tokacc', 'optax', 'flax')
 
 
 class Reduced(NamedTuple):

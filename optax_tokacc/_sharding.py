@@ -72,7 +72,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
   replicated."""
 
   def follow(leaf, spec, param):
-    if isinstance(leaf, optax.MaskedNode):
+    if _zero1.is_masked(leaf):
       return leaf
     shape, like = jnp.shape(leaf), jnp.shape(param)  # behind a slot axis?
     return spec if shape[len(shape) - len(like) :] == like else P()
@@ -84,7 +84,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
     specs,
     params,
     transform_non_params=lambda _: P(),
-    is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    is_leaf=_zero1.is_masked,
   )
 
 
@@ -95,8 +95,7 @@ def _param_specs(params: optax.Params, param_specs: Optional[Any]) -> Any:
     return param_specs
 
   def of(p):
-    found = _explicit.spec(p)  # None where the type carries no sharding
-    return P() if found in (None, P(*[None] * jnp.ndim(p))) else found
+    return P() if _explicit.untyped(p) else _explicit.spec(p)
 
   return jax.tree.map(of, params)
 

@@ -208,11 +208,13 @@ def _targets(inner, inner_state, grads, axes) -> tuple:
     return leaf
 
   indices = treedef.unflatten(range(len(leaves)))
-  optax.tree_map_params(inner, record, inner_state, indices, is_leaf=_is_masked)
+  optax.tree_map_params(inner, record, inner_state, indices, is_leaf=is_masked)
   return tuple(_target(x, specs, axes) for x, specs in zip(leaves, found))
 
 
-def _is_masked(x: Any) -> bool:
+def is_masked(x: Any) -> bool:
+  """Whether ``x`` is a ``MaskedNode`` of ``optax.masked`` (a state leaf
+  that stands for no parameter)."""
   return isinstance(x, optax.MaskedNode)
 
 
