@@ -120,11 +120,10 @@ def close_now(config, place, grads, window, inner_state, params, extra):
 
 def keep_open(config, place, grads, window, inner_state, params, extra):
   """The window left open (the host decided: ``close=False``): zero
-  updates shaped like ``inner``'s (see :func:`_zeros`, ``foldable``), and
+  updates shaped like ``inner``'s (see :func:`_zeros`, ``fold``), and
   no ``inner`` work."""
   shapes, _ = _inner(config, place, grads, inner_state, params, extra)
-  updates = _zeros(shapes, foldable=True)
-  return Closing(updates, window, inner_state, _open(window))
+  return Closing(_zeros(shapes, fold=True), window, inner_state, _open(window))
 
 
 def close_if(config, place, close, grads, window, inner_state, params, extra):
@@ -237,20 +236,22 @@ def _holds_exactly(place, acc_grads: optax.Updates, updates: Any) -> bool:
   return same_tree and jax.tree.all(jax.tree.map(holds, acc_grads, updates))
 
 
-def _zeros(shapes: Any, foldable: bool = False) -> Any:
+def _zeros(shapes: Any, fold: bool = False) -> Any:
   """Zero updates of the given shapes, dtypes and shardings, varying over
   no axis (``zeros_like`` of a gradient would inherit its per-device
   variance and make the parameters vary). They are -0.0, so that adding
   them leaves every parameter bit-identical (-0.0 + 0.0 is +0.0).
 
-  ``foldable``: zeros the program computes nothing else from (the host's
+  ``fold``: zeros the program computes nothing else from (the host's
   micro-step), whose addition XLA should remove. It folds ``p + -0.0``
   only through the negation (``p - 0.0``); under a mesh with explicit axes
-  a sharding constraint sits between the zeros and their negation, so
-  these are +0.0 there: XLA folds ``p + 0.0`` into ``p``, bit-identical.
-  (Run op by op, a -0.0 parameter would become +0.0, an equal value.)
+  (``jax.set_mesh``) a sharding constraint sits between the zeros and
+  their negation, so these are +0.0 there: XLA folds ``p + 0.0`` into
+  ``p``, bit-identical. (Run op by op, a -0.0 parameter would become +0.0,
+  an equal value.)
   """
-  positive = foldable and _explicit.explicit_mesh()
+  mesh = jax.sharding.get_abstract_mesh()  # its axis_types: () if none
+  positive = fold and jax.sharding.AxisType.Explicit in mesh.axis_types
 
   def zeros(shape):
     sharding = None if _explicit.untyped(shape) else shape.sharding

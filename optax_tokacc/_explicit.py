@@ -52,13 +52,6 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
   return P(*parts, reduced=found.reduced, unreduced=kept)  # on jax 0.8
 
 
-def explicit_mesh() -> bool:
-  """Whether the trace runs under a mesh with explicit axes
-  (``jax.set_mesh``), where every value's type carries its sharding."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types
-
-
 def untyped(x: Any) -> bool:
   """Whether ``x``'s type carries no named sharding, or only replication
   (no split dimension, no reduced or unreduced axis)."""

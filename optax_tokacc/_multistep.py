@@ -149,8 +149,7 @@ def token_weighted_multistep(
   _validation.check_options(
     inner, should_skip_update_fn, loss_reduction, compensated
   )
-  if axis_name is not None:
-    _validation.axis_name(axis_name)
+  _validation.axis_name(axis_name)
   config = _validation.Config(
     inner=optax.with_extra_args_support(inner),
     schedule=_validation.schedule(every_k_schedule),

@@ -311,10 +311,10 @@ def call_skip_fn(
 
 
 def axis_name(value: Any) -> None:
-  """``axis_name`` must be a str or a tuple of str."""
+  """``axis_name`` must be None, a str or a tuple of str."""
   names = (value,) if isinstance(value, str) else value
   strs = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
-  if not (strs and names):
+  if value is not None and not (strs and names):
     raise _refuse('axis_name', 'a str or a tuple of str', repr(value))
 
 

@@ -195,9 +195,8 @@ class TrainState(train_state.TrainState, _Accumulating):
         'cannot be accumulated; use flax.training.train_state.TrainState.'
       )
     kwargs.update(num_tokens=num_tokens, loss=loss)
-    updates, opt_state = self.tx.update(
-      grads, self.opt_state, self.params, **kwargs
-    )
+    args = (grads, self.opt_state, self.params)
+    updates, opt_state = self.tx.update(*args, **kwargs)
     params = optax.apply_updates(self.params, updates)
     new = self.replace(params=params, opt_state=opt_state)
     step, micro_step, emitted = new._counters(
