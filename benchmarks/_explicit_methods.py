@@ -21,6 +21,9 @@ the gradients of such parameters are unreduced.
 
 - ``tokacc_explicit_ddp``: a user's step, ``token_weighted_multistep(adamw,
   k)`` with no ``axis_name``, ``optax.apply_updates``.
+- ``tokacc_explicit_ddp_host``: the same closed by the host
+  (``close=False`` on the micro-steps, ``close=True`` on the k-th: two
+  programs, no conditional).
 - ``ideal_explicit_ddp``: its reference, written by hand: the micro-step
   adds the unreduced gradients into an unreduced float32 accumulator (no
   collective), the window's update reduces it (one all-reduce) and runs
@@ -88,32 +91,43 @@ def _under_mesh(mesh, call):
   return on_mesh
 
 
-def _tokacc_explicit(case, init, reference):
+def _tokacc_explicit(case, init, reference, close=None):
   """``token_weighted_multistep`` on parameters typed reduced over
-  ``data``; ``init(tx, params, mesh)`` lays its state out."""
+  ``data``; ``init(tx, params, mesh)`` lays its state out. ``close``: the
+  host's two programs (label -> ``close``, the micro-step's first), or
+  None for one program that the device closes."""
   model = case.model
   tx = tokacc.token_weighted_multistep(case.adamw, case.k)
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, batch):
+  @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames='close')
+  def step(params, opt_state, batch, close=None):
     grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
     updates, opt_state = tx.update(
-      grads, opt_state, params, num_tokens=num_tokens
+      grads, opt_state, params, num_tokens=num_tokens, close=close
     )
     return optax.apply_updates(params, updates), opt_state
 
+  close = close or {'step': None}
   mesh = _mesh(case)
   with jax.set_mesh(mesh):
     params, windows = _place(case, mesh)
     opt_state = init(tx, params, mesh)
     batch = windows[0].micro_batches[0]
-    compiled = {'step': step.lower(params, opt_state, batch).compile()}
-  trainer = _methods.per_micro_batch(
-    _under_mesh(mesh, lambda carry, batch: step(*carry, batch)),
+    compiled = {
+      label: step.lower(params, opt_state, batch, close=c).compile()
+      for label, c in close.items()
+    }
+  labels = list(close)
+  micro, closing = compiled[labels[0]], compiled[labels[-1]]
+  trainer = _methods.Trainer(
+    _under_mesh(mesh, lambda carry, batch: micro(*carry, batch)),
+    _under_mesh(
+      mesh, lambda carry, window: closing(*carry, window.micro_batches[-1])
+    ),
     (params, opt_state),
-    compiled,
-    windows,
     lambda carry: carry[0],
+    windows,
+    compiled,
     reference=reference,
   )
   trainer.optimizer_state_of = lambda carry: carry[1].inner_state
@@ -124,6 +138,17 @@ def tokacc_explicit_ddp(case):
   """``token_weighted_multistep`` on parameters typed reduced over ``data``."""
   return _tokacc_explicit(
     case, lambda tx, params, mesh: tx.init(params), REFERENCE
+  )
+
+
+def tokacc_explicit_ddp_host(case):
+  """``tokacc_explicit_ddp`` closed by the host: ``close=False`` on the
+  micro-steps, ``close=True`` on the k-th (two programs, no conditional)."""
+  return _tokacc_explicit(
+    case,
+    lambda tx, params, mesh: tx.init(params),
+    REFERENCE,
+    {'micro': False, 'close': True},
   )
 
 
@@ -317,6 +342,7 @@ def ideal_explicit_zero1(case):
 METHODS = {
   'ideal_explicit_ddp': ideal_explicit_ddp,
   'tokacc_explicit_ddp': tokacc_explicit_ddp,
+  'tokacc_explicit_ddp_host': tokacc_explicit_ddp_host,
   'ideal_explicit_zero1': ideal_explicit_zero1,
   'tokacc_explicit_zero1': tokacc_explicit_zero1,
 }

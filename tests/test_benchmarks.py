@@ -45,6 +45,7 @@ METHODS = (  # in run.py's order
   'microbatched',
   'ideal_explicit_ddp',
   'tokacc_explicit_ddp',
+  'tokacc_explicit_ddp_host',
   'ideal_explicit_zero1',
   'tokacc_explicit_zero1',
   'tokacc_no_buffer',
@@ -54,6 +55,7 @@ METHODS = (  # in run.py's order
 EXPLICIT_METHODS = {
   'ideal_explicit_ddp': 'ideal_explicit_ddp',
   'tokacc_explicit_ddp': 'ideal_explicit_ddp',
+  'tokacc_explicit_ddp_host': 'ideal_explicit_ddp',
   'ideal_explicit_zero1': 'ideal_explicit_zero1',
   'tokacc_explicit_zero1': 'ideal_explicit_zero1',
 }
