@@ -53,6 +53,7 @@ import multihost_worker as harness
 import numpy as np
 import optax
 import pytest
+import test_distributed_optimizer as zero1
 import test_explicit as explicit
 import test_flax
 import test_window_rules as rules
@@ -940,6 +941,46 @@ def test_explicit_ddp_programs():
   check_programs(texts, WINDOW_REDUCTION)
 
 
+def compiled_micro_step(step, params, state, batch):
+  """The HLO of the host's micro-step giving only the new parameters,
+  donated as in a user's step."""
+  micro_step = lambda *args: step(*args, close=False)[0]  # noqa: E731
+  jitted = jax.jit(micro_step, donate_argnums=0)
+  return jitted.lower(params, state, batch).compile().as_text()
+
+
+def assert_returns_its_parameters(text):
+  """The program's entry holds nothing but its parameters and the tuple
+  that returns them: XLA removed the add of the zero updates."""
+  entry = text[text.index('\nENTRY') :]
+  body = [line for line in entry.splitlines()[1:] if '=' in line]
+  kept = [
+    line.split('=')[0].strip() for line in body if 'parameter(' not in line
+  ]
+  assert all(name.startswith(('ROOT', '%tuple')) for name in kept), body
+
+
+def test_micro_step_program_leaves_parameters_untouched():
+  """On one device and under ``shard_map``, XLA removes the user's add of
+  the host's -0.0 zero updates (through their negation): the compiled
+  micro-step returns its parameters."""
+  tx = accumulate(harness.adamw(), EVERY_K, None)
+  params = device_params(np.float32)
+  batch = harness.make_windows((1,), NUM_DEVICES)[0][0]
+  text = compiled_micro_step(fused_step(tx), params, tx.init(params), batch)
+  assert_returns_its_parameters(text)
+  mesh = data_mesh()
+  tx = accumulate(harness.adamw(), EVERY_K, 'data')
+  replicated = NamedSharding(mesh, P())
+  params = jax.tree.map(
+    lambda x: harness.put(x, replicated), harness.init_params()
+  )
+  state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
+  batch = jax.device_put(batch, NamedSharding(mesh, P('data')))
+  text = compiled_micro_step(shard_map_step(tx, mesh), params, state, batch)
+  assert_returns_its_parameters(text)
+
+
 @pytest.mark.skipif(
   not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
 )
@@ -962,15 +1003,24 @@ def test_explicit_micro_step_program_leaves_parameters_untouched(layout):
       harness.make_windows((1,), NUM_DEVICES)[0][0],
       NamedSharding(mesh, P(explicit.batch_axes(mesh))),
     )
-    micro_step = lambda *args: step(*args, close=False)[0]  # noqa: E731
-    new_params = jax.jit(micro_step, donate_argnums=0)  # as a user's step
-    text = new_params.lower(params, state, batch).compile().as_text()
-  entry = text[text.index('\nENTRY') :]
-  body = [line for line in entry.splitlines()[1:] if '=' in line]
-  kept = [
-    line.split('=')[0].strip() for line in body if 'parameter(' not in line
-  ]
-  assert all(name.startswith(('ROOT', '%tuple')) for name in kept), body
+    text = compiled_micro_step(step, params, state, batch)
+  assert_returns_its_parameters(text)
+
+
+@pytest.mark.skipif(
+  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+)
+@pytest.mark.parametrize('layout', sorted(zero1.LAYOUTS))
+def test_zero1_micro_step_program_leaves_parameters_untouched(layout):
+  """The same with the optimizer's state sharded (the distributed-optimizer
+  layout, ``init_sharded(..., shard_optimizer_over=...)``)."""
+  mesh, tx, step = zero1.make_run(layout)
+  with jax.set_mesh(mesh):
+    params, place = zero1.placed(mesh, layout)
+    state = zero1.init_state(tx, params, mesh, layout)
+    batch = place(zero1.make_windows()[0][0])
+    text = compiled_micro_step(step, params, state, batch)
+  assert_returns_its_parameters(text)
 
 
 def test_two_programs_in_all():
