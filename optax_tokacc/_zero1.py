@@ -87,13 +87,15 @@ def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
 
 
 def _mesh(params: Any) -> Any:
-  """The mesh of ``jax.set_mesh``, else that of the parameters."""
+  """The mesh of ``jax.set_mesh``, else that of the parameters (plain
+  arrays are typed on JAX's empty mesh)."""
   mesh = jax.sharding.get_abstract_mesh()
-  placed = [x for x in jax.tree.leaves(params) if _explicit.spec(x) is not None]
+  leaves = jax.tree.leaves(params)
+  placed = [x for x in leaves if not getattr(_explicit.mesh_of(x), 'empty', 1)]
   if mesh.empty and not placed:
     raise ValueError(
       'shard_optimizer_over needs the mesh: call inside jax.set_mesh(mesh), '
-      'or pass parameters placed on it.'
+      'pass mesh=, or pass parameters placed on it.'
     )
   return _explicit.mesh_of(placed[0]) if mesh.empty else mesh
 
@@ -191,9 +193,8 @@ class DistributedOptimizer(_partial_sums.PartialSums):
 
 def _scattered(leaf: Any, target: Optional[Target]) -> Optional[Target]:
   """``target``, where ``leaf`` holds partial sums over its axes."""
-  if target and _explicit.unreduced(leaf) >= set(jax.tree.leaves(target.axes)):
-    return target
-  return None
+  axes = set(jax.tree.leaves(target.axes)) if target else None
+  return target if target and _explicit.unreduced(leaf) >= axes else None
 
 
 def _targets(inner, inner_state, grads, axes) -> tuple:

@@ -613,6 +613,23 @@ def test_with_axis_name_is_refused_pointing_to_explicit_sharding():
   assert 'explicit sharding' in str(error.value)
 
 
+def test_without_a_mesh_the_error_asks_for_one():
+  """Outside ``jax.set_mesh``, with parameters not placed on a mesh (plain
+  arrays, typed on JAX's empty mesh) and no ``mesh=``, the error asks for
+  the mesh; it used to say "'data' is not an axis of the mesh ()"."""
+  tx = tokacc.token_weighted_multistep(inner(), K)
+  specs = {'w': P(None, None, reduced={'data'}), 'b': P(reduced={'data'})}
+  for param_specs in (None, specs):
+    with pytest.raises(ValueError, match='shard_optimizer_over') as error:
+      tokacc.state_partition_specs(
+        tx,
+        jax.tree.map(jnp.asarray, init_params()),
+        param_specs=param_specs,
+        shard_optimizer_over=('data',),
+      )
+    assert 'jax.set_mesh' in str(error.value)
+
+
 def test_an_inner_without_parameter_shaped_state_is_refused():
   """Plain SGD keeps no state: nothing to shard, said rather than ignored."""
   mesh = test_explicit.ddp_mesh()
