@@ -1,8 +1,9 @@
 """Windows closed by the host: ``close=True`` / ``close=False`` (issue 24).
 
 ``tx.update(..., close=...)`` with a Python bool traces one path:
-``close=False`` adds the micro-batch and returns -0.0 updates (no inner
-work, no collective), ``close=True`` closes the window with what it holds,
+``close=False`` adds the micro-batch and returns zero updates (-0.0; +0.0
+under an explicit mesh, see ``_closing._zeros``; no inner work, no
+collective), ``close=True`` closes the window with what it holds,
 this micro-batch included; neither holds a ``conditional``, so that
 ``jax.jit(step, static_argnames='close')`` compiles two programs.
 
@@ -951,13 +952,16 @@ def compiled_micro_step(step, params, state, batch):
 
 def assert_returns_its_parameters(text):
   """The program's entry holds nothing but its parameters and the tuple
-  that returns them: XLA removed the add of the zero updates."""
+  of them it returns: XLA removed the add of the zero updates."""
   entry = text[text.index('\nENTRY') :]
-  body = [line for line in entry.splitlines()[1:] if '=' in line]
-  kept = [
-    line.split('=')[0].strip() for line in body if 'parameter(' not in line
-  ]
-  assert all(name.startswith(('ROOT', '%tuple')) for name in kept), body
+  body = [line for line in entry.splitlines()[1:] if ' = ' in line]
+  names = [line.split(' = ')[0].split()[-1] for line in body]
+  parameters = {n for n, line in zip(names, body) if ' parameter(' in line}
+  (root,) = [line for line in body if line.lstrip().startswith('ROOT')]
+  assert ' tuple(' in root, root  # not a fusion of them
+  returned = re.sub(r'/\*[^*]*\*/', '', root.split(' tuple(')[1].split(')')[0])
+  assert len(body) == len(parameters) + 1, body  # no other instruction
+  assert {n.strip() for n in returned.split(',')} == parameters, root
 
 
 def test_micro_step_program_leaves_parameters_untouched():
