@@ -48,8 +48,15 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
     return None
   parts = partitions(found)
   parts += (None,) * (len(jnp.shape(x)) - len(parts))
-  kept = found.unreduced if unreduced else frozenset()  # P.update differs
-  return P(*parts, reduced=found.reduced, unreduced=kept)  # on jax 0.8
+  return with_unreduced(P(*parts, reduced=found.reduced), found.unreduced
+                        if unreduced else frozenset())
+
+
+def with_unreduced(found: P, axes: frozenset) -> P:
+  """``found`` unreduced over ``axes`` exactly (``P.update`` takes keywords
+  only on jax 0.8, and keeps an ``unreduced_kind`` that jax >= 0.11 refuses
+  beside no unreduced axis)."""
+  return P(*partitions(found), reduced=found.reduced, unreduced=axes)
 
 
 def untyped(x: Any) -> bool:
@@ -99,7 +106,7 @@ def reduce_trivial(tree: Any) -> Any:
     found, kept = spec(x), unreduced(x)
     if found is None or kept == found.unreduced:
       return x
-    return jax.reshard(x, found.update(unreduced=kept))
+    return jax.reshard(x, with_unreduced(found, kept))
 
   return jax.tree.map(reduce, tree)
 
@@ -140,8 +147,17 @@ def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
     return jnp.zeros_like(param, dtype=dtype)
   found, mesh = spec(param), mesh_of(param)
   gradient = P(*partitions(found), unreduced=deferred(found.reduced, mesh))
-  sharding = jax.typeof(param).sharding.update(spec=gradient)
-  return jnp.zeros(jnp.shape(param), dtype, out_sharding=sharding)
+  return zeros(jnp.shape(param), dtype, jax.typeof(param).sharding, gradient)
+
+
+def zeros(shape: Any, dtype: Any, sharding: Any, new_spec: P) -> jax.Array:
+  """Zeros typed ``new_spec`` on ``sharding``'s mesh. Unreduced zeros are
+  made replicated first: a bare unreduced constant is merged with the
+  program's other zeros of its shape, which then leave ``jax.jit`` typed
+  unreduced too (jax >= 0.11: ``jax.jit(tx.init)``)."""
+  plain = with_unreduced(new_spec, frozenset())
+  made = jnp.zeros(shape, dtype, out_sharding=sharding.update(spec=plain))
+  return to_type(made, new_spec)
 
 
 def to_type(x: Any, new_spec: P) -> jax.Array:

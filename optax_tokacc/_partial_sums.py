@@ -54,8 +54,8 @@ class PartialSums(_placement.Single):
     return cls(axes, _explicit.mesh_of(like))
 
   def scalar_zeros(self, dtype):
-    sharding = NamedSharding(self.mesh, P(unreduced=self.axes))
-    return jnp.zeros([], dtype, out_sharding=sharding)
+    sharding = NamedSharding(self.mesh, P())
+    return _explicit.zeros([], dtype, sharding, P(unreduced=self.axes))
 
   def share(self, x):
     """A replicated value is put on one device (free); one unreduced over
