@@ -57,7 +57,7 @@ _BYTES_PER_ELEMENT = {
 }
 
 _HEADER = re.compile(r'^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$')
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$')
+_INSTRUCTION = re.compile(r'^\s*(ROOT )?%?([\w.\-]+) = (.*)$')
 _OPCODE = re.compile(r'(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(')
 _SHAPE = re.compile(r'\b([a-z]+\d*)\[([\d,]*)\]')
 _CALLEE = re.compile(
@@ -90,6 +90,8 @@ class Instruction:
   callees: tuple[str, ...]
   branches: tuple[str, ...]
   groups: str = ''
+  operands: tuple[str, ...] = ()  # the names it reads
+  root: bool = False  # its computation's result
 
   @property
   def collective(self):
@@ -117,7 +119,21 @@ class HloModule:
   entry: str
 
 
-def _parse_instruction(name, rest):
+def _operands(rest, match):
+  """The instruction names inside the opcode's parentheses (comments such
+  as ``/*index=5*/`` and operand types aside)."""
+  if match is None:
+    return ()
+  depth, start = 0, match.end()
+  for end in range(start, len(rest)):
+    depth += {'(': 1, ')': -1}.get(rest[end], 0)
+    if depth < 0:
+      break
+  inside = re.sub(r'/\*.*?\*/', '', rest[start:end])
+  return tuple(re.findall(r'%?([\w.\-]+)(?=\s*(?:,|$))', inside))
+
+
+def _parse_instruction(root, name, rest):
   match = _OPCODE.search(rest)
   opcode = match.group(1) if match else ''
   type_text = rest[: match.start(1)] if match else rest
@@ -135,8 +151,10 @@ def _parse_instruction(name, rest):
       branches = (true_false['false'], true_false['true'])
   callees = tuple(c for c in _CALLEE.findall(rest) if c not in branches)
   groups = _GROUPS.search(rest)
+  groups = groups.group(1) if groups else ''
+  operands = _operands(rest, match)
   return Instruction(
-    name, opcode, shapes, callees, branches, groups.group(1) if groups else ''
+    name, opcode, shapes, callees, branches, groups, operands, bool(root)
   )
 
 
@@ -163,7 +181,73 @@ def parse_hlo(hlo_text):
       computations[current].append(_parse_instruction(*instruction.groups()))
   if entry is None:
     raise ValueError('No ENTRY computation found in the HLO text.')
+  _check_branches(computations)
   return HloModule(computations, entry)
+
+
+def _check_branches(computations):
+  """Every conditional's branches are computations of the module."""
+  for instructions in computations.values():
+    for instruction in instructions:
+      missing = set(instruction.branches) - set(computations)
+      if missing:
+        raise ValueError(
+          f'HLO text not understood: the branches {sorted(missing)} of '
+          f'{instruction.name} are not among its computations.'
+        )
+
+
+def find_instruction(module, name):
+  """The instruction called ``name`` (an error naming it if none is)."""
+  for instructions in module.computations.values():
+    for instruction in instructions:
+      if instruction.name == name:
+        return instruction
+  raise ValueError(f'No instruction {name!r} in the HLO module.')
+
+
+def reachable_opcodes(module, computation=None):
+  """Opcodes of every instruction ``computation`` (the entry: None) runs,
+  its callees and branches included, with their counts."""
+  opcodes = collections.Counter()
+  stack, seen = [computation or module.entry], set()
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in module.computations:
+      continue
+    seen.add(name)
+    for instruction in module.computations[name]:
+      opcodes[instruction.opcode] += 1
+      stack.extend(instruction.callees)
+      stack.extend(instruction.branches)
+  return opcodes
+
+
+def returns_its_parameters(module):
+  """Whether the entry computation holds nothing but its parameters and
+  the tuple of exactly them that it returns (a program that computes and
+  writes nothing), with what it holds otherwise, for a message."""
+  entry = module.computations[module.entry]
+  parameters = {i.name for i in entry if i.opcode == 'parameter'}
+  others = [i for i in entry if i.opcode != 'parameter']
+  root = next((i for i in entry if i.root), None)
+  holds_only_the_tuple = others == [root] and root.opcode == 'tuple'
+  returned = set(root.operands) if root else set()
+  found = [(i.name, i.opcode, i.operands) for i in others]
+  return holds_only_the_tuple and returned == parameters, found
+
+
+def group_sets(instruction, num_devices):
+  """The device groups of a collective as a frozenset of frozensets of
+  device ids; an error naming the instruction and its ``replica_groups``
+  text where the form is unknown (see :func:`device_groups`)."""
+  groups = device_groups(instruction.groups, num_devices)
+  if groups is None:
+    raise ValueError(
+      f'HLO text not understood: the replica_groups of {instruction.name} '
+      f'({instruction.groups!r}) are of a form device_groups() does not know.'
+    )
+  return frozenset(frozenset(g) for g in groups)
 
 
 def collective_sites(module):

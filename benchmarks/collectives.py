@@ -69,8 +69,10 @@ sharding, while the library's support for it is being written. Name it with
 Adding a pattern: a builder ``(devices, k, params) -> Setup`` (in
 ``_sharded_steps.py`` or ``_explicit_steps.py``) and one entry of
 ``PATTERNS``. ``parse_hlo``, ``collective_sites``, ``device_groups``,
-``collective_records`` and ``summarize`` (from ``_hlo.py``) can be imported
-from here.
+``group_sets``, ``find_instruction``, ``reachable_opcodes``,
+``returns_its_parameters``, ``collective_records`` and ``summarize`` (from
+``_hlo.py``, the one reader of compiled HLO that tests and benchmarks
+share) can be imported from here.
 """
 
 import argparse
@@ -89,7 +91,11 @@ from _hlo import COLLECTIVE_OPCODES  # noqa: E402, F401
 from _hlo import collective_records  # noqa: E402
 from _hlo import collective_sites  # noqa: E402, F401
 from _hlo import device_groups  # noqa: E402, F401
+from _hlo import find_instruction  # noqa: E402, F401
+from _hlo import group_sets  # noqa: E402, F401
 from _hlo import parse_hlo  # noqa: E402, F401
+from _hlo import reachable_opcodes  # noqa: E402, F401
+from _hlo import returns_its_parameters  # noqa: E402, F401
 from _hlo import summarize  # noqa: E402
 import _sharded_steps as steps  # noqa: E402
 import jax  # noqa: E402

@@ -6,8 +6,6 @@ micro-step (and devices without tokens). The compiled step is inspected to
 show one reduction of the gradients per window, none on micro-steps.
 """
 
-import collections
-
 import chex
 import jax
 from jax import lax
@@ -213,30 +211,6 @@ def compiled_step_text(mode, with_emit_now):
   return step.lower(params, state, batch, *flags).compile().as_text()
 
 
-def reachable_opcodes(module, computation):
-  """Opcodes of all instructions ``computation`` runs, callees included."""
-  opcodes = collections.Counter()
-  stack, seen = [computation], set()
-  while stack:
-    name = stack.pop()
-    if name in seen or name not in module.computations:
-      continue
-    seen.add(name)
-    for instruction in module.computations[name]:
-      opcodes[instruction.opcode] += 1
-      stack.extend(instruction.callees)
-      stack.extend(instruction.branches)
-  return opcodes
-
-
-def find_instruction(module, name):
-  for instructions in module.computations.values():
-    for instruction in instructions:
-      if instruction.name == name:
-        return instruction
-  raise AssertionError(f'no instruction {name} in the HLO')
-
-
 @pytest.mark.parametrize('with_emit_now', [False, True])
 @pytest.mark.parametrize('mode', ['pmap', 'shard_map_1d', 'shard_map_2d'])
 def test_one_gradient_reduction_per_window(mode, with_emit_now):
@@ -265,12 +239,12 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
   branches = {path[0] for _, path in sites if path}
   assert len(branches) == 1, branches
   ((conditional_name, emit_index),) = branches
-  conditional = find_instruction(module, conditional_name)
+  conditional = collectives.find_instruction(module, conditional_name)
   emit_branch = conditional.branches[emit_index]
-  assert reachable_opcodes(module, emit_branch)['sqrt'] > 0
+  assert collectives.reachable_opcodes(module, emit_branch)['sqrt'] > 0
   for index, branch in enumerate(conditional.branches):
     if index != emit_index:
-      opcodes = reachable_opcodes(module, branch)
+      opcodes = collectives.reachable_opcodes(module, branch)
       assert opcodes['sqrt'] == 0  # the micro-step does not run AdamW
       assert not set(opcodes) & set(collectives.COLLECTIVE_OPCODES)
 

@@ -37,7 +37,6 @@ Checked here:
 - the Flax ``TrainState`` and the nnx ``Optimizer`` with ``close``.
 """
 
-import collections
 from collections.abc import Callable
 import functools
 import re
@@ -841,12 +840,7 @@ def test_explicit_sharding_equals_full_batch(layout, name):
 
 def opcodes(text):
   """Opcodes of every instruction of a compiled program, with their count."""
-  module = collectives.parse_hlo(text)
-  return collections.Counter(
-    i.opcode
-    for instructions in module.computations.values()
-    for i in instructions
-  )
+  return collectives.reachable_opcodes(collectives.parse_hlo(text))
 
 
 def check_programs(texts, reduction_shapes=None):
@@ -953,15 +947,10 @@ def compiled_micro_step(step, params, state, batch):
 def assert_returns_its_parameters(text):
   """The program's entry holds nothing but its parameters and the tuple
   of them it returns: XLA removed the add of the zero updates."""
-  entry = text[text.index('\nENTRY') :]
-  body = [line for line in entry.splitlines()[1:] if ' = ' in line]
-  names = [line.split(' = ')[0].split()[-1] for line in body]
-  parameters = {n for n, line in zip(names, body) if ' parameter(' in line}
-  (root,) = [line for line in body if line.lstrip().startswith('ROOT')]
-  assert ' tuple(' in root, root  # not a fusion of them
-  returned = re.sub(r'/\*[^*]*\*/', '', root.split(' tuple(')[1].split(')')[0])
-  assert len(body) == len(parameters) + 1, body  # no other instruction
-  assert {n.strip() for n in returned.split(',')} == parameters, root
+  returns, found = collectives.returns_its_parameters(
+    collectives.parse_hlo(text)
+  )
+  assert returns, found
 
 
 def test_micro_step_program_leaves_parameters_untouched():

@@ -20,7 +20,7 @@ wrapped optimizer sees.
 """
 
 import functools
-import re
+from typing import NamedTuple
 
 import chex
 import jax
@@ -470,46 +470,27 @@ WINDOW_REDUCTIONS = {
 }
 
 
-_NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
-_GROUPS = re.compile(
-  r'replica_groups=(\{[\d,{}]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)'
-)
-_IOTA = re.compile(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
+def test_device_groups_of_every_spelling():
+  """The shared reader knows the list, iota and mesh forms of XLA's
+  ``replica_groups`` (jax 0.12 writes the mesh form), and names what it
+  cannot read."""
+
+  def groups(text):
+    return collectives.group_sets(_Site('all-reduce', text), 4)
+
+  assert groups('{{0,2},{1,3}}') == REPLICA_GROUPS
+  assert groups('[2,2]<=[4]') == FSDP_GROUPS
+  assert groups('[2,2]<=[2,2]T(1,0)') == REPLICA_GROUPS
+  assert groups('[1,4]<=[4]') == ALL_DEVICES
+  assert groups("mesh['replica'=2,'fsdp'=2] {'fsdp'}") == FSDP_GROUPS
+  assert groups("mesh['replica'=2,'fsdp'=2] {'replica'}") == REPLICA_GROUPS
+  with pytest.raises(ValueError, match='all-reduce.*not know'):
+    groups('<a new spelling>')
 
 
-def _ints(text):
-  return [int(x) for x in text.split(',') if x]
-
-
-def _groups(text):
-  """The device groups of a ``replica_groups`` value (list or iota form)."""
-  iota = _IOTA.fullmatch(text)
-  if iota:
-    shape, dims, perm = iota.groups()
-    ids = np.arange(np.prod(_ints(dims))).reshape(_ints(dims))
-    if perm:
-      ids = ids.transpose(_ints(perm))
-    rows = ids.reshape(_ints(shape)).tolist()
-  else:
-    rows = [_ints(g) for g in re.findall(r'\{([\d,]*)\}', text[1:-1])]
-  return frozenset(frozenset(row) for row in rows if row)
-
-
-def device_groups(hlo_text):
-  """Instruction name -> the device groups of its ``replica_groups``."""
-  groups = {}
-  for line in hlo_text.splitlines():
-    name, found = _NAME.match(line), _GROUPS.search(line)
-    if name and found:
-      groups[name.group(1)] = _groups(found.group(1))
-  return groups
-
-
-def test_device_groups_of_both_spellings():
-  assert _groups('{{0,2},{1,3}}') == REPLICA_GROUPS
-  assert _groups('[2,2]<=[4]') == FSDP_GROUPS
-  assert _groups('[2,2]<=[2,2]T(1,0)') == REPLICA_GROUPS
-  assert _groups('[1,4]<=[4]') == ALL_DEVICES
+class _Site(NamedTuple):
+  name: str
+  groups: str
 
 
 def compiled_hsdp_step(layout, with_emit_now):
@@ -558,8 +539,8 @@ def test_hsdp_reduces_across_replicas_once_per_window(layout, with_emit_now):
   """
   text, mesh = compiled_hsdp_step(layout, with_emit_now)
   assert [d.id for d in mesh.devices.flat] == [0, 1, 2, 3]
-  groups = device_groups(text)
   sites = collectives.collective_sites(collectives.parse_hlo(text))
+  groups = {s.name: collectives.group_sets(s, mesh.size) for s, _ in sites}
 
   every_step = [site for site, path in sites if not path]
   across = [s for s in every_step if groups[s.name] != FSDP_GROUPS]
