@@ -34,7 +34,7 @@ BLOCKS = test_docs.python_blocks(TEXT, 'README.md')
 MAX_LINES = 250
 COMMANDS = (
   "pip install -e '.[examples]' && python examples/train_lm.py",
-  "pip install -e '.[test]' && python -m pytest",  # .ci/run greps this line
+  "pip install -e '.[test]' && python -m pytest",  # noxfile.py reads this line
 )
 
 
