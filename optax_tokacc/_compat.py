@@ -23,14 +23,41 @@ a version difference is handled in one place:
   ``jax.eval_shape``) holds ``vma=None`` there. JAX 0.10 replaced ``vma`` by
   ``aval.manual_axis_type.varying``.
 
-``lax.pcast(x, axes, to='varying')`` and the manual axes in a value's type
-(``jax.typeof(x).sharding.mesh.manual_axes``, ``pmap``'s axis included) are
-the same on every supported version, and are called directly.
+- ``partitions``: a ``PartitionSpec``'s per-dimension entries are
+  ``spec.partitions`` on jax 0.10 (not yet on 0.8.2), ``spec._partitions``
+  before.
+- ``EXPLICIT_SHARDING``: reduced and unreduced types (explicit sharding,
+  the distributed-optimizer layout) are refused below jax 0.10, naming it
+  (``_explicit.check_supported``): ``jax.device_put`` of unreduced arrays
+  and the rules the library relies on are complete from there.
+
+What JAX changed without a branch here: jax 0.11 gave ``PartitionSpec`` an
+``unreduced_kind``, kept by ``P.update`` and refused beside no unreduced
+axis, so specs are built with ``P(...)`` (``_explicit.spec``);
+it removed the implicit varying-to-unreduced cast of ``shard_map``, which
+``_explicit.local`` never needed (``check_vma=False``: its outputs are
+described by ``out_specs``); and jax >= 0.11 merges equal constants before
+sharding propagation, so unreduced zeros are made replicated, then retyped
+(``_explicit.unreduced_zeros``). ``lax.pcast(x, axes, to='varying')`` and the manual
+axes in a value's type (``jax.typeof(x).sharding.mesh.manual_axes``,
+``pmap``'s axis included) are the same on every supported version, and are
+called directly.
 """
 
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
+
+EXPLICIT_SHARDING_JAX = (0, 10, 0)
+VERSION = tuple(int(v) for v in jax.__version__.split('.')[:3])
+EXPLICIT_SHARDING = VERSION >= EXPLICIT_SHARDING_JAX
+
+
+def partitions(spec: P) -> tuple:
+  """The per-dimension entries of a spec (iterating a spec that has
+  reduced or unreduced axes is an error in JAX)."""
+  return tuple(getattr(spec, 'partitions', spec._partitions))
 
 
 def varying_axes(x: Any) -> frozenset:

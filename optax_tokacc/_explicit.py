@@ -31,12 +31,12 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MIN_JAX = (0, 10, 0)
-# ``jax.device_put`` of unreduced arrays (restoring a checkpoint) and the
-# reduced/unreduced rules this module relies on are complete from jax 0.10.
-SUPPORTED = tuple(int(v) for v in jax.__version__.split('.')[:3]) >= MIN_JAX
+from optax_tokacc._compat import EXPLICIT_SHARDING as SUPPORTED
+from optax_tokacc._compat import EXPLICIT_SHARDING_JAX as MIN_JAX
+from optax_tokacc._compat import partitions
 
 
 def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
@@ -48,29 +48,14 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
     return None
   parts = partitions(found)
   parts += (None,) * (len(jnp.shape(x)) - len(parts))
-  return with_unreduced(
-    P(*parts, reduced=found.reduced),
-    found.unreduced if unreduced else frozenset(),
-  )
-
-
-def with_unreduced(found: P, axes: frozenset) -> P:
-  """``found`` unreduced over ``axes`` exactly (``P.update`` takes keywords
-  only on jax 0.8, and keeps an ``unreduced_kind`` that jax >= 0.11 refuses
-  beside no unreduced axis)."""
-  return P(*partitions(found), reduced=found.reduced, unreduced=axes)
+  kept = found.unreduced if unreduced else frozenset()  # P.update keeps an
+  return P(*parts, reduced=found.reduced, unreduced=kept)  # unreduced_kind
 
 
 def untyped(x: Any) -> bool:
   """Whether ``x``'s type carries no named sharding, or only replication
   (no split dimension, no reduced or unreduced axis)."""
   return spec(x) in (None, P(*[None] * len(jnp.shape(x))))
-
-
-def partitions(found: P) -> tuple:
-  """The per-dimension entries of a spec (iterating a spec that has
-  reduced or unreduced axes is an error in JAX)."""
-  return tuple(getattr(found, 'partitions', found._partitions))
 
 
 def _sharding(x: Any) -> Any:
@@ -108,7 +93,8 @@ def reduce_trivial(tree: Any) -> Any:
     found, kept = spec(x), unreduced(x)
     if found is None or kept == found.unreduced:
       return x
-    return jax.reshard(x, with_unreduced(found, kept))
+    parts = partitions(found)  # P(...): see spec
+    return jax.reshard(x, P(*parts, reduced=found.reduced, unreduced=kept))
 
   return jax.tree.map(reduce, tree)
 
@@ -149,17 +135,16 @@ def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
     return jnp.zeros_like(param, dtype=dtype)
   found, mesh = spec(param), mesh_of(param)
   gradient = P(*partitions(found), unreduced=deferred(found.reduced, mesh))
-  return zeros(jnp.shape(param), dtype, jax.typeof(param).sharding, gradient)
+  return unreduced_zeros(jnp.shape(param), dtype, mesh, gradient)
 
 
-def zeros(shape: Any, dtype: Any, sharding: Any, new_spec: P) -> jax.Array:
-  """Zeros typed ``new_spec`` on ``sharding``'s mesh. Unreduced zeros are
-  made replicated first: a bare unreduced constant is merged with the
-  program's other zeros of its shape, which then leave ``jax.jit`` typed
-  unreduced too (jax >= 0.11: ``jax.jit(tx.init)``)."""
-  plain = with_unreduced(new_spec, frozenset())
-  made = jnp.zeros(shape, dtype, out_sharding=sharding.update(spec=plain))
-  return to_type(made, new_spec)
+def unreduced_zeros(shape: Any, dtype: Any, mesh: Any, new_spec: P) -> Any:
+  """Zeros typed ``new_spec`` (unreduced), made replicated, then retyped:
+  a bare unreduced constant is merged with the program's other zeros of
+  its shape, which then leave ``jax.jit`` typed unreduced too (jax >= 0.11:
+  ``jax.jit(tx.init)``)."""
+  plain = NamedSharding(mesh, P(*partitions(new_spec)))
+  return to_type(jnp.zeros(shape, dtype, out_sharding=plain), new_spec)
 
 
 def to_type(x: Any, new_spec: P) -> jax.Array:

@@ -31,7 +31,6 @@ from typing import Any
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_tokacc import _explicit
@@ -54,8 +53,8 @@ class PartialSums(_placement.Single):
     return cls(axes, _explicit.mesh_of(like))
 
   def scalar_zeros(self, dtype):
-    sharding = NamedSharding(self.mesh, P())
-    return _explicit.zeros([], dtype, sharding, P(unreduced=self.axes))
+    spec = P(unreduced=self.axes)
+    return _explicit.unreduced_zeros([], dtype, self.mesh, spec)
 
   def share(self, x):
     """A replicated value is put on one device (free); one unreduced over
