@@ -24,10 +24,17 @@ the gradients of such parameters are unreduced.
 - ``tokacc_explicit_ddp_host``: the same closed by the host
   (``close=False`` on the micro-steps, ``close=True`` on the k-th: two
   programs, no conditional).
-- ``ideal_explicit_ddp``: its reference, written by hand: the micro-step
-  adds the unreduced gradients into an unreduced float32 accumulator (no
-  collective), the window's update reduces it (one all-reduce) and runs
-  AdamW on the token mean.
+- ``ideal_explicit_ddp``: the two-program reference, written by hand: the
+  micro-step adds the unreduced gradients into an unreduced float32
+  accumulator (no collective), the window's update reduces it (one
+  all-reduce) and runs AdamW on the token mean. The host-closed method is
+  judged against it.
+- ``ideal_explicit_ddp_one``: the one-program reference, by hand: the same
+  add and, in a ``lax.cond`` on the window's last micro-step, the same
+  update, with ``optax.apply_updates`` of the updates (zeros on the other
+  micro-steps) on every call, as any step compiled once must.
+  ``tokacc_explicit_ddp`` (the device decides) is judged against it; its
+  own ratio is to the two-program reference.
 - ``tokacc_explicit_zero1``: ``tokacc_explicit_ddp`` with AdamW's state
   sharded over ``data`` (``init_sharded(..., shard_optimizer_over=
   ('data',))``, the distributed-optimizer layout).
@@ -37,7 +44,9 @@ the gradients of such parameters are unreduced.
   (``lax.psum_scatter``), runs AdamW on them with moments sharded over
   ``data`` on the leaf's first dimension, and all-gathers the updates.
 
-The ratios of each ``tokacc_explicit_*`` are to its ``ideal_explicit_*``.
+The ratios of each ``tokacc_explicit_*`` are to its ``ideal_explicit_*``:
+``tokacc_explicit_ddp`` to ``ideal_explicit_ddp_one``, the others to a
+two-program ideal.
 Models whose loss cannot take reduced parameters (``model.explicit`` false:
 the transformer) are skipped.
 """
@@ -55,6 +64,8 @@ import optax
 import optax_tokacc as tokacc
 
 REFERENCE = 'ideal_explicit_ddp'
+# The reference of the one program that the device closes.
+ONE_PROGRAM_REFERENCE = 'ideal_explicit_ddp_one'
 ZERO1_REFERENCE = 'ideal_explicit_zero1'
 
 
@@ -135,9 +146,10 @@ def _tokacc_explicit(case, init, reference, close=None):
 
 
 def tokacc_explicit_ddp(case):
-  """``token_weighted_multistep`` on parameters typed reduced over ``data``."""
+  """``token_weighted_multistep`` on parameters typed reduced over ``data``
+  (one program: judged against the one-program ideal)."""
   return _tokacc_explicit(
-    case, lambda tx, params, mesh: tx.init(params), REFERENCE
+    case, lambda tx, params, mesh: tx.init(params), ONE_PROGRAM_REFERENCE
   )
 
 
@@ -201,8 +213,7 @@ def ideal_explicit_ddp(case):
     mean = jax.tree.map(
       lambda a, p: _window_mean(a, acc_tokens, p), acc, params
     )
-    plain = jax.tree.map(_plain, params)
-    updates, opt_state = adamw.update(mean, opt_state, plain)
+    updates, opt_state = adamw.update(mean, opt_state, _plain_tree(params))
     updates = jax.tree.map(
       lambda u, p: jax.reshard(u, _spec(p)), updates, params
     )
@@ -214,12 +225,92 @@ def ideal_explicit_ddp(case):
   with jax.set_mesh(mesh):
     params, windows = _place(case, mesh)
     acc = jax.jit(lambda p: jax.tree.map(_unreduced_zeros, p))(params)
-    opt_state = jax.jit(lambda p: adamw.init(jax.tree.map(_plain, p)))(params)
+    opt_state = jax.jit(lambda p: adamw.init(_plain_tree(p)))(params)
     tokens = jax.device_put(jnp.zeros([], jnp.int32), NamedSharding(mesh, P()))
     carry = (params, opt_state, acc, tokens)
   return _ideal_trainer(
     mesh, micro_step, window_update, carry, windows, REFERENCE
   )
+
+
+def _one_program_step(model, adamw, k):
+  """The one-program ideal's step: ``(params, opt_state, acc, acc_tokens,
+  mini_step, batch) -> the same``, the ideal's add on every call and, in
+  a ``lax.cond`` on the window's last micro-step, its window update; the
+  updates (zeros on the other micro-steps) applied on every call."""
+
+  def close(params, opt_state, acc, acc_tokens):
+    mean = jax.tree.map(
+      lambda a, p: _window_mean(a, acc_tokens, p), acc, params
+    )
+    updates, opt_state = adamw.update(mean, opt_state, _plain_tree(params))
+    zeros = jax.tree.map(_unreduced_zeros, params)
+    return updates, opt_state, zeros, jnp.zeros_like(acc_tokens)
+
+  def keep(params, opt_state, acc, acc_tokens):
+    # Zeros in the dtypes of AdamW's updates (float32 with mu_dtype).
+    shapes = jax.eval_shape(close, params, opt_state, acc, acc_tokens)[0]
+    zeros = jax.tree.map(
+      lambda u, p: jnp.zeros(p.shape, u.dtype, out_sharding=_spec(p, False)),
+      shapes,
+      params,
+    )
+    return zeros, opt_state, acc, acc_tokens
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+  def step(params, opt_state, acc, acc_tokens, mini_step, batch):
+    grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
+    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+    state = (params, opt_state, acc, acc_tokens + num_tokens)
+    updates, opt_state, acc, acc_tokens = lax.cond(
+      mini_step == k - 1, close, keep, *state
+    )
+    updates = jax.tree.map(
+      lambda u, p: jax.reshard(u, _spec(p)), updates, params
+    )
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, acc, acc_tokens, (mini_step + 1) % k
+
+  return step
+
+
+def _plain_tree(params):
+  return jax.tree.map(_plain, params)
+
+
+def ideal_explicit_ddp_one(case):
+  """The one-program reference of explicit DDP: what a hand-written step
+  that the device closes must run. The ideal's add into the unreduced
+  accumulator on every call; on the window's last micro-step, in a
+  ``lax.cond``, its update; ``optax.apply_updates`` of the updates (zeros
+  on the other micro-steps) on every call, as a one-program step must."""
+  model, adamw = case.model, case.adamw
+  step = _one_program_step(model, adamw, case.k)
+  mesh = _mesh(case)
+  with jax.set_mesh(mesh):
+    params, windows = _place(case, mesh)
+    acc = jax.jit(lambda p: jax.tree.map(_unreduced_zeros, p))(params)
+    opt_state = jax.jit(lambda p: adamw.init(_plain_tree(p)))(params)
+    scalar = NamedSharding(mesh, P())
+    tokens = jax.device_put(jnp.zeros([], jnp.int32), scalar)
+    carry = (params, opt_state, acc, tokens, tokens.copy())
+    batch = windows[0].micro_batches[0]
+    compiled = step.lower(*carry, batch).compile()
+
+  def call(carry, batch):
+    return compiled(*carry, batch)
+
+  trainer = _methods.Trainer(
+    _under_mesh(mesh, call),
+    _under_mesh(mesh, lambda c, window: call(c, window.micro_batches[-1])),
+    carry,
+    lambda carry: carry[0],
+    windows,
+    {'step': compiled},
+    reference=REFERENCE,
+  )
+  trainer.optimizer_state_of = lambda carry: carry[1]
+  return trainer
 
 
 def _ideal_trainer(mesh, micro_step, window_update, carry, windows, reference):
@@ -341,6 +432,7 @@ def ideal_explicit_zero1(case):
 
 METHODS = {
   'ideal_explicit_ddp': ideal_explicit_ddp,
+  'ideal_explicit_ddp_one': ideal_explicit_ddp_one,
   'tokacc_explicit_ddp': tokacc_explicit_ddp,
   'tokacc_explicit_ddp_host': tokacc_explicit_ddp_host,
   'ideal_explicit_zero1': ideal_explicit_zero1,
