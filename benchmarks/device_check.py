@@ -156,8 +156,9 @@ def preflight(args):
 
   try:
     device = jax.devices()[0]
-  except RuntimeError as e:
-    fail(f'no JAX device: {_first_line(e)}')
+  except Exception as e:  # noqa: BLE001 - RuntimeError, or an assertion
+    platforms = os.environ.get('JAX_PLATFORMS', '(unset)')
+    fail(f'no JAX device (JAX_PLATFORMS={platforms}): {_first_line(e)}')
   if not args.cpu and device.platform == 'cpu':
     fail(
       'no accelerator found: jax.devices() lists only CPUs (JAX '

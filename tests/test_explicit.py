@@ -143,9 +143,7 @@ def type_strings(tree):
   return jax.tree.map(lambda x: str(jax.typeof(x)), tree)
 
 
-def train(
-  layout, tx, windows, spelling='replicated', on_step=None, init=None
-):
+def train(layout, tx, windows, spelling='replicated', on_step=None, init=None):
   """Trains on ``layout``; the last window is closed early by emit_now.
   ``init``: ``(tx, params, mesh)`` to the initial state (``tx.init``)."""
   make_mesh, specs = LAYOUTS[layout]
