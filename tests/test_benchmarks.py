@@ -91,11 +91,12 @@ pytestmark = pytest.mark.slow  # starts a Python process
 # Wall-clock limits of the scripts run here, each at least 5 times a quiet
 # 2-core run's (issue 33: a limit near the run's time fails on a machine
 # that other processes share). Measured with /usr/bin/time on 2 cores that
-# other agents shared (load 10-18), jax 0.12.0.1: the CPU seconds (user +
-# sys) bound a quiet run's wall time from above, the compiles being
-# single-threaded. run.py --quick --devices 4: 226 CPU s (245 s wall
-# loaded); the explicit methods on 4 devices: CPU_S_EXPLICIT; device_check.py
-# --cpu --quick: CPU_S_DEVICE_CHECK.
+# other agents shared (load average 10-19), jax 0.12.0.1. A quiet run's
+# wall time is at most its CPU time (user + sys; the compiles, most of it,
+# run on one core), which the load does not inflate as it does the wall
+# time (here 2-8x the CPU time): run.py --quick --devices 4, 226 CPU s
+# (245 s wall); the explicit methods at quick sizes on 4 devices, 36.5 CPU
+# s (272 s wall); device_check.py --cpu --quick, 79.5 CPU s (395 s wall).
 QUICK_RUN_LIMIT_S = 1200
 EXPLICIT_RUN_LIMIT_S = 600
 DEVICE_CHECK_LIMIT_S = 900
