@@ -195,6 +195,10 @@ def _plain(x):
   return jax.reshard(x, _spec(x, reduced=False))
 
 
+def _plain_tree(params):
+  return jax.tree.map(_plain, params)
+
+
 def _window_mean(acc, acc_tokens, param):
   """The token mean of an unreduced sum (one all-reduce), in ``param``'s
   dtype."""
@@ -231,86 +235,6 @@ def ideal_explicit_ddp(case):
   return _ideal_trainer(
     mesh, micro_step, window_update, carry, windows, REFERENCE
   )
-
-
-def _one_program_step(model, adamw, k):
-  """The one-program ideal's step: ``(params, opt_state, acc, acc_tokens,
-  mini_step, batch) -> the same``, the ideal's add on every call and, in
-  a ``lax.cond`` on the window's last micro-step, its window update; the
-  updates (zeros on the other micro-steps) applied on every call."""
-
-  def close(params, opt_state, acc, acc_tokens):
-    mean = jax.tree.map(
-      lambda a, p: _window_mean(a, acc_tokens, p), acc, params
-    )
-    updates, opt_state = adamw.update(mean, opt_state, _plain_tree(params))
-    zeros = jax.tree.map(_unreduced_zeros, params)
-    return updates, opt_state, zeros, jnp.zeros_like(acc_tokens)
-
-  def keep(params, opt_state, acc, acc_tokens):
-    # Zeros in the dtypes of AdamW's updates (float32 with mu_dtype).
-    shapes = jax.eval_shape(close, params, opt_state, acc, acc_tokens)[0]
-    zeros = jax.tree.map(
-      lambda u, p: jnp.zeros(p.shape, u.dtype, out_sharding=_spec(p, False)),
-      shapes,
-      params,
-    )
-    return zeros, opt_state, acc, acc_tokens
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
-  def step(params, opt_state, acc, acc_tokens, mini_step, batch):
-    grads, num_tokens = jax.grad(model.loss_sum, has_aux=True)(params, batch)
-    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
-    state = (params, opt_state, acc, acc_tokens + num_tokens)
-    updates, opt_state, acc, acc_tokens = lax.cond(
-      mini_step == k - 1, close, keep, *state
-    )
-    updates = jax.tree.map(
-      lambda u, p: jax.reshard(u, _spec(p)), updates, params
-    )
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, acc, acc_tokens, (mini_step + 1) % k
-
-  return step
-
-
-def _plain_tree(params):
-  return jax.tree.map(_plain, params)
-
-
-def ideal_explicit_ddp_one(case):
-  """The one-program reference of explicit DDP: what a hand-written step
-  that the device closes must run. The ideal's add into the unreduced
-  accumulator on every call; on the window's last micro-step, in a
-  ``lax.cond``, its update; ``optax.apply_updates`` of the updates (zeros
-  on the other micro-steps) on every call, as a one-program step must."""
-  model, adamw = case.model, case.adamw
-  step = _one_program_step(model, adamw, case.k)
-  mesh = _mesh(case)
-  with jax.set_mesh(mesh):
-    params, windows = _place(case, mesh)
-    acc = jax.jit(lambda p: jax.tree.map(_unreduced_zeros, p))(params)
-    opt_state = jax.jit(lambda p: adamw.init(_plain_tree(p)))(params)
-    scalar = NamedSharding(mesh, P())
-    tokens = jax.device_put(jnp.zeros([], jnp.int32), scalar)
-    carry = (params, opt_state, acc, tokens, tokens.copy())
-    batch = windows[0].micro_batches[0]
-    compiled = step.lower(*carry, batch).compile()
-
-  def call(carry, batch):
-    return compiled(*carry, batch)
-
-  trainer = _methods.Trainer(
-    _under_mesh(mesh, call),
-    _under_mesh(mesh, lambda c, window: call(c, window.micro_batches[-1])),
-    carry,
-    lambda carry: carry[0],
-    windows,
-    {'step': compiled},
-    reference=REFERENCE,
-  )
-  trainer.optimizer_state_of = lambda carry: carry[1]
-  return trainer
 
 
 def _ideal_trainer(mesh, micro_step, window_update, carry, windows, reference):
@@ -430,9 +354,11 @@ def ideal_explicit_zero1(case):
   )
 
 
+import _explicit_one  # noqa: E402 - it reads this module's helpers.
+
 METHODS = {
   'ideal_explicit_ddp': ideal_explicit_ddp,
-  'ideal_explicit_ddp_one': ideal_explicit_ddp_one,
+  'ideal_explicit_ddp_one': _explicit_one.ideal_explicit_ddp_one,
   'tokacc_explicit_ddp': tokacc_explicit_ddp,
   'tokacc_explicit_ddp_host': tokacc_explicit_ddp_host,
   'ideal_explicit_zero1': ideal_explicit_zero1,
