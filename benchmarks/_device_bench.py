@@ -45,10 +45,15 @@ def header(args, device, argv):
     'device_memory_bytes': stats.get('bytes_limit'),
     'xla_flags': os.environ.get('XLA_FLAGS', ''),
     'budget_s': args.budget_s,
-    'setting': 'quick' if args.quick else 'full',
+    'setting': _setting(args),
     'rows': [],
     'errors': [],
   }
+
+
+def _setting(args):
+  """The sizes of ``_models.SIZES`` that the command line asks for."""
+  return 'quick' if args.quick else 'short' if args.short else 'full'
 
 
 def _setup(case, setup_s):
@@ -101,7 +106,7 @@ def _dispatch_check(trainers, k, index):
 def run(args, results, deadline):
   """Every section, windows fitted to ``deadline``; results written after
   each section."""
-  setting = 'quick' if args.quick else 'full'
+  setting = _setting(args)
   windows = 2 if args.quick else device_check.MAX_WINDOWS
   sections = [(m, k) for m in args.models for k in args.ks]
   dispatch_at = (args.models[0], args.ks[-1])

@@ -40,7 +40,8 @@ Writes ``results.json``, ``results.md`` and ``tests.log`` to ``--out``
 with the device, the JAX version and the command. A missing package or no
 accelerator: one line on stderr and exit status 2. ``--cpu`` runs on the
 CPU (no tests: CI runs them there); ``--quick`` at smoke-test sizes, 2
-windows and one test (``QUICK_TESTS``).
+windows and one test (``QUICK_TESTS``); ``--short`` with micro-batches of
+2 x 64 tokens (``run.py --short``'s GPT-2, for a CPU).
 """
 
 import argparse
@@ -113,6 +114,11 @@ def parse_args(argv=None):
   parser.add_argument('--cpu', action='store_true', help='run on the CPU')
   parser.add_argument(
     '--quick', action='store_true', help='smoke-test sizes (CI)'
+  )
+  parser.add_argument(
+    '--short',
+    action='store_true',
+    help="GPT-2 small's parameters, micro-batches of 2 x 64 tokens (a CPU)",
   )
   parser.add_argument(
     '--models', default=','.join(MODELS), help='a rerun of some: gpt2_bf16'
