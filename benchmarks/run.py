@@ -55,9 +55,11 @@ Methods (``--methods``; the train steps are in ``_methods.py``,
   ``tokacc.microbatched_value_and_grad`` then AdamW.
 - ``EXPLICIT_METHODS``: ``tokacc_explicit_ddp``, ``token_weighted_multistep``
   under plain ``jax.jit`` on an explicit ``data`` mesh of ``--ddp-devices``
-  devices with parameters typed reduced, and its hand-written reference
-  ``ideal_explicit_ddp``; ``tokacc_explicit_ddp_host``, the same closed by
-  the host (two programs); ``tokacc_explicit_zero1``, the same with AdamW's
+  devices with parameters typed reduced, and its hand-written references
+  ``ideal_explicit_ddp`` (two programs) and ``ideal_explicit_ddp_one``
+  (one program that applies updates on every call, what
+  ``tokacc_explicit_ddp``'s ratios divide by); ``tokacc_explicit_ddp_host``,
+  the same closed by the host (two programs); ``tokacc_explicit_zero1``, the same with AdamW's
   state sharded over ``data`` (``init_sharded(...,
   shard_optimizer_over=('data',))``), and its hand-written reference
   ``ideal_explicit_zero1`` (one reduce-scatter, AdamW on the shards, one
