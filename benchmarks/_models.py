@@ -12,7 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""The benchmark models: an MLP and a small transformer LM, in plain JAX.
+"""The benchmark models: an MLP, a small transformer LM and GPT-2 small.
 
 Each model's loss is summed over the counted tokens (rows of the MLP, target
 positions of the LM) and returned with their count, as
@@ -149,7 +149,7 @@ def mlp(
   )
 
 
-def _transformer_params(seed, vocab, d_model, num_layers, seq_len):
+def _transformer_params(seed, vocab, d_model, num_layers, context):
   d_ff = 4 * d_model
   keys = iter(jax.random.split(jax.random.key(seed), 4 + 4 * num_layers))
 
@@ -158,7 +158,7 @@ def _transformer_params(seed, vocab, d_model, num_layers, seq_len):
 
   return {
     'embed': jax.random.normal(next(keys), (vocab, d_model)) * 0.02,
-    'position': jax.random.normal(next(keys), (seq_len, d_model)) * 0.02,
+    'position': jax.random.normal(next(keys), (context, d_model)) * 0.02,
     'final_norm': jnp.ones((d_model,)),
     'layers': [
       {
@@ -175,8 +175,11 @@ def _transformer_params(seed, vocab, d_model, num_layers, seq_len):
 
 
 def _norm(x, scale):
-  x = x - x.mean(-1, keepdims=True)
-  return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * scale
+  """Layer norm, its statistics in float32 (bfloat16 activations too)."""
+  y = x.astype(jnp.float32)
+  y = y - y.mean(-1, keepdims=True)
+  y = y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + 1e-6)
+  return y.astype(x.dtype) * scale
 
 
 def transformer(
@@ -188,14 +191,25 @@ def transformer(
   seq_len,
   batch_size,
   k,
+  context=None,
   num_windows=2,
   seed=0,
+  dtype=jnp.float32,
+  name='transformer',
+  label=None,
 ):
-  """A pre-LayerNorm causal transformer LM with learned positions.
+  """A pre-LayerNorm causal transformer LM with learned positions and the
+  output projection tied to the embedding (GPT-2's layout, without biases).
 
-  Sequences have random lengths (padding after them is not counted).
+  Sequences have random lengths (the padding after them is not counted), so
+  micro-batches hold different numbers of counted tokens. ``context``: the
+  positions the model holds (default ``seq_len``); a micro-batch may use
+  fewer. Parameters and activations in ``dtype``; with bfloat16 (mixed
+  precision) AdamW keeps its first moment in float32 (``mu_dtype``).
   """
-  params = _transformer_params(seed, vocab, d_model, num_layers, seq_len)
+  context = context or seq_len
+  params = _transformer_params(seed, vocab, d_model, num_layers, context)
+  params = jax.tree.map(lambda x: x.astype(dtype), params)
 
   def attention(x, layer):
     batch, length, _ = x.shape
@@ -233,20 +247,32 @@ def transformer(
     }
 
   windows = [[micro_batch() for _ in range(k)] for _ in range(num_windows)]
+  mixed = jnp.dtype(dtype) != jnp.float32
   return Model(
-    name='transformer',
+    name=f'{name}_bf16' if mixed else name,
     params=params,
     loss_sum=loss_sum,
     windows=windows,
     description=(
-      f'LM {num_layers} layers, d_model {d_model}, {num_heads} heads, '
-      f'vocab {vocab}, {batch_size} x {seq_len} tokens per micro-batch'
+      f'{label or "LM"}: {num_layers} layers, d_model {d_model}, '
+      f'{num_heads} heads, vocab {vocab}, context {context}, '
+      f'{batch_size} x {seq_len} tokens per micro-batch, '
+      f'{jnp.dtype(dtype).name} parameters'
     ),
+    mu_dtype=jnp.float32 if mixed else None,
   )
 
 
+# GPT-2 small (124M parameters): the size nanoGPT reproduces.
+GPT2_SMALL = dict(
+  vocab=50257, d_model=768, num_layers=12, num_heads=12, context=1024
+)
+
+
 # Sizes per setting: `full` and `short` use the 33M-parameter MLP of the
-# targets; `quick` is for the smoke test (CI).
+# targets and GPT-2 small's 124M parameters (`short`: micro-batches of
+# 2 x 64 tokens, so that a CPU runs it in minutes; `full`: 8 x 1024, the
+# accelerator's); `quick` is for the smoke test (CI).
 SIZES = {
   'full': {
     'mlp': dict(width=2048, depth=8, batch_size=32),
@@ -275,14 +301,36 @@ SIZES = {
     'transformer': dict(
       vocab=64, d_model=16, num_layers=1, num_heads=2, seq_len=8, batch_size=2
     ),
+    'gpt2': dict(
+      vocab=64,
+      d_model=16,
+      num_layers=2,
+      num_heads=2,
+      seq_len=8,
+      batch_size=2,
+      label='GPT-2 layout at smoke-test sizes (not GPT-2 small)',
+    ),
   },
 }
+SIZES['full']['gpt2'] = dict(
+  GPT2_SMALL, seq_len=1024, batch_size=8, label='GPT-2 small (124M)'
+)
+SIZES['short']['gpt2'] = dict(
+  GPT2_SMALL,
+  seq_len=64,
+  batch_size=2,
+  label='GPT-2 small (124M), micro-batches cut for the CPU',
+)
 for _sizes in SIZES.values():
   _sizes['mlp_bf16'] = _sizes['mlp']
+  _sizes['gpt2_bf16'] = _sizes['gpt2']
+_gpt2 = functools.partial(transformer, name='gpt2')
 MODELS = {
   'mlp': mlp,
   'transformer': transformer,
   'mlp_bf16': functools.partial(mlp, dtype=jnp.bfloat16),
+  'gpt2': _gpt2,
+  'gpt2_bf16': functools.partial(_gpt2, dtype=jnp.bfloat16),
 }
 
 

@@ -109,7 +109,7 @@ def _ms(seconds):
 
 
 _HEADER = (
-  f'{"model":<12}{"k":>2} {"method":<20}{"ms/micro":>9}{"/ideal":>7}'
+  f'{"model":<12}{"k":>2} {"method":<24}{"ms/micro":>9}{"/ideal":>7}'
   f'{"ms/window":>10}{"/ideal":>7}{"/MultiSteps":>12}  '
   f'{"compiled temp / param bytes":<38}{"max|dp|":>8}'
 )
@@ -122,7 +122,7 @@ def _line(row):
   )
   diff = row['max_abs_diff_to_ideal_after_one_window']
   return (
-    f'{row["model"]:<12}{row["k"]:>2} {row["method"]:<20}'
+    f'{row["model"]:<12}{row["k"]:>2} {row["method"]:<24}'
     f'{_ms(row["median_micro_step_s"]):>9}'
     f'{_ratio(row["micro_step_ratio_to_ideal"]):>7}'
     f'{_ms(row["median_window_s"]):>10}'
@@ -162,7 +162,7 @@ def print_table(rows, file=None):
   print(_HEADER, file=file)
   for row in rows:
     if 'error' in row:
-      start = f'{row["model"]:<12}{row["k"]:>2} {row["method"]:<20}'
+      start = f'{row["model"]:<12}{row["k"]:>2} {row["method"]:<24}'
       print(f'{start}not measured: {row["error"]}', file=file)
     else:
       print(_line(row), file=file)

@@ -60,22 +60,30 @@ def time_window(trainer, index, k):
   return micro_step, end - middle, end - start
 
 
-def interleave(trainers, k, windows, warmup, after_first_window=None):
+def interleave(
+  trainers, k, windows, warmup, after_first_window=None, deadline=None
+):
   """Times ``warmup + windows`` windows of every trainer, round robin.
 
   Args:
     trainers: name -> ``_methods.Trainer``.
     k: micro-batches per window.
-    windows: windows timed (after warm-up).
+    windows: windows timed (after warm-up), at most.
     warmup: windows run first and not kept (the first call of a jitted
       function compiles it).
     after_first_window: called once every trainer has run one window.
+    deadline: a ``time.perf_counter()`` value: no round of windows starts
+      after it once 2 windows are timed (``benchmarks/device_check.py``
+      fits its windows into a time budget). None: no deadline.
 
   Returns:
     name -> :class:`Times` of the timed windows.
   """
   times = {name: Times([], [], []) for name in trainers}
   for index in range(warmup + windows):
+    timed = index - warmup
+    if deadline is not None and timed >= 2 and time.perf_counter() > deadline:
+      break
     for name, trainer in trainers.items():
       micro_step, closing_step, window = time_window(trainer, index, k)
       if index < warmup:

@@ -55,9 +55,11 @@ Methods (``--methods``; the train steps are in ``_methods.py``,
   ``tokacc.microbatched_value_and_grad`` then AdamW.
 - ``EXPLICIT_METHODS``: ``tokacc_explicit_ddp``, ``token_weighted_multistep``
   under plain ``jax.jit`` on an explicit ``data`` mesh of ``--ddp-devices``
-  devices with parameters typed reduced, and its hand-written reference
-  ``ideal_explicit_ddp``; ``tokacc_explicit_ddp_host``, the same closed by
-  the host (two programs); ``tokacc_explicit_zero1``, the same with AdamW's
+  devices with parameters typed reduced, and its hand-written references
+  ``ideal_explicit_ddp`` (two programs) and ``ideal_explicit_ddp_one``
+  (one program that applies updates on every call, what
+  ``tokacc_explicit_ddp``'s ratios divide by); ``tokacc_explicit_ddp_host``,
+  the same closed by the host (two programs); ``tokacc_explicit_zero1``, the same with AdamW's
   state sharded over ``data`` (``init_sharded(...,
   shard_optimizer_over=('data',))``), and its hand-written reference
   ``ideal_explicit_zero1`` (one reduce-scatter, AdamW on the shards, one
@@ -68,7 +70,10 @@ Methods (``--methods``; the train steps are in ``_methods.py``,
 Models (``--models``): ``mlp`` and ``transformer`` in float32, and
 ``mlp_bf16``, the mixed-precision configuration: bfloat16 parameters and
 activations, float32 accumulators, AdamW with ``mu_dtype=jnp.float32``
-(``multisteps`` accumulates in bfloat16, as optax does).
+(``multisteps`` accumulates in bfloat16, as optax does); ``gpt2`` and
+``gpt2_bf16``, GPT-2 small (124M parameters) in float32 and in mixed
+precision, when named (``--short``: micro-batches of 2 x 64 tokens for a
+CPU; full: 8 x 1024).
 
 Exact methods (all but ``plain`` and ``multisteps``) hold the same
 parameters after the first window; the largest difference to their ideal
@@ -114,11 +119,13 @@ METHODS = (
 # instead of raising. Empty it once the library supports explicit sharding.
 MAY_FAIL = ()
 MODEL_NAMES = tuple(_models.MODELS)
+# GPT-2 small runs when named (--models gpt2,gpt2_bf16; device_check.py).
+DEFAULT_MODELS = ('mlp', 'transformer', 'mlp_bf16')
 SETTINGS = {
   # windows timed, warm-up windows, k values, models
-  'full': dict(windows=10, warmup=2, ks=(4, 8), models=MODEL_NAMES),
-  'short': dict(windows=4, warmup=1, ks=(4,), models=MODEL_NAMES),
-  'quick': dict(windows=1, warmup=1, ks=(2,), models=MODEL_NAMES),
+  'full': dict(windows=10, warmup=2, ks=(4, 8), models=DEFAULT_MODELS),
+  'short': dict(windows=4, warmup=1, ks=(4,), models=DEFAULT_MODELS),
+  'quick': dict(windows=1, warmup=1, ks=(2,), models=DEFAULT_MODELS),
 }
 
 

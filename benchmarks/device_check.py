@@ -1,0 +1,287 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""All the work a lent accelerator does, in one call of one command.
+
+  PYTHONPATH=. python benchmarks/device_check.py --out $OUT
+  python benchmarks/device_check.py --cpu --quick --out /tmp/check  # CI
+
+In order, within ``--budget-s`` seconds (default 420; windows are cut to
+fit, never the model):
+
+1. the single-device exactness tests (``TEST_FILES``, ``-k TEST_SELECT``)
+   on the accelerator, in a pytest subprocess with ``JAX_PLATFORMS`` and
+   ``OPTAX_TOKACC_TEST_PLATFORM`` (``tests/conftest.py``) set to it;
+2. GPT-2 small (124M parameters, 8 x 1024 tokens per micro-batch) in
+   float32 and in bfloat16 with a float32 accumulator, k = 4 and 8: per
+   window and per micro-step, for ``METHODS`` of ``run.py`` (the ideal's
+   two programs, the step the device closes, the host's two programs,
+   ``optax.MultiSteps``, a chained transform, the Flax ``TrainState``),
+   interleaved; compiled memory (``memory_analysis()``) and the seconds
+   each method took to set up (tracing and compiling its programs);
+3. whether the device-decided step's ``lax.cond`` makes the host wait:
+   windows dispatched without blocking, the host's time to dispatch a call
+   against the device's time per call (``_dispatch.py``), and the events
+   of a profile of one window, where JAX can read it back.
+
+Writes ``results.json``, ``results.md`` and ``tests.log`` to ``--out``
+(rewritten after each part, so a run cut short leaves what it measured),
+with the device, the JAX version and the command. A missing package or no
+accelerator: one line on stderr and exit status 2. ``--cpu`` runs on the
+CPU (no tests: CI runs them there); ``--quick`` at smoke-test sizes, 2
+windows and one test (``QUICK_TESTS``); ``--short`` with micro-batches of
+2 x 64 tokens (``run.py --short``'s GPT-2, for a CPU).
+"""
+
+import argparse
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+METHODS = (
+  'ideal',
+  'tokacc_device',
+  'tokacc_host',
+  'multisteps',
+  'tokacc_chain',
+  'tokacc_flax',
+)
+MODELS = ('gpt2', 'gpt2_bf16')
+KS = (4, 8)
+MAX_WINDOWS, WARMUP = 10, 1
+# Exactness on one device: the tests that need no mesh of several devices
+# and read no CPU-specific compiled program.
+TEST_FILES = (
+  'tests/test_multistep.py',
+  'tests/test_dtypes.py',
+  'tests/test_compensated.py',
+  'tests/test_microbatch.py',
+  'tests/test_losses.py',
+  'tests/test_composition.py',
+  'tests/test_boundaries.py',
+  'tests/test_reduction_modes.py',
+  'tests/test_long_run.py',
+  'tests/test_host_close.py',
+)
+TEST_SELECT = (
+  'not devices and not axis_name and not shard_map and not pmap and not '
+  'explicit and not zero1 and not programs and not untouched'
+)
+QUICK_TESTS = (
+  'tests/test_multistep.py::'
+  'test_mean_reduction_equals_full_batch_with_unequal_tokens',
+)
+PACKAGES = ('numpy', 'jax', 'optax', 'flax', 'optax_tokacc')
+
+
+def fail(message):
+  """One line on stderr, exit status 2: never a traceback."""
+  print(f'device_check: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument('--out', required=True, help='folder for the results')
+  parser.add_argument(
+    '--budget-s',
+    type=float,
+    default=420.0,
+    help='wall-clock seconds for all of it (default 420); windows are '
+    'cut to fit, the models never',
+  )
+  parser.add_argument('--cpu', action='store_true', help='run on the CPU')
+  parser.add_argument(
+    '--quick', action='store_true', help='smoke-test sizes (CI)'
+  )
+  parser.add_argument(
+    '--short',
+    action='store_true',
+    help="GPT-2 small's parameters, micro-batches of 2 x 64 tokens (a CPU)",
+  )
+  parser.add_argument(
+    '--models', default=','.join(MODELS), help='a rerun of some: gpt2_bf16'
+  )
+  parser.add_argument('--k', default=None, help='default 4,8 (--quick: 2)')
+  parser.add_argument('--skip-tests', action='store_true')
+  parser.add_argument(
+    '--test-workers', type=int, default=4, help='pytest-xdist workers'
+  )
+  args = parser.parse_args(argv)
+  if args.budget_s <= 0 or args.test_workers < 0:
+    parser.error('--budget-s must be > 0 and --test-workers >= 0.')
+  import _common  # noqa: PLC0415
+
+  try:
+    args.models = _common.parse_names(args.models, MODELS, 'model')
+    args.ks = _common.parse_ks(args.k) if args.k else (2,) * args.quick or KS
+  except ValueError as e:
+    parser.error(str(e))
+  return args
+
+
+def _first_line(error):
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
+
+
+def preflight(args):
+  """The packages and the device, else a one-line error."""
+  if args.cpu:
+    os.environ['JAX_PLATFORMS'] = 'cpu'
+  # Tests and benchmark share the GPU: each allocates what it uses.
+  os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
+  for name in PACKAGES:
+    try:
+      importlib.import_module(name)
+    except ImportError as e:
+      hint = ' (run from the repository root with PYTHONPATH=.)'
+      fail(f'missing package {name}: {_first_line(e)}{hint * (name[0] == "o")}')
+  import jax  # noqa: PLC0415
+
+  try:
+    device = jax.devices()[0]
+  except Exception as e:  # noqa: BLE001 - RuntimeError, or an assertion
+    platforms = os.environ.get('JAX_PLATFORMS', '(unset)')
+    fail(f'no JAX device (JAX_PLATFORMS={platforms}): {_first_line(e)}')
+  if not args.cpu and device.platform == 'cpu':
+    fail(
+      'no accelerator found: jax.devices() lists only CPUs (JAX '
+      f'{jax.__version__}); pass --cpu to check on the CPU.'
+    )
+  return device
+
+
+def _test_platform(device):
+  """What ``JAX_PLATFORMS`` names the device's platform."""
+  if device.platform != 'gpu':
+    return device.platform
+  version = getattr(device.client, 'platform_version', '').lower()
+  return 'rocm' if 'rocm' in version else 'cuda'
+
+
+def _kill_group(process):
+  try:
+    os.killpg(process.pid, signal.SIGKILL)
+  except OSError:
+    pass
+
+
+def _test_summary(output):
+  """The counts of pytest's last line (``3 failed, 10 passed in 4.2s``)."""
+  counts = {}
+  lines = [line for line in output.splitlines() if line.strip()]
+  last = lines[-1] if lines else ''
+  for part in last.strip('= ').split(','):
+    words = part.split()
+    if len(words) >= 2 and words[0].isdigit():
+      counts[words[1]] = int(words[0])
+  failed = [line for line in lines if line.startswith(('FAILED', 'ERROR'))]
+  return {'summary': last, 'counts': counts, 'failed': failed[:50]}
+
+
+def run_tests(args, device, seconds):
+  """The exactness tests in a pytest subprocess on the device's platform,
+  stopped (with its workers) after ``seconds``."""
+  platform = _test_platform(device)
+  tests = list(QUICK_TESTS) if args.quick else [*TEST_FILES, '-k', TEST_SELECT]
+  workers = 0 if args.quick else args.test_workers
+  command = [
+    sys.executable,
+    '-m',
+    'pytest',
+    '-q',
+    '-p',
+    'no:cacheprovider',
+    '-n',
+    str(workers),
+    '--timeout',
+    '120',
+    *tests,
+  ]
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS=platform,
+    OPTAX_TOKACC_TEST_PLATFORM=platform,
+    PYTHONPATH=os.pathsep.join(
+      filter(None, [REPO, os.environ.get('PYTHONPATH')])
+    ),
+  )
+  start = time.perf_counter()
+  process = subprocess.Popen(
+    command,
+    cwd=REPO,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,  # its xdist workers are stopped with it
+  )
+  try:
+    output, _ = process.communicate(timeout=seconds)
+    timed_out = False
+  except subprocess.TimeoutExpired:
+    _kill_group(process)
+    output, _ = process.communicate()
+    timed_out = True
+  with open(os.path.join(args.out, 'tests.log'), 'w') as f:
+    f.write(output)
+  return {
+    'platform': platform,
+    'command': ' '.join(command[1:]),
+    'returncode': process.returncode,
+    'timed_out': timed_out,
+    'seconds': time.perf_counter() - start,
+    **_test_summary(output),
+  }
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  start = time.perf_counter()
+  deadline = start + args.budget_s
+  os.makedirs(args.out, exist_ok=True)
+  device = preflight(args)
+  import _device_bench  # noqa: PLC0415 - after JAX_PLATFORMS is set.
+
+  results = _device_bench.header(args, device, argv)
+  _device_bench.write(args.out, results)
+  if args.skip_tests or (args.cpu and not args.quick):
+    why = '--skip-tests' if args.skip_tests else '--cpu (CI runs them)'
+    results['tests'] = {'skipped': why}
+  else:
+    seconds = min(180.0, 0.4 * args.budget_s)
+    print(f'tests on {device.platform}, at most {seconds:.0f} s', flush=True)
+    results['tests'] = run_tests(args, device, seconds)
+    print(results['tests']['summary'], flush=True)
+  _device_bench.write(args.out, results)
+  _device_bench.run(args, results, deadline)
+  results['wall_s'] = time.perf_counter() - start
+  _device_bench.write(args.out, results)
+  print(f'wrote {args.out}/results.json and results.md', flush=True)
+  return results
+
+
+if __name__ == '__main__':
+  main()
