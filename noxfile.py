@@ -76,7 +76,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=NEWEST)
 def docs(session: nox.Session) -> None:
   session.install('--upgrade', 'pip')
-  session.install('-e', '.[docs]')
+  session.install('-e', '.[docs,test]')  # test_docs.py runs under pytest
   html = pathlib.Path(session.create_tmp()) / 'html'
   session.run('python', '-m', 'sphinx', '-W', '--keep-going', '-q', '-b',
               'html', 'docs', str(html))  # fmt: skip
