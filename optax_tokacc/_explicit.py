@@ -48,8 +48,10 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
     return None
   parts = partitions(found)
   parts += (None,) * (len(jnp.shape(x)) - len(parts))
-  return with_unreduced(P(*parts, reduced=found.reduced), found.unreduced
-                        if unreduced else frozenset())
+  return with_unreduced(
+    P(*parts, reduced=found.reduced),
+    found.unreduced if unreduced else frozenset(),
+  )
 
 
 def with_unreduced(found: P, axes: frozenset) -> P:

@@ -160,3 +160,26 @@ class Single:
   def cond(self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops):
     """``lax.cond``, where the branches' outputs may differ in type."""
     return lax.cond(pred, true_fn, false_fn, *ops)
+
+  def norms(self, *trees: Any) -> jax.Array:
+    """The global L2 norms of ``trees`` (as ``inner`` takes and gives
+    them, whole here), as a float32 vector."""
+    return global_norms(trees, [()] * len(jax.tree.leaves(trees)))
+
+
+def global_norms(trees: tuple, over: list) -> jax.Array:
+  """The global L2 norms of ``trees`` (float32): each leaf's squares summed
+  in float32 or wider, then over the devices of the axes ``over`` gives
+  for it (one per leaf of ``trees``): one scalar ``psum`` per distinct set
+  of axes, as the norms of all the trees are summed together."""
+  sums, leaves = {}, [jax.tree.leaves(t) for t in trees]
+  axes = iter(over)
+  for i, tree_leaves in enumerate(leaves):
+    for x in tree_leaves:
+      wide = jnp.abs(x).astype(jnp.promote_types(x.dtype, jnp.float32))
+      part = sums.setdefault(next(axes), [jnp.float32(0)] * len(trees))
+      part[i] = part[i] + jnp.sum(wide * wide)
+  total = jnp.zeros(len(trees), jnp.float32)
+  for a, part in sums.items():
+    total += lax.psum(jnp.stack(part), a) if a else jnp.stack(part)
+  return jnp.sqrt(total).astype(jnp.float32)
