@@ -424,8 +424,9 @@ def test_hsdp_reduces_across_replicas_once_per_window():
   """Per micro-step, the reductions stay within ``fsdp`` groups (the
   forward pass's all-gathers of the shards are the user's code; with a
   replicated count and loss, so are its scalar sums); the closing branch
-  holds exactly one collective: an all-reduce over ``replica`` of the
-  accumulator shard (P / 2 per leaf), the count parts and the loss."""
+  holds an all-reduce over ``replica`` of the accumulator shard (P / 2 per
+  leaf), the count parts and the loss, and one scalar all-reduce over
+  ``fsdp`` of the squared norms of the shards (``window_metrics``)."""
   fsdp_groups = [[0, 1], [2, 3]]
   replica_groups = [[0, 2], [1, 3]]
   for spelling in ('replicated', 'unreduced'):
@@ -436,7 +437,9 @@ def test_hsdp_reduces_across_replicas_once_per_window():
       if spelling == 'replicated' and all(d == () for _, d in site.shapes):
         continue
       assert sorted(map(sorted, groups_of(site))) == fsdp_groups, site
-    (reduction,) = window
+    (norms,) = [s for s in window if sorted(s.shapes) == [('f32', (2,))]]
+    assert sorted(map(sorted, groups_of(norms))) == fsdp_groups
+    (reduction,) = [s for s in window if s is not norms]
     assert sorted(map(sorted, groups_of(reduction))) == replica_groups
     assert sorted(reduction.shapes) == sorted(
       [('f32', (4, 8)), ('f32', (4,)), ('f32', (4,)), ('f32', ())]
