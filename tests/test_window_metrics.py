@@ -276,3 +276,138 @@ def zero1_loss(params, batch):
   pred = batch['x'] @ params['w'] + bias
   per_token = jnp.sum((pred - batch['y']) ** 2, axis=-1)
   return jnp.sum(per_token * batch['mask'])
+
+
+def small_run(every_k=2):
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), every_k)
+  params = {'w': jnp.ones(3)}
+
+  @jax.jit
+  def step(state, grads, num_tokens):
+    return tx.update(grads, state, params, num_tokens=num_tokens, loss=2.0)[1]
+
+  return tx, params, step
+
+
+def as_tuple(metrics):
+  return tuple(np.asarray(x) for x in metrics)
+
+
+def test_nan_before_the_first_window_kept_by_empty_and_dropped_windows():
+  """Before the first window: NaN loss and norms, 0 tokens. A window
+  without tokens and one with an invalid count (dropped) emit nothing and
+  keep the last emitted window's metrics."""
+  tx, params, step = small_run()
+  state = tx.init(params)
+  first = tokacc.window_metrics(state)
+  assert np.isnan(first.loss) and int(first.tokens) == 0
+  assert np.isnan(first.grad_norm) and np.isnan(first.update_norm)
+  grads = {'w': jnp.array([3.0, 0.0, 4.0])}
+  for n in (1, 1):
+    state = step(state, grads, n)
+  emitted = as_tuple(tokacc.window_metrics(state))
+  # mean gradient [6, 0, 8] / 2: norm 5; the first momentum update is the
+  # gradient times the learning rate (exact in float32 up to one rounding)
+  np.testing.assert_allclose(emitted[2], 5.0, rtol=4 * U)
+  np.testing.assert_allclose(
+    emitted[3], harness.LEARNING_RATE * 5.0, rtol=4 * U
+  )
+  for counts in ((0, 0), (-1, 1)):  # empty, then dropped
+    for n in counts:
+      state = step(state, grads, n)
+    assert int(state.gradient_step) == 1
+    chex_equal(as_tuple(tokacc.window_metrics(state)), emitted)
+  assert int(state.dropped_windows) == 1
+
+
+def chex_equal(a, b):
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_checkpoint_mid_window_keeps_the_metrics():
+  """Saved (host copies) and restored one micro-step into the second
+  window, the state gives the same metrics, and the run goes on alike."""
+  tx, params, step = small_run()
+  state = tx.init(params)
+  grads = {'w': jnp.array([1.0, 2.0, 2.0])}
+  for n in (3, 1, 2):
+    state = step(state, grads, n)
+  saved = jax.device_get(tokacc.to_checkpoint(state))
+  restored = tokacc.from_checkpoint(saved, state)
+  chex_equal(
+    as_tuple(tokacc.window_metrics(restored)),
+    as_tuple(tokacc.window_metrics(state)),
+  )
+  chex_equal(
+    as_tuple(tokacc.window_metrics(step(restored, grads, 5))),
+    as_tuple(tokacc.window_metrics(step(state, grads, 5))),
+  )
+
+
+def test_acc_grads_alias_warns_and_reads_the_renamed_field():
+  tx, params, _ = small_run()
+  state = tx.init(params)
+  with pytest.warns(DeprecationWarning, match='acc_grad_sums'):
+    alias = state.acc_grads
+  assert alias is state.acc_grad_sums
+
+
+collectives = harness.load_collectives()
+
+
+def outside_branches(text, opcode):
+  """The ``opcode`` instructions that run on every call (not inside a
+  conditional's branches) of compiled HLO text."""
+  module = collectives.parse_hlo(text)
+  found, seen = [], set()
+
+  def visit(name):
+    if name in seen or name not in module.computations:
+      return
+    seen.add(name)
+    for instruction in module.computations[name]:
+      if instruction.opcode == opcode:
+        found.append(instruction)
+      for callee in instruction.callees:
+        visit(callee)
+
+  visit(module.entry)
+  return found
+
+
+def test_micro_step_gains_no_work():
+  """The norms are computed in the closing branch only (plain SGD takes
+  no square root of its own): a micro-step computes no norm. Without a
+  conditional, the host's micro-step (``close=False``) computes none
+  either. Collectives: ``test_explicit`` (DDP: the closing branch holds
+  the one reduction only; HSDP: plus the norms' scalar all-reduce) and
+  ``test_closing_collectives`` below."""
+  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2)
+  params = {'w': jnp.ones(37)}
+  state = tx.init(params)
+
+  @functools.partial(jax.jit, static_argnames='close')
+  def step(state, grads, close=None):
+    return tx.update(grads, state, params, num_tokens=2, close=close)
+
+  device = step.lower(state, params).compile().as_text()
+  assert 'sqrt' in device  # in the closing branch
+  assert outside_branches(device, 'sqrt') == []
+  host_micro = step.lower(state, params, close=False).compile().as_text()
+  assert 'sqrt' not in host_micro
+
+
+def test_closing_collectives():
+  """Where the gradient is whole (DDP) the norms cost no collective; where
+  it is split (FSDP, compiler-placed), one scalar all-reduce in the
+  closing branch; no micro-step collective is the norms'."""
+  every_step, window = test_explicit.compiled_sites('ddp', 'unreduced', sgd())
+  assert every_step == [] and len(window) == 1
+  every_step, window = test_explicit.compiled_sites('fsdp', 'replicated', sgd())
+  scalar = [s for s in window if all(d == () for _, d in s.shapes)]
+  assert len(scalar) == len(window) == 1
+
+
+def sgd():
+  return momentum_sgd()
