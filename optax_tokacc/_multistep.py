@@ -193,7 +193,7 @@ def _init(
   state = TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
-    acc_grad_sums=zeros(config.acc_dtype),
+    grad_sums=zeros(config.acc_dtype),
     acc_tokens=place.scalar_zeros(config.token_dtype),
     acc_loss=place.scalar_zeros(config.loss_dtype),
     inner_state=config.inner.init(params),
@@ -281,7 +281,7 @@ def _next_state(state, mini_step, close, closing, skip_state):
   emitted = closed.emitted
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
   return TokenWeightedMultiStepState(
-    **window._asdict(),  # acc_grad_sums, acc_compensation, acc_tokens, acc_loss
+    **window._asdict(),  # grad_sums, acc_compensation, acc_tokens, acc_loss
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
     gradient_step=_increment_if(emitted, state.gradient_step),
     inner_state=closing.inner_state,

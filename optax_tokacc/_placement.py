@@ -170,16 +170,12 @@ class Single:
 def global_norms(trees: tuple, over: list) -> jax.Array:
   """The global L2 norms of ``trees`` (float32): each leaf's squares summed
   in float32 or wider, then over the devices of the axes ``over`` gives
-  for it (one per leaf of ``trees``): one scalar ``psum`` per distinct set
-  of axes, as the norms of all the trees are summed together."""
-  sums, leaves = {}, [jax.tree.leaves(t) for t in trees]
-  axes = iter(over)
-  for i, tree_leaves in enumerate(leaves):
-    for x in tree_leaves:
-      wide = jnp.abs(x).astype(jnp.promote_types(x.dtype, jnp.float32))
-      part = sums.setdefault(next(axes), [jnp.float32(0)] * len(trees))
-      part[i] = part[i] + jnp.sum(wide * wide)
-  total = jnp.zeros(len(trees), jnp.float32)
-  for a, part in sums.items():
-    total += lax.psum(jnp.stack(part), a) if a else jnp.stack(part)
-  return jnp.sqrt(total).astype(jnp.float32)
+  for it (one entry per leaf of ``trees``): one scalar ``psum`` per
+  distinct set of axes, the trees' norms summed together."""
+  sums = {a: jnp.zeros(len(trees), jnp.float32) for a in over}
+  leaves = [(i, x) for i, t in enumerate(trees) for x in jax.tree.leaves(t)]
+  for (i, x), axes in zip(leaves, over):
+    wide = jnp.abs(x).astype(jnp.promote_types(x.dtype, jnp.float32))
+    sums[axes] = sums[axes].at[i].add(jnp.sum(wide * wide))
+  total = [lax.psum(s, a) if a else s for a, s in sums.items()]
+  return jnp.sqrt(sum(total, jnp.zeros(len(trees)))).astype(jnp.float32)

@@ -51,7 +51,7 @@ class TokenWeightedMultiStepState(NamedTuple):
       ``should_skip_update_fn`` does not advance it; with ``axis_name`` it
       advances on every call, so that all devices close the window together.
     gradient_step: optimizer updates emitted so far (int32, saturating).
-    acc_grad_sums: *per device*. During a window, the token-*summed*
+    grad_sums: *per device*. During a window, the token-*summed*
       gradients of its micro-batches so far (not their mean: not what
       ``optax.MultiSteps``' ``acc_grads`` holds), in the accumulator dtype,
       shaped (and sharded) like the parameters. Right after an emitting step
@@ -74,8 +74,8 @@ class TokenWeightedMultiStepState(NamedTuple):
       last call; ``()`` without one.
     emitted: whether the call that returned this state emitted an update.
     acc_compensation: *per device*. With ``compensated=True``, the rounding
-      error of ``acc_grad_sums`` (Kahan summation), a tree like ``acc_grad_sums``;
-      scratch right after an emitting step, like ``acc_grad_sums`` (the next
+      error of ``grad_sums`` (Kahan summation), a tree like ``grad_sums``;
+      scratch right after an emitting step, like ``grad_sums`` (the next
       micro-step restarts it); ``()`` otherwise.
     dropped_windows: windows dropped because their token count was invalid
       (int32, saturating). A dropped window emits zero updates and no step.
@@ -86,7 +86,7 @@ class TokenWeightedMultiStepState(NamedTuple):
 
   mini_step: jax.typing.ArrayLike
   gradient_step: jax.typing.ArrayLike
-  acc_grad_sums: optax.Updates
+  grad_sums: optax.Updates
   acc_tokens: jax.typing.ArrayLike
   acc_loss: jax.typing.ArrayLike
   inner_state: optax.OptState
@@ -101,15 +101,12 @@ class TokenWeightedMultiStepState(NamedTuple):
 
   @property
   def acc_grads(self) -> optax.Updates:
-    """Renamed :attr:`acc_grad_sums` (a read-only alias that warns)."""
-    warnings.warn(
-      'TokenWeightedMultiStepState.acc_grads is now acc_grad_sums: the '
-      "window's token-summed gradients (not optax.MultiSteps' running mean), "
-      'scratch right after a window closes. Log tokacc.window_metrics(state).',
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return self.acc_grad_sums
+    """Renamed :attr:`grad_sums` (a read-only alias that warns): the
+    window's token-summed gradients, not ``optax.MultiSteps``' running
+    mean, and scratch right after a window closes."""
+    msg = 'acc_grads is grad_sums now (token sums); log tokacc.window_metrics'
+    warnings.warn(msg, DeprecationWarning, stacklevel=2)
+    return self.grad_sums
 
 
 # The window's sums (``_window.Window``) and the skip state.

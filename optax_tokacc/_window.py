@@ -38,7 +38,7 @@ from optax_tokacc import _validation
 class Window(NamedTuple):
   """The window's sums so far, this device's share (see the state)."""
 
-  acc_grad_sums: optax.Updates
+  grad_sums: optax.Updates
   acc_compensation: optax.Updates
   acc_tokens: jax.Array
   acc_loss: jax.Array
@@ -101,26 +101,19 @@ def add(
       grad = place.scale(grad, micro.count.astype(grad.dtype))
     return grad if adds is None else jnp.where(adds, grad, jnp.zeros_like(grad))
 
-  def accumulate(acc_grad_sums, acc_compensation, addends, restart):
+  def accumulate(grad_sums, acc_compensation, addends, restart):
     return _compensated.accumulate(
-      acc_grad_sums,
-      acc_compensation,
-      addends,
-      restart,
-      config.compensated,
-      select,
+      grad_sums, acc_compensation, addends, restart, config.compensated, select
     )
 
-  addends = jax.tree.map(addend, window.acc_grad_sums, micro.grads)
-  args = (window.acc_grad_sums, window.acc_compensation, addends, restart)
+  addends = jax.tree.map(addend, window.grad_sums, micro.grads)
+  args = (window.grad_sums, window.acc_compensation, addends, restart)
   if config.compensated or select:  # not linear: on each device's share
-    acc_grad_sums, acc_compensation = place.per_device(
-      accumulate, args, args[:2]
-    )
+    grad_sums, acc_compensation = place.per_device(accumulate, args, args[:2])
   else:
-    acc_grad_sums, acc_compensation = accumulate(*args)
+    grad_sums, acc_compensation = accumulate(*args)
   acc_tokens, acc_loss = _add_scalars(config, place, window, micro, adds)
-  return Window(acc_grad_sums, acc_compensation, acc_tokens, acc_loss)
+  return Window(grad_sums, acc_compensation, acc_tokens, acc_loss)
 
 
 def _add_scalars(config, place, window, micro, adds):
