@@ -364,9 +364,9 @@ def optimizer_bytes_per_device(state):
 def accumulator_bytes_per_device(state):
   """Bytes of the gradient accumulator held by one device."""
   if isinstance(state, optax.MultiStepsState):
-    acc = state.acc_grads
+    acc = state.grad_sums
   else:
-    acc = tokacc.find_state(state).acc_grads
+    acc = tokacc.find_state(state).grad_sums
   return sum(
     leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(acc)
   )

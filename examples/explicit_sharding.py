@@ -384,7 +384,7 @@ def main(argv=None) -> None:
       )
     print(
       f'{args.mesh}: parameters typed {specs["w_in"]}; accumulator typed '
-      f'{jax.typeof(opt_state.acc_grads["w_in"])}.'
+      f'{jax.typeof(opt_state.grad_sums["w_in"])}.'
     )
     print(describe_optimizer_state(opt_state, shard_over))
     params, windows, losses = train(

@@ -36,15 +36,18 @@ from optax_tokacc._sharding import init_sharded
 from optax_tokacc._sharding import state_partition_specs
 from optax_tokacc._sharding import state_shardings
 from optax_tokacc._state import TokenWeightedMultiStepState
+from optax_tokacc._state import WindowMetrics
 from optax_tokacc._state import apply_if_updated
 from optax_tokacc._state import find_state
 from optax_tokacc._state import has_updated
 from optax_tokacc._state import window_loss
+from optax_tokacc._state import window_metrics
 
 __version__ = '0.3.0'
 
 __all__ = (
   'TokenWeightedMultiStepState',
+  'WindowMetrics',
   'apply_if_updated',
   'find_state',
   'has_updated',
@@ -58,5 +61,6 @@ __all__ = (
   'token_cross_entropy',
   'token_weighted_multistep',
   'window_loss',
+  'window_metrics',
   'with_input_checks',
 )

@@ -61,11 +61,11 @@ def to_checkpoint(tree: Any) -> Any:
     ...   state = tx.init(params)
     ...   saved = tokacc.to_checkpoint(state)  # what orbax saves
     ...   restored = tokacc.from_checkpoint(saved, like=state)
-    >>> print(jax.typeof(state.acc_grads['w']))  # partial sums
+    >>> print(jax.typeof(state.grad_sums['w']))  # partial sums
     float32[3]{U:data}
-    >>> print(jax.typeof(saved.acc_grads['w']))  # one row per device
+    >>> print(jax.typeof(saved.grad_sums['w']))  # one row per device
     float32[2@data,3]
-    >>> print(jax.typeof(restored.acc_grads['w']))
+    >>> print(jax.typeof(restored.grad_sums['w']))
     float32[3]{U:data}
 
     With orbax, restore into the structure of ``tx.init`` of parameters

@@ -100,12 +100,13 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
     mean_grads, plain_inner, place.for_inner(params), **extra.args, **value
   )
   new_inner = optax.tree.cast_like(new_inner, opt_state)
+  norms = place.norms(mean_grads, updates)  # what inner got, and gave
   if emitted is not None:
     updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
     new_inner = optax.tree.where(emitted, new_inner, plain_inner)
   if params is not None:
     updates = place.like(updates, params)
-  return updates, place.like(new_inner, opt_state)
+  return updates, place.like(new_inner, opt_state), norms
 
 
 def close_now(config, place, grads, window, inner_state, params, extra):
@@ -114,8 +115,9 @@ def close_now(config, place, grads, window, inner_state, params, extra):
   Returns a :class:`Closing`, as :func:`close_if`."""
   _, step = _inner(config, place, grads, inner_state, params, extra)
   summed, closed = _reduce(config, place, window)
-  updates, inner_state = step(summed, inner_state, params, closed.emitted)
-  return Closing(updates, reset_if(place, True, window), inner_state, closed)
+  out = step(summed, inner_state, params, closed.emitted)
+  closed = Closed(*closed[:4], *out[2])
+  return Closing(out[0], reset_if(place, True, window), out[1], closed)
 
 
 def keep_open(config, place, grads, window, inner_state, params, extra):
@@ -136,9 +138,9 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
   the ``cond`` twice is copied on every micro-step.
   """
   shapes, inner_step = _inner(config, place, grads, inner_state, params, extra)
-  buffer = _holds_exactly(place, window.acc_grads, shapes)
+  buffer = _holds_exactly(place, window.grad_sums, shapes)
 
-  def hold(updates, acc_grads):
+  def hold(updates, grad_sums):
     """What the closing branch returns in place of the updates (None: no
     updates): written into the accumulator's buffer where it can hold them
     exactly (``buffer``), so that a micro-step writes no parameter-sized
@@ -148,17 +150,17 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     if not buffer:
       return _zeros(shapes) if updates is None else updates
     if updates is None:
-      return acc_grads
-    held = optax.tree.cast_like(updates, acc_grads)
-    return jax.tree.map(place.same_values, held, acc_grads)
+      return grad_sums
+    held = optax.tree.cast_like(updates, grad_sums)
+    return jax.tree.map(place.same_values, held, grad_sums)
 
-  def step(acc_grads, summed, inner_state, params):
-    updates, new_inner = inner_step(summed, inner_state, params)
-    return hold(updates, acc_grads), new_inner
+  def step(grad_sums, summed, inner_state, params):
+    updates, new_inner, norms = inner_step(summed, inner_state, params)
+    return hold(updates, grad_sums), new_inner, norms
 
-  def no_step(acc_grads, summed, inner_state, params):
+  def no_step(grad_sums, summed, inner_state, params):
     del summed, params
-    return hold(None, acc_grads), inner_state
+    return hold(None, grad_sums), inner_state, jnp.full(2, jnp.nan, 'float32')
 
   def closing(window, inner_state, params):
     """Closes the window on the device, inside the outer ``cond``. A window
@@ -167,13 +169,13 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     old inner state would keep both alive (temporaries the size of the
     inner state on every step)."""
     summed, closed = _reduce(config, place, window)
-    operands = (window.acc_grads, summed, inner_state, params)
-    held, new_inner = place.cond(closed.emitted, step, no_step, *operands)
-    return held, new_inner, closed
+    ops = (window.grad_sums, summed, inner_state, params)
+    held, new_inner, norms = place.cond(closed.emitted, step, no_step, *ops)
+    return held, new_inner, Closed(*closed[:4], *norms)
 
   def accumulating(window, inner_state, params):
     del params
-    return hold(None, window.acc_grads), inner_state, _open(window)
+    return hold(None, window.grad_sums), inner_state, _open(window)
 
   held, inner_state, closed = place.cond(
     close, closing, accumulating, window, inner_state, params
@@ -189,7 +191,7 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     return place.per_device(_or_zeros, (h, closed.emitted), s).astype(s.dtype)
 
   updates = jax.tree.map(release, held, shapes)
-  return Closing(updates, window._replace(acc_grads=held), inner_state, closed)
+  return Closing(updates, window._replace(grad_sums=held), inner_state, closed)
 
 
 def _inner(config, place, grads, inner_state, params, extra):
@@ -224,7 +226,7 @@ def _raise(error: Exception, ours: Optional[Exception]) -> NoReturn:
   raise ours from error
 
 
-def _holds_exactly(place, acc_grads: optax.Updates, updates: Any) -> bool:
+def _holds_exactly(place, grad_sums: optax.Updates, updates: Any) -> bool:
   """Whether the accumulator's buffer can hold ``updates`` exactly: same
   shapes, a dtype that holds theirs, and what the placement allows."""
 
@@ -232,8 +234,8 @@ def _holds_exactly(place, acc_grads: optax.Updates, updates: Any) -> bool:
     dtype_holds = jnp.promote_types(a.dtype, u.dtype) == a.dtype
     return a.shape == u.shape and dtype_holds and place.can_hold(a, u)
 
-  same_tree = jax.tree.structure(acc_grads) == jax.tree.structure(updates)
-  return same_tree and jax.tree.all(jax.tree.map(holds, acc_grads, updates))
+  same_tree = jax.tree.structure(grad_sums) == jax.tree.structure(updates)
+  return same_tree and jax.tree.all(jax.tree.map(holds, grad_sums, updates))
 
 
 def _zeros(shapes: Any, fold: bool = False) -> Any:

@@ -62,7 +62,7 @@ def _restarted(trees, restart: jax.Array, select: bool = False):
 
 
 def accumulate(
-  acc_grads: optax.Updates,
+  grad_sums: optax.Updates,
   acc_compensation: optax.Updates,
   addends: optax.Updates,
   restart: jax.Array,
@@ -76,22 +76,22 @@ def accumulate(
   leak into the new window. ``acc_compensation`` is ``()`` when summation
   is not compensated.
   """
-  acc_grads, acc_compensation = _restarted(
-    (acc_grads, acc_compensation), restart, select
+  grad_sums, acc_compensation = _restarted(
+    (grad_sums, acc_compensation), restart, select
   )
   if not compensated:
-    addends = optax.tree.cast_like(addends, acc_grads)
-    return jax.tree.map(jnp.add, acc_grads, addends), ()
-  sums = jax.tree.map(_compensated_add, acc_grads, acc_compensation, addends)
-  return jax.tree.transpose(jax.tree.structure(acc_grads), None, sums)
+    addends = optax.tree.cast_like(addends, grad_sums)
+    return jax.tree.map(jnp.add, grad_sums, addends), ()
+  sums = jax.tree.map(_compensated_add, grad_sums, acc_compensation, addends)
+  return jax.tree.transpose(jax.tree.structure(grad_sums), None, sums)
 
 
 def window_sums(window, compensated: bool) -> optax.Updates:
   """The window's sums (``_window.Window``): with compensation, ``total +
   error`` in >= float32."""
   if not compensated:
-    return window.acc_grads
-  return jax.tree.map(_wide_sum, window.acc_grads, window.acc_compensation)
+    return window.grad_sums
+  return jax.tree.map(_wide_sum, window.grad_sums, window.acc_compensation)
 
 
 def _wide_sum(x: jax.Array, error: jax.Array) -> jax.Array:

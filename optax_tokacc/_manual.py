@@ -122,6 +122,16 @@ class Manual(_placement.Single):
 
     return lax.cond(pred, matched(true_fn), matched(false_fn), *ops)
 
+  def norms(self, *trees):
+    """Each leaf's squares summed over the manual axes it varies over (is
+    split over; none without variance tracking, where every leaf is
+    whole): no collective in data parallelism."""
+    leaves = jax.tree.leaves(trees)
+    over = [
+      tuple(sorted(varying_axes(x))) if self.tracked else () for x in leaves
+    ]
+    return _placement.global_norms(trees, over)
+
 
 def as_tuple(axis_name: AxisName) -> tuple[str, ...]:
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)

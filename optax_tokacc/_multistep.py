@@ -193,7 +193,7 @@ def _init(
   state = TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
-    acc_grads=zeros(config.acc_dtype),
+    grad_sums=zeros(config.acc_dtype),
     acc_tokens=place.scalar_zeros(config.token_dtype),
     acc_loss=place.scalar_zeros(config.loss_dtype),
     inner_state=config.inner.init(params),
@@ -202,6 +202,8 @@ def _init(
     emitted=jnp.zeros([], jnp.bool_),
     acc_compensation=zeros(config.acc_dtype) if config.compensated else (),
     dropped_windows=jnp.zeros([], jnp.int32),
+    last_grad_norm=jnp.full([], jnp.nan, jnp.float32),
+    last_update_norm=jnp.full([], jnp.nan, jnp.float32),
   )
   if config.should_skip_update_fn is not None:
     grads = zeros(jnp.result_type)
@@ -276,16 +278,21 @@ def _next_state(state, mini_step, close, closing, skip_state):
   """The state after this call: a closed window starts afresh (its
   parameter-sized buffers are restarted by its next micro-step)."""
   window, closed = closing.window, closing.closed
+  emitted = closed.emitted
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
   return TokenWeightedMultiStepState(
-    **window._asdict(),  # acc_grads, acc_compensation, acc_tokens, acc_loss
+    **window._asdict(),  # grad_sums, acc_compensation, acc_tokens, acc_loss
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
-    gradient_step=_increment_if(closed.emitted, state.gradient_step),
+    gradient_step=_increment_if(emitted, state.gradient_step),
     inner_state=closing.inner_state,
-    last_loss=jnp.where(closed.emitted, closed.mean_loss, state.last_loss),
-    last_tokens=jnp.where(closed.emitted, closed.tokens, state.last_tokens),
+    last_loss=jnp.where(emitted, closed.mean_loss, state.last_loss),
+    last_tokens=jnp.where(emitted, closed.tokens, state.last_tokens),
+    last_grad_norm=jnp.where(emitted, closed.grad_norm, state.last_grad_norm),
+    last_update_norm=jnp.where(
+      emitted, closed.update_norm, state.last_update_norm
+    ),
     skip_state=skip_state,
-    emitted=closed.emitted,
+    emitted=emitted,
     dropped_windows=_increment_if(dropped, state.dropped_windows),
   )
 

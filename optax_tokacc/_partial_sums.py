@@ -116,3 +116,10 @@ class PartialSums(_placement.Single):
       (sums, acc_tokens, acc_loss),
       _placement.Reduced(specs, P(), P()),
     )
+
+  def norms(self, *trees):
+    """On each device's share, summed over the axes each leaf is split
+    over: one scalar all-reduce where the leaves are split alike."""
+    over = [tuple(sorted(_explicit.sharded(x))) for x in jax.tree.leaves(trees)]
+    fn = lambda *trees: _placement.global_norms(trees, over)  # noqa: E731
+    return _explicit.local(fn, trees, P())

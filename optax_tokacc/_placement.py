@@ -160,3 +160,22 @@ class Single:
   def cond(self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops):
     """``lax.cond``, where the branches' outputs may differ in type."""
     return lax.cond(pred, true_fn, false_fn, *ops)
+
+  def norms(self, *trees: Any) -> jax.Array:
+    """The global L2 norms of ``trees`` (as ``inner`` takes and gives
+    them, whole here), as a float32 vector."""
+    return global_norms(trees, [()] * len(jax.tree.leaves(trees)))
+
+
+def global_norms(trees: tuple, over: list) -> jax.Array:
+  """The global L2 norms of ``trees`` (float32): each leaf's squares summed
+  in float32 or wider, then over the devices of the axes ``over`` gives
+  for it (one entry per leaf of ``trees``): one scalar ``psum`` per
+  distinct set of axes, the trees' norms summed together."""
+  sums = {a: jnp.zeros(len(trees), jnp.float32) for a in over}
+  leaves = [(i, x) for i, t in enumerate(trees) for x in jax.tree.leaves(t)]
+  for (i, x), axes in zip(leaves, over):
+    wide = jnp.abs(x).astype(jnp.promote_types(x.dtype, jnp.float32))
+    sums[axes] = sums[axes].at[i].add(jnp.sum(wide * wide))
+  total = [lax.psum(s, a) if a else s for a, s in sums.items()]
+  return jnp.sqrt(sum(total, jnp.zeros(len(trees)))).astype(jnp.float32)

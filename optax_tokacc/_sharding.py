@@ -150,7 +150,7 @@ def state_partition_specs(
     ...     optax.adam(0.1), 4, axis_name='data')
     >>> specs = tokacc.state_partition_specs(
     ...     tx, {'w': jnp.zeros((8, 2))}, axis_name='data')
-    >>> tuple(specs.acc_grads['w'])  # per device: its slot axis on 'data'
+    >>> tuple(specs.grad_sums['w'])  # per device: its slot axis on 'data'
     ('data',)
     >>> tuple(specs.inner_state[0].mu['w']), tuple(specs.mini_step)
     ((), ())
@@ -244,7 +244,7 @@ def state_shardings(
     >>> shardings = tokacc.state_shardings(
     ...     tx, {'w': jnp.zeros((8, 2))}, mesh,
     ...     param_specs={'w': jax.P('fsdp', None)})
-    >>> tuple(shardings.acc_grads['w'].spec)  # split like the parameter
+    >>> tuple(shardings.grad_sums['w'].spec)  # split like the parameter
     ('fsdp', None)
   """
   specs = state_partition_specs(
@@ -298,7 +298,7 @@ def init_sharded(
     ...     optax.adam(0.1), 4, axis_name='data')
     >>> state = tokacc.init_sharded(
     ...     tx, {'w': jnp.zeros((8, 2))}, mesh, axis_name='data')
-    >>> state.acc_grads['w'].shape  # one accumulator slot per device
+    >>> state.grad_sums['w'].shape  # one accumulator slot per device
     (2, 8, 2)
   """
   specs = state_partition_specs(

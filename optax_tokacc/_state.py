@@ -18,10 +18,11 @@
 restored by orbax as a plain pytree. The helpers find it inside a chain's
 state (:func:`find_state`) and read what users log: whether the last call
 emitted an update (:func:`has_updated`) and the exact token-mean loss of the
-last window (:func:`window_loss`).
+last window (:func:`window_loss`), and its norms (:func:`window_metrics`).
 """
 
 from typing import Any, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -50,12 +51,15 @@ class TokenWeightedMultiStepState(NamedTuple):
       ``should_skip_update_fn`` does not advance it; with ``axis_name`` it
       advances on every call, so that all devices close the window together.
     gradient_step: optimizer updates emitted so far (int32, saturating).
-    acc_grads: *per device*. During a window, the token-summed gradients of
-      its micro-batches so far, in the accumulator dtype, shaped (and
-      sharded) like the parameters. Right after an emitting step the buffer
-      is scratch: it may hold the emitted updates (reusing it saves a
-      parameter-sized write on every micro-step); the next micro-step
-      zeroes it before adding (a ``lax.cond``), never reads it.
+    grad_sums: *per device*. During a window, the token-*summed*
+      gradients of its micro-batches so far (not their mean: not what
+      ``optax.MultiSteps``' ``acc_grads`` holds), in the accumulator dtype,
+      shaped (and sharded) like the parameters. Right after an emitting step
+      the buffer is scratch: it may hold the emitted updates (reusing it
+      saves a parameter-sized write on every micro-step); the next
+      micro-step zeroes it before adding (a ``lax.cond``), never reads it.
+      Log :func:`window_metrics` instead. (Named ``acc_grads`` before 0.4;
+      that name is a read-only alias now, which warns.)
     acc_tokens: *per device*. Counted tokens of the current window; -1 once
       the window is invalid (a negative, NaN, fractional or out-of-range
       ``num_tokens``), and such a window is dropped when it closes.
@@ -70,16 +74,19 @@ class TokenWeightedMultiStepState(NamedTuple):
       last call; ``()`` without one.
     emitted: whether the call that returned this state emitted an update.
     acc_compensation: *per device*. With ``compensated=True``, the rounding
-      error of ``acc_grads`` (Kahan summation), a tree like ``acc_grads``;
-      scratch right after an emitting step, like ``acc_grads`` (the next
+      error of ``grad_sums`` (Kahan summation), a tree like ``grad_sums``;
+      scratch right after an emitting step, like ``grad_sums`` (the next
       micro-step restarts it); ``()`` otherwise.
     dropped_windows: windows dropped because their token count was invalid
       (int32, saturating). A dropped window emits zero updates and no step.
+    last_grad_norm: global L2 norm of the last emitted window's token-mean
+      gradient (what ``inner`` received), float32; NaN before the first.
+    last_update_norm: global L2 norm of its emitted update, likewise.
   """
 
   mini_step: jax.typing.ArrayLike
   gradient_step: jax.typing.ArrayLike
-  acc_grads: optax.Updates
+  grad_sums: optax.Updates
   acc_tokens: jax.typing.ArrayLike
   acc_loss: jax.typing.ArrayLike
   inner_state: optax.OptState
@@ -89,6 +96,17 @@ class TokenWeightedMultiStepState(NamedTuple):
   emitted: jax.typing.ArrayLike = np.bool_(False)
   acc_compensation: optax.Updates = ()
   dropped_windows: jax.typing.ArrayLike = np.int32(0)
+  last_grad_norm: jax.typing.ArrayLike = np.float32(np.nan)
+  last_update_norm: jax.typing.ArrayLike = np.float32(np.nan)
+
+  @property
+  def acc_grads(self) -> optax.Updates:
+    """Renamed :attr:`grad_sums` (a read-only alias that warns): the
+    window's token-summed gradients, not ``optax.MultiSteps``' running
+    mean, and scratch right after a window closes."""
+    msg = 'acc_grads is grad_sums now (token sums); log tokacc.window_metrics'
+    warnings.warn(msg, DeprecationWarning, stacklevel=2)
+    return self.grad_sums
 
 
 # The window's sums (``_window.Window``) and the skip state.
@@ -224,6 +242,57 @@ def window_loss(opt_state: optax.OptState) -> jax.Array:
     Array(2.5, dtype=float32)
   """
   return jnp.asarray(find_state(opt_state).last_loss)
+
+
+class WindowMetrics(NamedTuple):
+  """What a trainer logs of the last emitted window (:func:`window_metrics`)."""
+
+  loss: jax.Array  # token-mean loss (window_loss)
+  tokens: jax.Array  # counted tokens, over all devices
+  grad_norm: jax.Array  # global L2 norm of the token-mean gradient
+  update_norm: jax.Array  # global L2 norm of the emitted update
+
+
+def window_metrics(opt_state: optax.OptState) -> WindowMetrics:
+  """The last emitted window's metrics, as full-batch training logs them.
+
+  Computed once, when the window closes, in every placement: its token-mean
+  loss (:func:`window_loss`), its counted tokens over all devices, the
+  global L2 norm of its token-mean gradient (what ``inner`` received,
+  before any clipping in ``inner``) and that of the emitted update. Loss
+  and norms are NaN before the first window; a window that emits nothing
+  (no tokens, or an invalid count: dropped) keeps the last emitted
+  window's metrics, as ``gradient_step`` keeps its count. Reading them
+  costs nothing; computing them costs no micro-step any work, and the
+  closing step at most one scalar collective (none where the gradient is
+  whole on every device).
+
+  Args:
+    opt_state: the state of :func:`token_weighted_multistep`, or of a
+      transformation containing it (e.g. ``optax.chain``).
+
+  Returns:
+    A :class:`WindowMetrics` of scalars.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_tokacc as tokacc
+    >>> tx = tokacc.token_weighted_multistep(optax.sgd(0.5), every_k_schedule=2)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> tokacc.window_metrics(state).grad_norm  # no window yet
+    Array(nan, dtype=float32)
+    >>> _, state = tx.update({'w': jnp.array([6., 0.])}, state, params,
+    ...                      num_tokens=3, loss=6.0)
+    >>> _, state = tx.update({'w': jnp.array([0., 8.])}, state, params,
+    ...                      num_tokens=1, loss=2.0)
+    >>> m = tokacc.window_metrics(state)  # mean gradient [6, 8] / 4
+    >>> print(m.loss, m.tokens, m.grad_norm, m.update_norm)
+    2.0 4 2.5 1.25
+  """
+  state = find_state(opt_state)
+  fields = ('last_loss', 'last_tokens', 'last_grad_norm', 'last_update_norm')
+  return WindowMetrics(*(jnp.asarray(getattr(state, f)) for f in fields))
 
 
 def apply_if_updated(

@@ -236,8 +236,8 @@ def state_matches(config: Config, grads: Any, state: Any, params: Any) -> None:
   which the parameter is split (each device would add a different shard
   into one sum).
   """
-  tree(grads, state.acc_grads, 'the accumulator')
-  acc_leaves = jax.tree.leaves(state.acc_grads)
+  tree(grads, state.grad_sums, 'the accumulator')
+  acc_leaves = jax.tree.leaves(state.grad_sums)
   compensated = bool(jax.tree.leaves(state.acc_compensation))
   if acc_leaves and compensated != config.compensated:
     raise TypeError(
@@ -258,7 +258,7 @@ def state_matches(config: Config, grads: Any, state: Any, params: Any) -> None:
   grad_leaves = jax.tree.leaves(grads)
   param_leaves = jax.tree.leaves(params) or [None] * len(grad_leaves)
   for grad, acc, param in zip(grad_leaves, acc_leaves, param_leaves):
-    _state_dtype('acc_grads', acc, config.acc_dtype(grad))
+    _state_dtype('grad_sums', acc, config.acc_dtype(grad))
     _leaf_matches(grad, acc, param, axes)
 
 

@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_tokacc import _compensated
@@ -37,7 +38,7 @@ from optax_tokacc import _validation
 class Window(NamedTuple):
   """The window's sums so far, this device's share (see the state)."""
 
-  acc_grads: optax.Updates
+  grad_sums: optax.Updates
   acc_compensation: optax.Updates
   acc_tokens: jax.Array
   acc_loss: jax.Array
@@ -59,6 +60,9 @@ class Closed(NamedTuple):
   valid: jax.Array  # whether the window's count was valid
   tokens: jax.Array  # the window's counted tokens, over all devices
   mean_loss: jax.Array  # its token-mean loss
+  # the global norms of its token-mean gradient and of the emitted update
+  grad_norm: jax.Array = np.float32(np.nan)
+  update_norm: jax.Array = np.float32(np.nan)
 
 
 def micro_batch(config, place, grads, num_tokens, loss, keep) -> MicroBatch:
@@ -97,19 +101,19 @@ def add(
       grad = place.scale(grad, micro.count.astype(grad.dtype))
     return grad if adds is None else jnp.where(adds, grad, jnp.zeros_like(grad))
 
-  def accumulate(acc_grads, acc_compensation, addends, restart):
+  def accumulate(grad_sums, acc_compensation, addends, restart):
     return _compensated.accumulate(
-      acc_grads, acc_compensation, addends, restart, config.compensated, select
+      grad_sums, acc_compensation, addends, restart, config.compensated, select
     )
 
-  addends = jax.tree.map(addend, window.acc_grads, micro.grads)
-  args = (window.acc_grads, window.acc_compensation, addends, restart)
+  addends = jax.tree.map(addend, window.grad_sums, micro.grads)
+  args = (window.grad_sums, window.acc_compensation, addends, restart)
   if config.compensated or select:  # not linear: on each device's share
-    acc_grads, acc_compensation = place.per_device(accumulate, args, args[:2])
+    grad_sums, acc_compensation = place.per_device(accumulate, args, args[:2])
   else:
-    acc_grads, acc_compensation = accumulate(*args)
+    grad_sums, acc_compensation = accumulate(*args)
   acc_tokens, acc_loss = _add_scalars(config, place, window, micro, adds)
-  return Window(acc_grads, acc_compensation, acc_tokens, acc_loss)
+  return Window(grad_sums, acc_compensation, acc_tokens, acc_loss)
 
 
 def _add_scalars(config, place, window, micro, adds):

@@ -80,6 +80,12 @@ class _Accumulating:
     """
     return jnp.asarray(self._acc_state().last_loss)
 
+  @property
+  def window_metrics(self) -> optax_tokacc.WindowMetrics:
+    """The last emitted window's loss, tokens and norms
+    (:func:`optax_tokacc.window_metrics`)."""
+    return optax_tokacc.window_metrics(self._acc_state())
+
 
 class TrainState(train_state.TrainState, _Accumulating):
   r"""A linen ``TrainState`` whose ``step`` counts optimizer updates.

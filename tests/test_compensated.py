@@ -124,13 +124,13 @@ def test_compensation_state_layout_and_reset():
     optax.sgd(1.0), 2, accumulator_dtype=jnp.bfloat16, compensated=True
   )
   state = tx.init(params)
-  chex.assert_trees_all_equal_structs(state.acc_compensation, state.acc_grads)
-  chex.assert_trees_all_equal_dtypes(state.acc_compensation, state.acc_grads)
+  chex.assert_trees_all_equal_structs(state.acc_compensation, state.grad_sums)
+  chex.assert_trees_all_equal_dtypes(state.acc_compensation, state.grad_sums)
   grads = {'w': jnp.full((3,), 1.0 + 2.0**-10), 'b': jnp.bfloat16(1.0)}
   step = jax.jit(functools.partial(tx.update, num_tokens=1))
   updates, state = step(grads, state, params)
   # 1 + 2**-10 is not a bf16 number: the rest sits in the compensation.
-  np.testing.assert_array_equal(state.acc_grads['w'], np.ones(3))
+  np.testing.assert_array_equal(state.grad_sums['w'], np.ones(3))
   np.testing.assert_array_equal(
     np.asarray(state.acc_compensation['w'], np.float32), np.full(3, 2.0**-10)
   )
@@ -141,7 +141,7 @@ def test_compensation_state_layout_and_reset():
   _, state = step(grads, state, params)
   _, fresh = step(grads, tx.init(params), params)
   chex.assert_trees_all_equal(state.acc_compensation, fresh.acc_compensation)
-  chex.assert_trees_all_equal(state.acc_grads, fresh.acc_grads)
+  chex.assert_trees_all_equal(state.grad_sums, fresh.grad_sums)
   assert tx.init(params)._fields == state._fields
   plain = tokacc.token_weighted_multistep(optax.sgd(1.0), 2).init(params)
   assert plain.acc_compensation == ()

@@ -305,7 +305,7 @@ def test_acc_grads_sharding_equals_params_sharding():
   def on_step(params, state):
     calls.append(state.emitted)
     assert not params['w'].sharding.is_fully_replicated
-    assert_same_sharding(state.acc_grads, params)
+    assert_same_sharding(state.grad_sums, params)
 
   params, _ = harness.train_sharded_jit(
     tx, harness.init_params(), windows, mesh, axes, on_step=on_step
@@ -328,7 +328,7 @@ def test_jit_init_keeps_sharding_on_explicit_mesh():
       harness.put, harness.init_params(), harness.fsdp_shardings(mesh, 'data')
     )
     state = jax.jit(tx.init)(params)
-  assert_same_sharding(state.acc_grads, params)
+  assert_same_sharding(state.grad_sums, params)
 
 
 # Bad input.

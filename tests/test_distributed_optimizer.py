@@ -309,7 +309,7 @@ def test_state_is_sharded_and_a_fixed_point_of_the_step(
     init_params()['w'].nbytes // NUM_DEVICES
   }
   assert trace['b'].addressable_shards[0].data.shape == (3,)
-  assert str(jax.typeof(state.acc_grads['w'])) == acc_type
+  assert str(jax.typeof(state.grad_sums['w'])) == acc_type
   _, trained = train(windows, layout=layout)
   types = jax.tree.map(lambda x: str(jax.typeof(x)), state)
   assert jax.tree.map(lambda x: str(jax.typeof(x)), trained) == types

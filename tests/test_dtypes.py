@@ -242,9 +242,9 @@ def test_dtype_pair_equals_full_batch(param_name, grad_name):
       assert dtypes_of(state.inner_state) == inner_dtypes, (
         f'{name}: the inner state changed dtypes'
       )
-      assert set(jax.tree.leaves(dtypes_of(state.acc_grads))) == {
+      assert set(jax.tree.leaves(dtypes_of(state.grad_sums))) == {
         jnp.dtype(jnp.float32)
-      }, f'{name}: acc_grads not float32'
+      }, f'{name}: grad_sums not float32'
     for window_params in actual_params:
       assert dtypes_of(window_params) == dtypes_of(params[name]), (
         f'{name}: the parameters changed dtypes'

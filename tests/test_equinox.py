@@ -266,10 +266,10 @@ def test_frozen_field_gradients_are_none_and_accumulator_skips_them():
   _, opt_state, grads = train_step(model, opt_state, batch, spec, tx)
   assert grads.offset is None and grads.feature_order is None
   assert grads.width is None
-  acc_grads = tokacc.find_state(opt_state).acc_grads
-  assert acc_grads.offset is None and acc_grads.feature_order is None
-  chex.assert_trees_all_equal_structs(acc_grads, grads)
+  grad_sums = tokacc.find_state(opt_state).grad_sums
+  assert grad_sums.offset is None and grad_sums.feature_order is None
+  chex.assert_trees_all_equal_structs(grad_sums, grads)
   # It holds the micro-batch's token-summed gradients, bit for bit: the
   # window's first micro-step adds them to zeros (0 + g is g exactly, with
   # compensation too: its error term is 0 + 0).
-  chex.assert_trees_all_equal(acc_grads, grads)
+  chex.assert_trees_all_equal(grad_sums, grads)

@@ -328,7 +328,7 @@ def test_accumulator_typed_like_the_gradients(layout, acc_type, tokens_type):
       jax.jit(tx.init)(params),
       tokacc.init_sharded(tx, params, mesh),
     ):
-      assert str(jax.typeof(state.acc_grads['w'])) == acc_type
+      assert str(jax.typeof(state.grad_sums['w'])) == acc_type
       assert str(jax.typeof(state.acc_tokens)) == tokens_type
       assert str(jax.typeof(state.acc_loss)) == tokens_type.replace(
         'int32', 'float32'
@@ -336,12 +336,12 @@ def test_accumulator_typed_like_the_gradients(layout, acc_type, tokens_type):
       mu = state.inner_state[0].mu['w']
       assert jax.typeof(mu) == jax.typeof(params['w'])
     shardings = tokacc.state_shardings(tx, params, mesh)
-    acc_spec = jax.typeof(state.acc_grads['w']).sharding.spec
-    assert shardings.acc_grads['w'].spec.unreduced == acc_spec.unreduced
+    acc_spec = jax.typeof(state.grad_sums['w']).sharding.spec
+    assert shardings.grad_sums['w'].spec.unreduced == acc_spec.unreduced
     assert shardings.acc_tokens.spec == P(unreduced=acc_spec.unreduced)
     specs_out = tokacc.state_partition_specs(tx, params)
-    assert set(specs_out.acc_grads['w'].unreduced) == set(
-      jax.typeof(state.acc_grads['w']).sharding.spec.unreduced
+    assert set(specs_out.grad_sums['w'].unreduced) == set(
+      jax.typeof(state.grad_sums['w']).sharding.spec.unreduced
     )
     assert set(specs_out.inner_state[0].mu['w'].reduced) == set(
       jax.typeof(params['w']).sharding.spec.reduced
@@ -356,7 +356,7 @@ def test_accumulator_bytes_per_device():
     make_mesh, specs = LAYOUTS[layout]
     with jax.set_mesh(make_mesh()):
       params = place_params(harness.init_params(), make_mesh(), specs)
-      acc = tx.init(params).acc_grads['w']
+      acc = tx.init(params).grad_sums['w']
       assert {s.data.nbytes for s in acc.addressable_shards} == {expected}
 
 
@@ -422,8 +422,9 @@ def test_hsdp_reduces_across_replicas_once_per_window():
   """Per micro-step, the reductions stay within ``fsdp`` groups (the
   forward pass's all-gathers of the shards are the user's code; with a
   replicated count and loss, so are its scalar sums); the closing branch
-  holds exactly one collective: an all-reduce over ``replica`` of the
-  accumulator shard (P / 2 per leaf), the count parts and the loss."""
+  holds an all-reduce over ``replica`` of the accumulator shard (P / 2 per
+  leaf), the count parts and the loss, and one scalar all-reduce over
+  ``fsdp`` of the squared norms of the shards (``window_metrics``)."""
   fsdp_groups = [[0, 1], [2, 3]]
   replica_groups = [[0, 2], [1, 3]]
   for spelling in ('replicated', 'unreduced'):
@@ -434,7 +435,9 @@ def test_hsdp_reduces_across_replicas_once_per_window():
       if spelling == 'replicated' and all(d == () for _, d in site.shapes):
         continue
       assert sorted(map(sorted, groups_of(site))) == fsdp_groups, site
-    (reduction,) = window
+    (norms,) = [s for s in window if sorted(s.shapes) == [('f32', (2,))]]
+    assert sorted(map(sorted, groups_of(norms))) == fsdp_groups
+    (reduction,) = [s for s in window if s is not norms]
     assert sorted(map(sorted, groups_of(reduction))) == replica_groups
     assert sorted(reduction.shapes) == sorted(
       [('f32', (4, 8)), ('f32', (4,)), ('f32', (4,)), ('f32', ())]
@@ -542,8 +545,8 @@ def test_mixed_precision_bf16_params():
   tx = tokacc.token_weighted_multistep(inner, K)
   params, state = run(tx, micro_batches(windows), dtype=jnp.bfloat16)
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
-  assert state.acc_grads['w'].dtype == jnp.float32
-  assert str(jax.typeof(state.acc_grads['w'])).endswith('{U:data}')
+  assert state.grad_sums['w'].dtype == jnp.float32
+  assert str(jax.typeof(state.grad_sums['w'])).endswith('{U:data}')
   assert state.inner_state[0].mu['w'].dtype == jnp.float32
   # bfloat16 keeps 8 significant bits (u = 2**-8): the parameters (|p| <
   # 2.4) are rounded by up to 2.4 u = 0.0094 when cast and after each of
@@ -733,11 +736,11 @@ def test_resume_mid_window_is_bit_identical(tmp_path, variant):
     train_state = checkpoint_training(variant, 0, STOP_AT)
     state = train_state[1]
     assert int(state.mini_step) == 1  # really mid-window
-    assert str(jax.typeof(state.acc_grads['w'])).endswith(
+    assert str(jax.typeof(state.grad_sums['w'])).endswith(
       f'{{U:{"data" if layout == "ddp" else "replica"}}}'
     )
     with pytest.raises(Exception, match='unreduced'):
-      np.asarray(state.acc_grads['w'])  # why the helper exists
+      np.asarray(state.grad_sums['w'])  # why the helper exists
     save_split(tmp_path / 'ckpt', train_state)
     restored = restore_merged(tmp_path / 'ckpt', variant)
     assert type_strings(restored) == type_strings(train_state)
@@ -841,7 +844,7 @@ def test_state_restored_with_another_type():
     with pytest.raises(TypeError, match='restored with another type'):
       _one_update(tx, params, broken, _ddp_grads(params))
     broken = state._replace(
-      acc_grads=dict(state.acc_grads, w=jnp.zeros((8, 8)))
+      grad_sums=dict(state.grad_sums, w=jnp.zeros((8, 8)))
     )
     with pytest.raises(TypeError, match='built or restored'):
       _one_update(tx, params, broken, _ddp_grads(params))
@@ -874,9 +877,9 @@ def test_from_checkpoint_refuses_a_tree_of_other_shapes():
     params = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
     state = tx.init(params)
     saved = tokacc.to_checkpoint(state)
-    assert saved.acc_grads['w'].shape == (4, 8, 8)
+    assert saved.grad_sums['w'].shape == (4, 8, 8)
     with pytest.raises(ValueError, match='from_checkpoint.*partial sums'):
-      tokacc.from_checkpoint(state._replace(acc_grads=saved.acc_grads), state)
+      tokacc.from_checkpoint(state._replace(grad_sums=saved.grad_sums), state)
 
 
 def test_nnx_optimizer_with_reduced_parameters():
@@ -970,9 +973,9 @@ def test_a_data_axis_of_one_device():
     data = NamedSharding(mesh, P('data'))
     params = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
     state = tx.init(params)
-    assert str(jax.typeof(state.acc_grads['w'])) == 'float32[8,8]'
+    assert str(jax.typeof(state.grad_sums['w'])) == 'float32[8,8]'
     specs = tokacc.state_partition_specs(tx, params)
-    assert specs.acc_grads['w'] == P(None, None) and specs.acc_tokens == P()
+    assert specs.grad_sums['w'] == P(None, None) and specs.acc_tokens == P()
     step = make_step(tx, 'unreduced')
     for batch, emit_now in micro_batches(windows):
       batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)

@@ -586,6 +586,39 @@ def test_window_loss_is_nan_until_known(framework):
     assert bool(opt.has_updated) and np.isnan(opt.window_loss)
 
 
+@pytest.mark.parametrize('framework', ['linen', 'nnx'])
+def test_window_metrics(framework):
+  """NaN before the first window, then the window's token-mean gradient's
+  norm and SGD's update norm (0.1 of it), as computed here; the bound: one
+  rounding per summed term (two micro-batches, the division, the P
+  squares), relative to the norm."""
+  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2)
+  feeds = micro_batches([True] * 2)
+  if framework == 'linen':
+    state = tokacc_flax.TrainState.create(apply_fn=None, params=INITIAL, tx=tx)
+    assert np.isnan(state.window_metrics.grad_norm)
+    for grads, num_tokens in feeds:
+      state = linen_feed(state, grads, num_tokens)
+    metrics = state.window_metrics
+  else:
+    model = TwoParams()
+    opt = tokacc_flax.Optimizer(model, tx, wrt=nnx.Param)
+    assert np.isnan(opt.window_metrics.grad_norm)
+    for grads, num_tokens in feeds:
+      nnx_feed(model, opt, grads, num_tokens)
+    metrics = opt.window_metrics
+  tokens = sum(n for _, n in feeds)
+  mean = [
+    sum(g[k].astype(np.float64) for g, _ in feeds) / tokens for k in INITIAL
+  ]
+  norm = np.sqrt(sum(np.sum(m**2) for m in mean))
+  size = sum(np.size(v) for v in INITIAL.values())
+  rtol = (size + 8) * np.finfo(np.float32).eps
+  assert int(metrics.tokens) == tokens
+  np.testing.assert_allclose(metrics.grad_norm, norm, rtol=rtol)
+  np.testing.assert_allclose(metrics.update_norm, 0.1 * norm, rtol=rtol)
+
+
 def test_nnx_emit_now_is_forwarded():
   model = TwoParams()
   opt = tokacc_flax.Optimizer(model, multistep(4), wrt=nnx.Param)

@@ -406,7 +406,7 @@ def test_bfloat16_parameters_stay_close_to_float32_training():
   step = fused_step(tx)
   params = device_params(jnp.bfloat16)
   state = tx.init(params)
-  assert state.acc_grads['w'].dtype == jnp.float32
+  assert state.grad_sums['w'].dtype == jnp.float32
   for batch, close in micro_steps(windows, 'hhh'):
     params, state = step(params, state, batch, close)
     assert {x.dtype for x in jax.tree.leaves(params)} == {
@@ -465,7 +465,7 @@ NOT_BIT_FOR_BIT = {
   'compensated': "AdamW's moment is rounded otherwise after Kahan sums",
   'bfloat16_adamw': 'bf16 updates: XLA versions fuse AdamW otherwise',
 }
-SCRATCH = ('acc_grads', 'acc_compensation')
+SCRATCH = ('grad_sums', 'acc_compensation')
 
 
 def same_bits(actual, expected, what):

@@ -214,7 +214,7 @@ def test_equals_full_batch_float64(optimizer_name):
     expected = train_full_batch(optimizer(), params, windows)
     tx = tokacc.token_weighted_multistep(optimizer(), every_k_schedule=4)
     actual, state = train_accumulated(tx, params, windows)
-    assert state.acc_grads['w'].dtype == jnp.float64
+    assert state.grad_sums['w'].dtype == jnp.float64
     assert_relative_close(actual, expected, rtol=1e-12)
 
 
@@ -577,7 +577,7 @@ def test_bfloat16_grads_accumulate_in_float32(use_scan):
   params = init_params(jnp.bfloat16)
   tx = tokacc.token_weighted_multistep(optax.sgd(1.0), every_k_schedule=64)
   state = tx.init(params)
-  assert state.acc_grads['w'].dtype == jnp.float32
+  assert state.grad_sums['w'].dtype == jnp.float32
   # 64 micro-batches of tiny gradients: bf16 accumulation would lose them.
   grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
   large = jax.tree.map(lambda p: jnp.full_like(p, 1.0), params)
@@ -612,10 +612,10 @@ def test_explicit_accumulator_dtype():
     optax.sgd(1.0), 2, accumulator_dtype=jnp.bfloat16
   )
   state = tx.init(params)
-  assert state.acc_grads['w'].dtype == jnp.bfloat16
+  assert state.grad_sums['w'].dtype == jnp.bfloat16
   updates, state = tx.update(params, state, params, num_tokens=1)
   assert updates['w'].dtype == jnp.float32
-  assert state.acc_grads['w'].dtype == jnp.bfloat16
+  assert state.grad_sums['w'].dtype == jnp.bfloat16
 
 
 def test_float_token_weights_with_float_token_dtype():

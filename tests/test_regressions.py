@@ -824,7 +824,7 @@ def train_to_mid_window(tx):
     (
       {'accumulator_dtype': jnp.bfloat16},
       {},
-      ('acc_grads', 'bfloat16', 'float32'),
+      ('grad_sums', 'bfloat16', 'float32'),
     ),
     ({}, {'compensated': True}, ('compensated',)),
     ({'compensated': True}, {}, ('compensated',)),
@@ -934,7 +934,7 @@ def test_8_float_token_dtype_accumulates_fractional_weights():
   )
 
 
-# Defect 10: what acc_grads holds.
+# Defect 10: what grad_sums holds.
 
 
 def test_10_acc_grads_is_the_sum_of_gradients_during_a_window():
@@ -955,7 +955,7 @@ def test_10_acc_grads_is_the_sum_of_gradients_during_a_window():
       atol = test_multistep.round_off_atol(
         largest_grads, largest(window_sum), [window]
       )
-      assert_within_round_off(state.acc_grads, Reference(window_sum, atol))
+      assert_within_round_off(state.grad_sums, Reference(window_sum, atol))
     params, state, _ = step(params, state, window[-1])
 
 

@@ -217,7 +217,7 @@ def check_layout(layout, optimizer, params, state):
         shard[dim] //= mesh.shape['fsdp']
     if layout != 'fsdp':
       shard = [1] + shard
-    assert state.acc_grads[name].addressable_shards[0].data.shape == tuple(
+    assert state.grad_sums[name].addressable_shards[0].data.shape == tuple(
       shard
     )
 
@@ -255,7 +255,7 @@ def test_fsdp_accumulator_sharded_like_the_params():
   global_params = harness.put_tree(params, mesh, FSDP_SPECS)
   state = tokacc.init_sharded(tx, global_params, mesh, param_specs=FSDP_SPECS)
   for name, spec in FSDP_SPECS.items():
-    acc = state.acc_grads[name]
+    acc = state.grad_sums[name]
     assert acc.sharding.spec == spec
     assert acc.sharding.is_equivalent_to(global_params[name].sharding, acc.ndim)
     assert acc.addressable_shards[0].data.size * NUM_DEVICES == (
@@ -331,7 +331,7 @@ def test_partial_manual_shard_map_refuses_the_full_specs():
   global_params, state, specs = harness.hsdp_setup(
     tx, params, mesh, HSDP_SHARDED, 'replica'
   )
-  assert specs.acc_grads == {
+  assert specs.grad_sums == {
     'w': P('replica', 'fsdp', None),
     'v': P('replica', 'fsdp'),
   }
@@ -347,7 +347,7 @@ def test_partial_manual_shard_map_refuses_the_full_specs():
   ):
     jax.jit(step)(global_params, state)
   stripped = harness.manual_specs(specs, {'replica'})
-  assert stripped.acc_grads == {
+  assert stripped.grad_sums == {
     'w': P('replica', None, None),
     'v': P('replica', None),
   }
@@ -440,7 +440,7 @@ def test_accumulator_bytes_per_device():
     state = initial_state(layout, params)
     actual[layout] = sum(
       leaf.addressable_shards[0].data.nbytes
-      for leaf in jax.tree.leaves(state.acc_grads)
+      for leaf in jax.tree.leaves(state.grad_sums)
     )
   assert actual == expected
 

@@ -1,0 +1,413 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""``window_metrics``: each metric against full-batch training, written
+plainly here, in every placement; what empty and dropped windows, a
+checkpoint and the ``acc_grads`` alias do; and the HLO of a micro-step.
+
+The reference is taken at the parameters the run had when each window
+began (recorded), so that it differs from the run by round-off only (a
+reference trained on its own would drift by the parameters' round-off
+too). The bound (:func:`reference`): a window's gradient is a sum over its
+``n`` tokens of per-token terms with at most ``TERM_ROUNDINGS`` roundings
+each, in any order (devices, micro-steps), so each entry is within
+``gamma(n + TERM_ROUNDINGS)`` of the sum of its terms' magnitudes
+(Higham), which per-token gradients give; the run and the reference both
+round, hence twice that, and the norms differ by at most the norm of the
+difference (triangle inequality). The update of momentum SGD (after a
+global-norm clip, a projection: 1-Lipschitz) differs by the learning rate
+times the momentum-weighted sum of the gradients' differences. Each norm's
+own summation of ``P`` squares adds ``(P + 2) u`` of it.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import multihost_worker as harness
+import numpy as np
+import optax
+import pytest
+import test_distributed_optimizer as zero1
+import test_explicit
+
+import optax_tokacc as tokacc
+
+K = 3
+AUTO = jax.sharding.AxisType.Auto
+WINDOW_SIZES = test_explicit.WINDOW_SIZES  # the last closed by emit_now
+U = np.finfo(np.float32).eps / 2
+# a token's forward and backward pass (either model)
+TERM_ROUNDINGS = 2 * (harness.FEATURES + zero1.OUTPUTS) + 8
+
+
+def gamma(m):
+  return m * U / (1 - m * U)
+
+
+def momentum_sgd(lr=harness.LEARNING_RATE):
+  return optax.sgd(lr, momentum=0.9)
+
+
+def reference(
+  windows, params_before, lr, loss_sum=harness.loss_sum, inner=None
+):
+  """Per window: full-batch ``(loss, tokens, grad_norm, update_norm)`` at
+  the recorded parameters, and the bounds on the two norms (see the
+  module's docstring); ``inner`` (momentum SGD at ``lr`` unless given) runs
+  on the full-batch gradients."""
+  inner = inner or momentum_sgd(lr)
+  opt_state = inner.init(params_before[0])
+  trace_error, out = 0.0, []
+  for window, params in zip(windows, params_before):
+    batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
+    tokens = float(np.sum(batch['mask']))
+    mean = jax.value_and_grad(lambda p, b, t: loss_sum(p, b) / t)
+    loss, grads = mean(params, batch, tokens)
+    rows = jax.tree.map(lambda x: x.reshape((-1, 1, 1) + x.shape[2:]), batch)
+    per_token = jax.vmap(jax.grad(loss_sum), in_axes=(None, 0))(params, rows)
+    magnitudes = jax.tree.map(lambda g: jnp.sum(jnp.abs(g), 0), per_token)
+    n = int(tokens) + TERM_ROUNDINGS
+    # the loss: n one-signed terms, both sides rounding
+    loss_rtol = 2 * gamma(n)
+    grad_error = 2 * gamma(n) * float(optax.global_norm(magnitudes)) / tokens
+    updates, opt_state = inner.update(grads, opt_state, params)
+    trace_error = grad_error + 0.9 * trace_error
+    size = sum(np.size(g) for g in jax.tree.leaves(grads))
+    g, u = map(float, map(optax.global_norm, (grads, updates)))
+    out.append(
+      dict(
+        loss=float(loss),
+        loss_rtol=loss_rtol,
+        tokens=tokens,
+        grad_norm=g,
+        update_norm=u,
+        grad_atol=grad_error + 2 * (size + 2) * U * g,
+        update_atol=lr * trace_error + 2 * (size + 2) * U * u,
+      )
+    )
+  return out
+
+
+def assert_metrics(records, windows, lr=harness.LEARNING_RATE, **kwargs):
+  """``records``: per window, the parameters before it (host values) and
+  ``window_metrics`` after it."""
+  params_before = [p for p, _ in records]
+  for (_, got), want in zip(
+    records, reference(windows, params_before, lr, **kwargs)
+  ):
+    got = jax.tree.map(float, tuple(got))
+    assert got[1] == want['tokens']
+    np.testing.assert_allclose(got[0], want['loss'], rtol=want['loss_rtol'])
+    np.testing.assert_allclose(
+      got[2], want['grad_norm'], atol=want['grad_atol']
+    )
+    np.testing.assert_allclose(
+      got[3], want['update_norm'], atol=want['update_atol']
+    )
+
+
+def plain_host(x):
+  """A host copy of ``x`` (typed reduced arrays read as replicated)."""
+  spec = getattr(jax.typeof(x).sharding, 'spec', None)
+  if spec is not None and spec.reduced:
+    x = jax.reshard(x, P(*spec.partitions))
+  return np.asarray(x)
+
+
+def recorder(windows):
+  """``(on_step, records)``: call ``on_step(params, state)`` with the
+  initial parameters and after every micro-step; ``records`` then holds,
+  per window, the parameters before it and ``window_metrics`` after it."""
+  ends = set(np.cumsum([len(w) for w in windows]).tolist())
+  steps, records = [], []
+
+  def on_step(params, state):
+    n = len(steps)
+    steps.append(n)
+    if n in ends:
+      records[-1][1] = tokacc.window_metrics(state)
+    if n == 0 or (n in ends and len(records) < len(windows)):
+      records.append([jax.tree.map(plain_host, params), None])
+
+  return on_step, records
+
+
+def single_step(tx):
+  @functools.partial(jax.jit, static_argnames='close')
+  def step(params, state, batch, emit_now=False, close=None):
+    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    if close is not None:
+      emit_now = False
+    updates, state = tx.update(
+      grads,
+      state,
+      params,
+      num_tokens=harness.token_count(batch),
+      loss=loss,
+      emit_now=emit_now,
+      close=close,
+    )
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def run_single(windows, host_closes):
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), K)
+  params = jax.tree.map(jnp.asarray, harness.init_params())
+  state = tx.init(params)
+  step = single_step(tx)
+  on_step, records = recorder(windows)
+  on_step(params, state)
+  for w, window in enumerate(windows):
+    for m, batch in enumerate(window):
+      last = m == len(window) - 1
+      if host_closes:
+        params, state = step(params, state, batch, close=last)
+      else:
+        emit_now = w == len(windows) - 1 and last
+        params, state = step(params, state, batch, jnp.asarray(emit_now))
+      on_step(params, state)
+  return records
+
+
+def run_shard_map(windows):
+  mesh = jax.make_mesh((4,), ('data',), (AUTO,), devices=jax.devices()[:4])
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), K, axis_name='data')
+  params = harness.init_params()
+  state = harness.shard_map_state(tx, params, mesh, 'data')
+  params = jax.tree.map(
+    lambda x: harness.put(x, NamedSharding(mesh, P())), params
+  )
+  step = harness.shard_map_step(tx, mesh, 'data', state)
+  data = NamedSharding(mesh, P('data'))
+  on_step, records = recorder(windows)
+  on_step(params, state)
+  for w, window in enumerate(windows):
+    for m, batch in enumerate(window):
+      flags = np.zeros(4, bool)
+      flags[-1] = w == len(windows) - 1 and m == len(window) - 1
+      batch = jax.tree.map(lambda x: harness.put(x, data), batch)
+      params, state = step(params, state, batch, harness.put(flags, data))
+      on_step(params, state)
+  return records
+
+
+def run_gspmd_fsdp(windows):
+  mesh = jax.make_mesh((4,), ('fsdp',), (AUTO,), devices=jax.devices()[:4])
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), K)
+  on_step, records = recorder(windows)
+  harness.train_sharded_jit(
+    tx, harness.init_params(), windows, mesh, 'fsdp', on_step=on_step
+  )
+  return records
+
+
+def run_explicit(windows, layout):
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), K)
+  on_step, records = recorder(windows)
+  make_mesh, specs = test_explicit.LAYOUTS[layout]
+  with jax.set_mesh(make_mesh()):
+    on_step(
+      test_explicit.place_params(harness.init_params(), make_mesh(), specs),
+      None,
+    )
+  test_explicit.train(layout, tx, windows, on_step=on_step)
+  return records
+
+
+@pytest.mark.parametrize(
+  'placement',
+  ['single', 'single_host', 'shard_map', 'gspmd_fsdp', 'ddp', 'fsdp', 'hsdp'],
+)
+def test_equal_full_batch(placement):
+  windows = harness.make_windows(WINDOW_SIZES, 4)
+  if placement.startswith('single'):
+    records = run_single(windows, placement == 'single_host')
+  elif placement == 'shard_map':
+    records = run_shard_map(windows)
+  elif placement == 'gspmd_fsdp':
+    records = run_gspmd_fsdp(windows)
+  else:
+    records = run_explicit(windows, placement)
+  assert len(records) == len(windows)
+  assert_metrics(records, windows)
+
+
+@pytest.mark.parametrize('host_closes', [False, True])
+@pytest.mark.parametrize('layout', sorted(zero1.LAYOUTS))
+def test_zero1_equals_full_batch(layout, host_closes):
+  """ZeRO-1: the norms of the shards summed over the devices (clip, then
+  momentum SGD at 0.5, as ``test_distributed_optimizer``)."""
+  windows = zero1.make_windows()
+  mesh, tx, step = zero1.make_run(layout)
+  on_step, records = recorder(windows)
+  with jax.set_mesh(mesh):
+    params, place = zero1.placed(mesh, layout)
+    state = zero1.init_state(tx, params, mesh, layout)
+    on_step(params, state)
+    for window in windows:
+      for i, batch in enumerate(window):
+        close = i + 1 == len(window) if host_closes else None
+        params, state = step(params, state, place(batch), close=close)
+        on_step(params, state)
+    assert_metrics(
+      records, windows, lr=0.5, loss_sum=zero1_loss, inner=zero1.inner()
+    )
+
+
+def zero1_loss(params, batch):
+  """``test_distributed_optimizer``'s loss, on host values."""
+  bias = params['b'].sum()
+  pred = batch['x'] @ params['w'] + bias
+  per_token = jnp.sum((pred - batch['y']) ** 2, axis=-1)
+  return jnp.sum(per_token * batch['mask'])
+
+
+def small_run(every_k=2):
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), every_k)
+  params = {'w': jnp.ones(3)}
+
+  @jax.jit
+  def step(state, grads, num_tokens):
+    return tx.update(grads, state, params, num_tokens=num_tokens, loss=2.0)[1]
+
+  return tx, params, step
+
+
+def as_tuple(metrics):
+  return tuple(np.asarray(x) for x in metrics)
+
+
+def test_nan_before_the_first_window_kept_by_empty_and_dropped_windows():
+  """Before the first window: NaN loss and norms, 0 tokens. A window
+  without tokens and one with an invalid count (dropped) emit nothing and
+  keep the last emitted window's metrics."""
+  tx, params, step = small_run()
+  state = tx.init(params)
+  first = tokacc.window_metrics(state)
+  assert np.isnan(first.loss) and int(first.tokens) == 0
+  assert np.isnan(first.grad_norm) and np.isnan(first.update_norm)
+  grads = {'w': jnp.array([3.0, 0.0, 4.0])}
+  for n in (1, 1):
+    state = step(state, grads, n)
+  emitted = as_tuple(tokacc.window_metrics(state))
+  # mean gradient [6, 0, 8] / 2: norm 5; the first momentum update is the
+  # gradient times the learning rate (exact in float32 up to one rounding)
+  np.testing.assert_allclose(emitted[2], 5.0, rtol=4 * U)
+  np.testing.assert_allclose(
+    emitted[3], harness.LEARNING_RATE * 5.0, rtol=4 * U
+  )
+  for counts in ((0, 0), (-1, 1)):  # empty, then dropped
+    for n in counts:
+      state = step(state, grads, n)
+    assert int(state.gradient_step) == 1
+    chex_equal(as_tuple(tokacc.window_metrics(state)), emitted)
+  assert int(state.dropped_windows) == 1
+
+
+def chex_equal(a, b):
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_checkpoint_mid_window_keeps_the_metrics():
+  """Saved (host copies) and restored one micro-step into the second
+  window, the state gives the same metrics, and the run goes on alike."""
+  tx, params, step = small_run()
+  state = tx.init(params)
+  grads = {'w': jnp.array([1.0, 2.0, 2.0])}
+  for n in (3, 1, 2):
+    state = step(state, grads, n)
+  saved = jax.device_get(tokacc.to_checkpoint(state))
+  restored = tokacc.from_checkpoint(saved, state)
+  chex_equal(
+    as_tuple(tokacc.window_metrics(restored)),
+    as_tuple(tokacc.window_metrics(state)),
+  )
+  chex_equal(
+    as_tuple(tokacc.window_metrics(step(restored, grads, 5))),
+    as_tuple(tokacc.window_metrics(step(state, grads, 5))),
+  )
+
+
+def test_acc_grads_alias_warns_and_reads_the_renamed_field():
+  tx, params, _ = small_run()
+  state = tx.init(params)
+  with pytest.warns(DeprecationWarning, match='grad_sums'):
+    alias = state.acc_grads
+  assert alias is state.grad_sums
+
+
+collectives = harness.load_collectives()
+
+
+def outside_branches(text, opcode):
+  """The ``opcode`` instructions that run on every call (not inside a
+  conditional's branches) of compiled HLO text."""
+  module = collectives.parse_hlo(text)
+  found, seen = [], set()
+
+  def visit(name):
+    if name in seen or name not in module.computations:
+      return
+    seen.add(name)
+    for instruction in module.computations[name]:
+      if instruction.opcode == opcode:
+        found.append(instruction)
+      for callee in instruction.callees:
+        visit(callee)
+
+  visit(module.entry)
+  return found
+
+
+def test_micro_step_gains_no_work():
+  """The norms are computed in the closing branch only (plain SGD takes
+  no square root of its own): a micro-step computes no norm. Without a
+  conditional, the host's micro-step (``close=False``) computes none
+  either. Collectives: ``test_explicit`` (DDP: the closing branch holds
+  the one reduction only; HSDP: plus the norms' scalar all-reduce) and
+  ``test_closing_collectives`` below."""
+  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2)
+  params = {'w': jnp.ones(37)}
+  state = tx.init(params)
+
+  @functools.partial(jax.jit, static_argnames='close')
+  def step(state, grads, close=None):
+    return tx.update(grads, state, params, num_tokens=2, close=close)
+
+  device = step.lower(state, params).compile().as_text()
+  assert 'sqrt' in device  # in the closing branch
+  assert outside_branches(device, 'sqrt') == []
+  host_micro = step.lower(state, params, close=False).compile().as_text()
+  assert 'sqrt' not in host_micro
+
+
+def test_closing_collectives():
+  """Where the gradient is whole (DDP) the norms cost no collective; where
+  it is split (FSDP, compiler-placed), one scalar all-reduce in the
+  closing branch; no micro-step collective is the norms'."""
+  every_step, window = test_explicit.compiled_sites('ddp', 'unreduced', sgd())
+  assert every_step == [] and len(window) == 1
+  every_step, window = test_explicit.compiled_sites('fsdp', 'replicated', sgd())
+  scalar = [s for s in window if all(d == () for _, d in s.shapes)]
+  assert len(scalar) == len(window) == 1
+
+
+def sgd():
+  return momentum_sgd()
