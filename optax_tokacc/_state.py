@@ -58,7 +58,7 @@ class TokenWeightedMultiStepState(NamedTuple):
       the buffer is scratch: it may hold the emitted updates (reusing it
       saves a parameter-sized write on every micro-step); the next
       micro-step zeroes it before adding (a ``lax.cond``), never reads it.
-      Log :func:`window_metrics` instead. (Named ``acc_grads`` before 0.4;
+      Log :func:`window_metrics` instead. (Named ``acc_grads`` before 0.5;
       that name is a read-only alias now, which warns.)
     acc_tokens: *per device*. Counted tokens of the current window; -1 once
       the window is invalid (a negative, NaN, fractional or out-of-range
