@@ -215,14 +215,18 @@ def zero1_run(mesh):
   return jax.jit(step, static_argnames='close'), params, state, data
 
 
-def zero1_windows():
-  return zero1.make_windows()[0][:2]
+def window_for(make_run):
+  """Two micro-batches for the model of ``make_run``: unequal token
+  counts per device, some devices without any."""
+  if make_run is zero1_run:
+    return zero1.make_windows()[0][:2]
+  return harness.make_windows((2,), NUM_DEVICES, seed=3)[0]
 
 
 DATA_PARALLEL = {
-  'shard_map': (lambda: data_mesh(), shard_map_run, None),
-  'explicit_ddp': (explicit.ddp_mesh, explicit_ddp_run, None),
-  'zero1': (explicit.ddp_mesh, zero1_run, zero1_windows),
+  'shard_map': (lambda: data_mesh(), shard_map_run),
+  'explicit_ddp': (explicit.ddp_mesh, explicit_ddp_run),
+  'zero1': (explicit.ddp_mesh, zero1_run),
 }
 
 
@@ -230,16 +234,169 @@ DATA_PARALLEL = {
 def test_data_parallel_host_closed_equals_device_decided(placement):
   """The issue's data-parallel case: ``sgd(1.0, momentum=0.9)``, k = 2,
   one window, unequal token counts per device (some devices count none)."""
-  make_mesh, make_run, windows = DATA_PARALLEL[placement]
+  make_mesh, make_run = DATA_PARALLEL[placement]
   if placement != 'shard_map' and not _explicit.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
   mesh = make_mesh()
   explicit_mesh = placement != 'shard_map'
   with jax.set_mesh(mesh) if explicit_mesh else contextlib.nullcontext():
     step, params, state, data = make_run(mesh)
-    window = windows() if windows else harness.make_windows((2,), 4, seed=3)[0]
-    window = [jax.device_put(b, data) for b in window]
+    window = [jax.device_put(b, data) for b in window_for(make_run)]
     host, device = host_and_device(step, params, state, window)
     fetch = explicit.plain if explicit_mesh else jax.device_get
     host, device = ((fetch(p), s, fetch(u)) for p, s, u in (host, device))
     assert_same_window(host, device, fetch(params))
+
+
+# The three rules of ``close`` (getting_started, "Windows closed by the
+# host").
+
+
+def all_negative_zeros(tree):
+  leaves = [np.asarray(u) for u in jax.tree.leaves(tree)]
+  return all(not np.any(u) and np.all(np.signbit(u)) for u in leaves)
+
+
+def all_positive_zeros(tree):
+  leaves = [np.asarray(u) for u in jax.tree.leaves(tree)]
+  return all(not np.any(u) and not np.any(np.signbit(u)) for u in leaves)
+
+
+ZERO_SIGNS = {
+  # placement: (mesh, make_run, the step runs under jax.set_mesh, sign)
+  'shard_map, auto axes': (lambda: data_mesh(), shard_map_run, False, '-'),
+  'shard_map, explicit axes': (
+    lambda: data_mesh(jax.sharding.AxisType.Explicit),
+    shard_map_run,
+    True,
+    '-',
+  ),
+  'explicit ddp': (explicit.ddp_mesh, explicit_ddp_run, True, '+'),
+  'zero1': (explicit.ddp_mesh, zero1_run, True, '+'),
+}
+
+
+@pytest.mark.parametrize('placement', sorted(ZERO_SIGNS))
+def test_sign_of_the_zero_updates_of_close_false(placement):
+  """``close=False`` returns -0.0 (as the device's micro-steps), except
+  where ``jax.jit`` runs on a mesh with Explicit axes outside
+  ``shard_map``: +0.0 (``_closing._zeros``). Inside ``shard_map`` the axes
+  are Manual, whatever ``jax.make_mesh`` made them: -0.0. The parameters
+  keep their bits in both cases."""
+  make_mesh, make_run, with_mesh, sign = ZERO_SIGNS[placement]
+  if with_mesh and not _explicit.SUPPORTED:
+    pytest.skip('reduced/unreduced types need jax >= 0.10')
+  mesh = make_mesh()
+  with jax.set_mesh(mesh) if with_mesh else contextlib.nullcontext():
+    step, params, state, data = make_run(mesh)
+    batch = jax.device_put(window_for(make_run)[0], data)
+    new_params, _, updates = step(params, state, batch, False)
+    fetch = explicit.plain if with_mesh else jax.device_get
+    updates, new_params, params = map(fetch, (updates, new_params, params))
+  signed = all_negative_zeros if sign == '-' else all_positive_zeros
+  assert signed(updates), updates
+  same_bits(new_params, params, 'parameters')
+
+
+def test_sign_of_the_zero_updates_on_one_device():
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), 2)
+  step = jax.jit(
+    user_step(tx, harness.loss_sum, harness.token_count),
+    static_argnames='close',
+  )
+  params = jax.tree.map(jnp.asarray, harness.init_params())
+  batch = harness.make_windows((1,), NUM_DEVICES)[0][0]
+  new_params, _, updates = step(params, tx.init(params), batch, False)
+  assert all_negative_zeros(updates)
+  same_bits(new_params, params, 'parameters')
+
+
+PARAMS = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
+GRADS = {'w': jnp.full((2, 3), 0.5), 'b': jnp.ones(3)}
+
+
+@pytest.mark.parametrize('emit_now', [False, np.False_], ids=repr)
+@pytest.mark.parametrize('close', [False, True])
+def test_a_static_false_emit_now_with_close_is_not_passing_it(close, emit_now):
+  """``emit_now=False`` is the default: passed with a Python ``close``, it
+  is the same call as without it (a wrapper that forwards its own
+  ``emit_now=False`` works). ``emit_now=True`` or any array is refused
+  (``test_host_close.test_close_with_emit_now_is_refused``)."""
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), 2)
+  state = tx.init(PARAMS)
+  expected = tx.update(GRADS, state, PARAMS, num_tokens=3, close=close)
+  actual = tx.update(
+    GRADS, state, PARAMS, num_tokens=3, close=close, emit_now=emit_now
+  )
+  same_bits(actual, expected, f'close={close}, emit_now={emit_now!r}')
+
+
+# (closes of the calls, the call that closes the window): k = 3.
+COUNTED = {
+  'two host calls, then the device': ((False, False, None), 2),
+  'one host call, then the device': ((False, None, None), 2),
+  'the host past k, then the device': ((False,) * 4 + (None,), 4),
+}
+
+
+@pytest.mark.parametrize('name', sorted(COUNTED))
+def test_close_none_counts_the_host_calls_of_its_window(name):
+  """``close=False`` calls count toward k (``mini_step``): the first
+  ``close=None`` call at which the window holds k micro-batches, these
+  calls included, closes it, at once where the host went past k. The
+  window then holds every call's micro-batch: the same update and loss as
+  the host closing it there."""
+  closes, closing = COUNTED[name]
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), 3)
+  step = jax.jit(
+    user_step(tx, harness.loss_sum, harness.token_count),
+    static_argnames='close',
+  )
+  params = jax.tree.map(jnp.asarray, harness.init_params())
+  window = harness.make_windows((len(closes),), NUM_DEVICES, seed=5)[0]
+  host_closes = [m == closing for m in range(len(closes))]
+  runs = []
+  for decisions in (closes, host_closes):
+    p, s, trace = params, tx.init(params), []
+    for batch, close in zip(window, decisions):
+      p, s, u = step(p, s, batch, close)
+      trace.append((bool(tokacc.has_updated(s)), int(s.mini_step), u, s))
+    runs.append(trace)
+  mixed, host = runs
+  assert [t[0] for t in mixed] == host_closes
+  expected_mini_steps = [m + 1 for m in range(closing)] + [0]
+  assert [t[1] for t in mixed][: closing + 1] == expected_mini_steps
+  tokens = sum(int(np.sum(b['mask'])) for b in window[: closing + 1])
+  assert int(mixed[closing][3].last_tokens) == tokens
+  same_bits(mixed[closing][2], host[closing][2], 'updates')
+  same_bits(mixed[closing][3].last_loss, host[closing][3].last_loss, 'loss')
+
+
+collectives = harness.load_collectives()
+
+
+@pytest.mark.parametrize('placement', sorted(DATA_PARALLEL))
+def test_the_mean_is_one_reciprocal_in_both_programs(placement):
+  """In the compiled programs of ``close=True`` and of ``close=None``, the
+  only divisions are of scalars (the reciprocal of the window's count, the
+  window's loss by its count): the gradients are multiplied by the
+  reciprocal in both, never divided in one of them."""
+  make_mesh, make_run = DATA_PARALLEL[placement]
+  explicit_mesh = placement != 'shard_map'
+  if explicit_mesh and not _explicit.SUPPORTED:
+    pytest.skip('reduced/unreduced types need jax >= 0.10')
+  mesh = make_mesh()
+  with jax.set_mesh(mesh) if explicit_mesh else contextlib.nullcontext():
+    step, params, state, data = make_run(mesh)
+    batch = jax.device_put(window_for(make_run)[0], data)
+    for close in (True, None):
+      text = step.lower(params, state, batch, close).compile().as_text()
+      module = collectives.parse_hlo(text)
+      divisions = [
+        i.shapes
+        for instructions in module.computations.values()
+        for i in instructions
+        if i.opcode == 'divide'
+      ]
+      assert divisions, close  # the reader finds them
+      assert all(dims == () for s in divisions for _, dims in s), divisions
