@@ -55,12 +55,13 @@ def momentum_sgd():
   return optax.sgd(1.0, momentum=0.9)
 
 
-def user_step(tx, loss_sum, count):
+def user_step(tx, loss_sum, count, at=lambda params: params):
   """``step(params, state, batch, close) -> (params, state, updates)``: as
-  users write it, ``optax.apply_updates`` in the same program."""
+  users write it, ``optax.apply_updates`` in the same program; the
+  gradients are taken at ``at(params)``."""
 
   def step(params, state, batch, close):
-    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(loss_sum)(at(params), batch)
     updates, state = tx.update(
       grads, state, params, num_tokens=count(batch), loss=loss, close=close
     )
@@ -150,18 +151,10 @@ def shard_map_run(mesh):
   tx = tokacc.token_weighted_multistep(momentum_sgd(), 2, axis_name='data')
   specs = harness.state_specs(tx, 'data')
 
-  def per_device(params, state, batch, close):
-    varying = jax.tree.map(lambda p: lax.pcast(p, 'data', to='varying'), params)
-    loss, grads = jax.value_and_grad(harness.loss_sum)(varying, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=harness.token_count(batch),
-      loss=loss,
-      close=close,
-    )
-    return optax.apply_updates(params, updates), state, updates
+  def varying(params):  # so that autodiff does not reduce every micro-step
+    return jax.tree.map(lambda p: lax.pcast(p, 'data', to='varying'), params)
+
+  per_device = user_step(tx, harness.loss_sum, harness.token_count, varying)
 
   def step(params, state, batch, close):
     return jax.shard_map(
@@ -224,26 +217,34 @@ def window_for(make_run):
 
 
 DATA_PARALLEL = {
-  'shard_map': (lambda: data_mesh(), shard_map_run),
-  'explicit_ddp': (explicit.ddp_mesh, explicit_ddp_run),
-  'zero1': (explicit.ddp_mesh, zero1_run),
+  # placement: (mesh, make_run, whether the step runs under jax.set_mesh)
+  'shard_map': (lambda: data_mesh(), shard_map_run, False),
+  'explicit_ddp': (explicit.ddp_mesh, explicit_ddp_run, True),
+  'zero1': (explicit.ddp_mesh, zero1_run, True),
 }
+
+
+@contextlib.contextmanager
+def placed(make_mesh, make_run, with_mesh):
+  """``(step, params, state, data, fetch)`` of ``make_run`` on
+  ``make_mesh()``, set with ``jax.set_mesh`` where ``with_mesh`` (explicit
+  sharding: skipped before jax 0.10); ``fetch`` gives host copies."""
+  if with_mesh and not _explicit.SUPPORTED:
+    pytest.skip('reduced/unreduced types need jax >= 0.10')
+  mesh = make_mesh()
+  fetch = explicit.plain if with_mesh else jax.device_get
+  with jax.set_mesh(mesh) if with_mesh else contextlib.nullcontext():
+    yield make_run(mesh) + (fetch,)
 
 
 @pytest.mark.parametrize('placement', sorted(DATA_PARALLEL))
 def test_data_parallel_host_closed_equals_device_decided(placement):
   """The issue's data-parallel case: ``sgd(1.0, momentum=0.9)``, k = 2,
   one window, unequal token counts per device (some devices count none)."""
-  make_mesh, make_run = DATA_PARALLEL[placement]
-  if placement != 'shard_map' and not _explicit.SUPPORTED:
-    pytest.skip('reduced/unreduced types need jax >= 0.10')
-  mesh = make_mesh()
-  explicit_mesh = placement != 'shard_map'
-  with jax.set_mesh(mesh) if explicit_mesh else contextlib.nullcontext():
-    step, params, state, data = make_run(mesh)
+  make_run = DATA_PARALLEL[placement][1]
+  with placed(*DATA_PARALLEL[placement]) as (step, params, state, data, fetch):
     window = [jax.device_put(b, data) for b in window_for(make_run)]
     host, device = host_and_device(step, params, state, window)
-    fetch = explicit.plain if explicit_mesh else jax.device_get
     host, device = ((fetch(p), s, fetch(u)) for p, s, u in (host, device))
     assert_same_window(host, device, fetch(params))
 
@@ -284,14 +285,10 @@ def test_sign_of_the_zero_updates_of_close_false(placement):
   are Manual, whatever ``jax.make_mesh`` made them: -0.0. The parameters
   keep their bits in both cases."""
   make_mesh, make_run, with_mesh, sign = ZERO_SIGNS[placement]
-  if with_mesh and not _explicit.SUPPORTED:
-    pytest.skip('reduced/unreduced types need jax >= 0.10')
-  mesh = make_mesh()
-  with jax.set_mesh(mesh) if with_mesh else contextlib.nullcontext():
-    step, params, state, data = make_run(mesh)
+  with placed(make_mesh, make_run, with_mesh) as run:
+    step, params, state, data, fetch = run
     batch = jax.device_put(window_for(make_run)[0], data)
     new_params, _, updates = step(params, state, batch, False)
-    fetch = explicit.plain if with_mesh else jax.device_get
     updates, new_params, params = map(fetch, (updates, new_params, params))
   signed = all_negative_zeros if sign == '-' else all_positive_zeros
   assert signed(updates), updates
@@ -381,13 +378,8 @@ def test_the_mean_is_one_reciprocal_in_both_programs(placement):
   only divisions are of scalars (the reciprocal of the window's count, the
   window's loss by its count): the gradients are multiplied by the
   reciprocal in both, never divided in one of them."""
-  make_mesh, make_run = DATA_PARALLEL[placement]
-  explicit_mesh = placement != 'shard_map'
-  if explicit_mesh and not _explicit.SUPPORTED:
-    pytest.skip('reduced/unreduced types need jax >= 0.10')
-  mesh = make_mesh()
-  with jax.set_mesh(mesh) if explicit_mesh else contextlib.nullcontext():
-    step, params, state, data = make_run(mesh)
+  make_run = DATA_PARALLEL[placement][1]
+  with placed(*DATA_PARALLEL[placement]) as (step, params, state, data, _):
     batch = jax.device_put(window_for(make_run)[0], data)
     for close in (True, None):
       text = step.lower(params, state, batch, close).compile().as_text()
