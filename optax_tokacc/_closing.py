@@ -89,9 +89,11 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
   closed by the host), the updates are -0.0 and the state is kept unless
   ``emitted``: selects, where the device uses a ``cond``."""
 
-  def mean(s):
+  def mean(s):  # One reciprocal, multiplied: the same arithmetic in every
+    # program (XLA turns a division by a broadcast scalar into this in some
+    # programs only: host- and device-closed windows differed by a rounding).
     wide = jnp.promote_types(s.dtype, jnp.float32)
-    return s.astype(wide) / summed.divisor.astype(wide)
+    return s.astype(wide) * (1 / summed.divisor.astype(wide))
 
   value = {'value': summed.mean_loss} if extra.with_loss else {}
   mean_grads = optax.tree.cast_like(jax.tree.map(mean, summed.sums), grads)
