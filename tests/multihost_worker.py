@@ -597,7 +597,7 @@ def _join(args):
     coordinator_address=f'127.0.0.1:{args.port}',
     num_processes=args.num_processes,
     process_id=args.process_id,
-    initialization_timeout=60,
+    initialization_timeout=300,  # both processes start at once; a busy machine
   )
 
 
