@@ -364,7 +364,7 @@ def optimizer_bytes_per_device(state):
 def accumulator_bytes_per_device(state):
   """Bytes of the gradient accumulator held by one device."""
   if isinstance(state, optax.MultiStepsState):
-    acc = state.grad_sums
+    acc = state.acc_grads
   else:
     acc = tokacc.find_state(state).grad_sums
   return sum(
