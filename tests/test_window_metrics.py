@@ -45,6 +45,13 @@ import test_distributed_optimizer as zero1
 import test_explicit
 
 import optax_tokacc as tokacc
+from optax_tokacc import _explicit
+
+# Explicit sharding (parameters typed reduced) and ZeRO-1 need jax >= 0.10.
+needs_explicit = pytest.mark.skipif(
+  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+)
+EXPLICIT = ('ddp', 'fsdp', 'hsdp')
 
 K = 3
 AUTO = jax.sharding.AxisType.Auto
@@ -232,7 +239,8 @@ def run_explicit(windows, layout):
 
 @pytest.mark.parametrize(
   'placement',
-  ['single', 'single_host', 'shard_map', 'gspmd_fsdp', 'ddp', 'fsdp', 'hsdp'],
+  ['single', 'single_host', 'shard_map', 'gspmd_fsdp']
+  + [pytest.param(p, marks=needs_explicit) for p in EXPLICIT],
 )
 def test_equal_full_batch(placement):
   windows = harness.make_windows(WINDOW_SIZES, 4)
@@ -248,6 +256,7 @@ def test_equal_full_batch(placement):
   assert_metrics(records, windows)
 
 
+@needs_explicit
 @pytest.mark.parametrize('host_closes', [False, True])
 @pytest.mark.parametrize('layout', sorted(zero1.LAYOUTS))
 def test_zero1_equals_full_batch(layout, host_closes):
@@ -398,6 +407,7 @@ def test_micro_step_gains_no_work():
   assert 'sqrt' not in host_micro
 
 
+@needs_explicit
 def test_closing_collectives():
   """Where the gradient is whole (DDP) the norms cost no collective; where
   it is split (FSDP, compiler-placed), one scalar all-reduce in the
