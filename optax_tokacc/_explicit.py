@@ -31,7 +31,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_tokacc._compat import EXPLICIT_SHARDING as SUPPORTED
@@ -143,7 +142,7 @@ def unreduced_zeros(shape: Any, dtype: Any, mesh: Any, new_spec: P) -> Any:
   a bare unreduced constant is merged with the program's other zeros of
   its shape, which then leave ``jax.jit`` typed unreduced too (jax >= 0.11:
   ``jax.jit(tx.init)``)."""
-  plain = NamedSharding(mesh, P(*partitions(new_spec)))
+  plain = jax.NamedSharding(mesh, P(*partitions(new_spec)))
   return to_type(jnp.zeros(shape, dtype, out_sharding=plain), new_spec)
 
 

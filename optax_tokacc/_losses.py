@@ -28,9 +28,7 @@ import jax.numpy as jnp
 import optax
 
 
-def _check_inputs(
-  logits: jax.Array, labels: jax.Array, where: jax.Array
-) -> None:
+def _validate(logits: jax.Array, labels: jax.Array, where: jax.Array) -> None:
   """Validates shapes and dtypes at trace time."""
   if logits.ndim < 1:
     raise ValueError(
@@ -135,10 +133,9 @@ def token_cross_entropy(
     >>> loss_sum / num_tokens
     Array(1.3862944, dtype=float32)
   """
-  logits = jnp.asarray(logits)
-  labels = jnp.asarray(labels)
+  logits, labels = jnp.asarray(logits), jnp.asarray(labels)
   where = jnp.asarray(jnp.ones(labels.shape, bool) if where is None else where)
-  _check_inputs(logits, labels, where)
+  _validate(logits, labels, where)
   # int32 for a bool mask or integer weights (an exact count); floating
   # weights keep their dtype, promoted to at least float32.
   floating = jnp.issubdtype(where.dtype, jnp.floating)
@@ -147,12 +144,10 @@ def token_cross_entropy(
   if ignore_index is not None:
     weights = jnp.where(labels != ignore_index, weights, 0)
   counted = weights != 0
-  safe_labels = jnp.where(counted, labels, jnp.zeros_like(labels))
+  labels = jnp.where(counted, labels, jnp.zeros_like(labels))  # in range
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-  token_losses = optax.losses.softmax_cross_entropy_with_integer_labels(
-    logits, safe_labels
-  )
-  weighted = jnp.where(counted, token_losses * weights.astype(logits.dtype), 0)
+  nll = optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels)
+  weighted = jnp.where(counted, nll * weights.astype(logits.dtype), 0)
   return _sum(weighted, out_sharding), _sum(weights, out_sharding)
 
 

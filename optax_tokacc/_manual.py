@@ -79,9 +79,8 @@ class Manual(_placement.Single):
 
   def _over(self, x: Any) -> tuple[str, ...]:
     """The axes to sum a per-device value over: those it varies over."""
-    return tuple(
-      a for a in self.axes if not self.tracked or a in varying_axes(x)
-    )
+    varying = varying_axes(x) if self.tracked else self.axes
+    return tuple(a for a in self.axes if a in varying)
 
   def total(self, fn, x):
     return lax.psum(fn(x), self._over(x))  # no axes: fn(x) itself

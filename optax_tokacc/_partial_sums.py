@@ -111,11 +111,9 @@ class PartialSums(_placement.Single):
     over = tuple(tuple(sorted(_explicit.unreduced(x))) for x in leaves)
     sum_over = _manual.Manual(tuple(sorted(self.axes)), grad_axes=over)
     specs = jax.tree.map(lambda x: _explicit.spec(x, unreduced=False), sums)
-    return _explicit.local(
-      sum_over.reduce,
-      (sums, acc_tokens, acc_loss),
-      _placement.Reduced(specs, P(), P()),
-    )
+    out_specs = _placement.Reduced(specs, P(), P())
+    args = (sums, acc_tokens, acc_loss)
+    return _explicit.local(sum_over.reduce, args, out_specs)
 
   def norms(self, *trees):
     """On each device's share, summed over the axes each leaf is split

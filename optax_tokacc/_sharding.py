@@ -22,12 +22,10 @@ devices' shares along their leading slot axis, split over the data axes
 along which the parameter is not sharded.
 """
 
-import functools
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
 
@@ -37,23 +35,23 @@ from optax_tokacc import _state
 from optax_tokacc import _zero1
 
 
-def _slot(axes: tuple[str, ...], spec: P) -> P:
-  """``spec`` behind a slot axis split over the data axes it leaves free."""
-  split = jax.tree.leaves(_explicit.partitions(spec))
-  return P(tuple(a for a in axes if a not in split), *spec)
-
-
 def _layout(axis_name: Any, specs: list) -> tuple:
   """How the per-device fields are laid out, from the parameters' ``specs``:
   the map of the accumulator's specs, and the spec of the scalars.
 
-  With ``axis_name``, behind a slot axis (see :func:`_slot`). Under
-  explicit sharding, the accumulator typed like the gradients (reduced
-  axes turned unreduced), the window's count and loss like the gradient of
-  a scalar reduced over every axis some parameter is reduced over; partial
-  sums over one device are the sum."""
+  With ``axis_name``, behind a slot axis split over the data axes along
+  which the parameter is not sharded. Under explicit sharding, the
+  accumulator typed like the gradients (reduced axes turned unreduced),
+  the window's count and loss like the gradient of a scalar reduced over
+  every axis some parameter is reduced over; partial sums over one device
+  are the sum."""
   if axis_name is not None:
-    slot = functools.partial(_slot, _manual.as_tuple(axis_name))
+    axes = _manual.as_tuple(axis_name)
+
+    def slot(spec):
+      split = jax.tree.leaves(_explicit.partitions(spec))
+      return P(tuple(a for a in axes if a not in split), *spec)
+
     return slot, slot(P())
   mesh = jax.sharding.get_abstract_mesh()
 
@@ -155,17 +153,23 @@ def state_partition_specs(
     >>> tuple(specs.inner_state[0].mu['w']), tuple(specs.mini_step)
     ((), ())
   """
+  specs = _specs(tx, params, param_specs, axis_name, shard_optimizer_over, mesh)
+  if manual_axes is None:
+    return specs
+  return _only_manual(specs, axis_name, manual_axes)
+
+
+def _specs(tx, params, param_specs, axis_name, shard_over, mesh) -> Any:
+  """:func:`state_partition_specs` but ``manual_axes``: the full layout."""
   param_specs = _param_specs(params, param_specs)
   abstract = jax.eval_shape(tx.init, params)
   specs = zero = _follow(tx, abstract, param_specs, params)
-  if shard_optimizer_over is not None:
-    sharded = _zero1.state_specs(
-      params, param_specs, shard_optimizer_over, axis_name, mesh
-    )
-    zero = _follow(tx, abstract, sharded, params)
+  if shard_over is not None:
+    split = _zero1.state_specs(params, param_specs, shard_over, axis_name, mesh)
+    zero = _follow(tx, abstract, split, params)
     if _inner_states(zero) == _inner_states(specs):
       raise ValueError(
-        f'shard_optimizer_over={shard_optimizer_over!r}: inner keeps no '
+        f'shard_optimizer_over={shard_over!r}: inner keeps no '
         'parameter-shaped state the axes divide: nothing to shard; leave it out.'
       )
   gradient, scalar = _layout(axis_name, jax.tree.leaves(param_specs))
@@ -178,10 +182,7 @@ def state_partition_specs(
       acc_tokens=scalar, acc_loss=scalar, inner_state=zero_node.inner_state
     )
 
-  specs = jax.tree.map(fix, specs, zero, is_leaf=_state.is_state)
-  if manual_axes is None:
-    return specs
-  return _only_manual(specs, axis_name, manual_axes)
+  return jax.tree.map(fix, specs, zero, is_leaf=_state.is_state)
 
 
 def _inner_states(specs: Any) -> list:
@@ -247,15 +248,8 @@ def state_shardings(
     >>> tuple(shardings.grad_sums['w'].spec)  # split like the parameter
     ('fsdp', None)
   """
-  specs = state_partition_specs(
-    tx,
-    params,
-    param_specs=param_specs,
-    axis_name=axis_name,
-    shard_optimizer_over=shard_optimizer_over,
-    mesh=mesh,
-  )
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  specs = _specs(tx, params, param_specs, axis_name, shard_optimizer_over, mesh)
+  return jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs)
 
 
 def init_sharded(
@@ -301,16 +295,9 @@ def init_sharded(
     >>> state.grad_sums['w'].shape  # one accumulator slot per device
     (2, 8, 2)
   """
-  specs = state_partition_specs(
-    tx,
-    params,
-    param_specs=param_specs,
-    axis_name=axis_name,
-    shard_optimizer_over=shard_optimizer_over,
-    mesh=mesh,
-  )
+  specs = _specs(tx, params, param_specs, axis_name, shard_optimizer_over, mesh)
   if axis_name is None:
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    shardings = jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs)
     return jax.jit(tx.init, out_shardings=shardings)(params)
   in_specs = (_param_specs(params, param_specs),)
   init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)

@@ -48,8 +48,7 @@ def as_count(num_tokens: jax.typing.ArrayLike, token_dtype) -> jax.Array:
   top = jnp.iinfo(token_dtype).max
   if not jnp.issubdtype(value.dtype, jnp.integer):
     # 2**31 is exact in float32, 2**31 - 1 is not.
-    valid = jnp.logical_and(valid, value < float(top) + 1.0)
-    valid = jnp.logical_and(valid, value == jnp.floor(value))
+    valid = valid & (value < float(top) + 1.0) & (value == jnp.floor(value))
   elif jnp.iinfo(value.dtype).max > top:
     valid = jnp.logical_and(valid, value <= top)
   safe = jnp.where(valid, value, 0).astype(token_dtype)

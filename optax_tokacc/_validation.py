@@ -244,10 +244,9 @@ def state_matches(config: Config, grads: Any, state: Any, params: Any) -> None:
       f'state has compensated={compensated}, unlike this transform: restore '
       f'into its tx.init(params), or build it with compensated={compensated}.'
     )
-  for name in ('acc_tokens', 'last_tokens'):
-    _state_dtype(name, getattr(state, name), config.token_dtype)
-  for name in ('acc_loss', 'last_loss'):
-    _state_dtype(name, getattr(state, name), config.loss_dtype)
+  for name in ('acc_tokens', 'last_tokens', 'acc_loss', 'last_loss'):
+    dtype = config.loss_dtype if 'loss' in name else config.token_dtype
+    _state_dtype(name, getattr(state, name), dtype)
   axes = _explicit.unreduced(state.acc_tokens)
   if _explicit.unreduced(state.acc_loss) != axes:
     raise TypeError(

@@ -150,16 +150,15 @@ class DistributedOptimizer(_partial_sums.PartialSums):
           )
           over = tuple(a for a in over if a not in jax.tree.leaves(target.axes))
         out.append(lax.psum(leaf, over) if over else leaf)
-      return out, lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
+      parts, loss = lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
+      return _placement.Reduced(treedef.unflatten(out), parts, loss)
 
     specs = [
       _explicit.spec(x, unreduced=False) or P() if t is None else t.spec
       for x, t in zip(leaves, self.targets)
     ]
-    reduced, (parts, loss) = _explicit.local(
-      reduce, (leaves, acc_tokens, acc_loss), (specs, (P(), P()))
-    )
-    return _placement.Reduced(treedef.unflatten(reduced), parts, loss)
+    out_specs = _placement.Reduced(treedef.unflatten(specs), P(), P())
+    return _explicit.local(reduce, (leaves, acc_tokens, acc_loss), out_specs)
 
   def reduced_types(self, grads):
     leaves, treedef = jax.tree.flatten(grads)
