@@ -20,6 +20,7 @@ wrapped optimizer sees.
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import chex
@@ -562,7 +563,13 @@ def test_hsdp_reduces_across_replicas_once_per_window(layout, with_emit_now):
   assert reduced & {(8, 8), (4, 8), (8, 4)}, reduced  # w's gradient
 
   in_branches = [(site, path) for site, path in sites if path]
-  assert len({path for _, path in in_branches}) == 1
+  assert len({path[:1] for _, path in in_branches}) == 1  # the closing one
+  # window_metrics: the norms of the fsdp-split gradient and update, in the
+  # emitting branch nested in it: small all-reduces within a replica only.
+  norms = [site for site, path in in_branches if len(path) > 1]
+  assert all(groups[site.name] == FSDP_GROUPS for site in norms), norms
+  assert all(math.prod(d) <= 2 for s in norms for _, d in s.shapes), norms
+  in_branches = [(site, path) for site, path in in_branches if len(path) == 1]
   window = sorted(
     (groups[site.name], sorted(site.shapes)) for site, _ in in_branches
   )
