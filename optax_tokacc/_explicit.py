@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -144,6 +145,22 @@ def unreduced_zeros(shape: Any, dtype: Any, mesh: Any, new_spec: P) -> Any:
   ``jax.jit(tx.init)``)."""
   plain = jax.NamedSharding(mesh, P(*partitions(new_spec)))
   return to_type(jnp.zeros(shape, dtype, out_sharding=plain), new_spec)
+
+
+def on_one_device(x: Any, axes: frozenset, mesh: Any) -> jax.Array:
+  """A replicated ``x`` typed unreduced over ``axes``: held by the first
+  device along them, zeros elsewhere (a select in a manual region).
+
+  ``jax.reshard`` means the same, but XLA merges a constant so retyped with
+  the program's equal constants and gives it whole to every device: a
+  literal count was counted once per device."""
+
+  def first(x):
+    index = sum(lax.axis_index(a) for a in sorted(axes))
+    return jnp.where(index == 0, x, jnp.zeros_like(x))
+
+  args = dict(mesh=mesh, in_specs=P(), out_specs=P(unreduced=axes))
+  return jax.shard_map(first, **args, check_vma=False)(jnp.asarray(x))
 
 
 def to_type(x: Any, new_spec: P) -> jax.Array:

@@ -57,9 +57,11 @@ class PartialSums(_placement.Single):
     return _explicit.unreduced_zeros([], dtype, self.mesh, spec)
 
   def share(self, x):
-    """A replicated value is put on one device (free); one unreduced over
-    other axes is summed there."""
-    return _explicit.to_type(x, P(unreduced=self.axes))
+    """A replicated value is put on one device; one unreduced over other
+    axes is summed there."""
+    if _explicit.unreduced(x):
+      return _explicit.to_type(x, P(unreduced=self.axes))
+    return _explicit.on_one_device(x, self.axes, self.mesh)
 
   def scale(self, grad, factor):
     """An unreduced gradient takes ``factor`` typed reduced (the product is

@@ -1043,3 +1043,49 @@ def test_manual_axes_with_reduced_parameters_names_the_argument():
     with pytest.raises(ValueError, match='manual_axes') as error:
       tokacc.state_partition_specs(tx, params, manual_axes=('data',))
   assert 'explicit sharding' in str(error.value)
+
+
+@pytest.mark.parametrize('host_closes', [False, True])
+def test_a_literal_count_and_no_loss(host_closes):
+  """A count written as a literal (``num_tokens=2``: the loss sums two
+  counted tokens) is the micro-batch's count once, not once per device, and
+  no ``loss`` gives a NaN window loss; closed by the device or by the host.
+
+  ``jax.reshard`` to unreduced of a literal equal to another constant of
+  the program (here ``k``, 2) was merged with it and held whole by every
+  device: the window counted 4 times its tokens (gradients 4x too small,
+  silently, on jax 0.10.2 and 0.12). On jax >= 0.11 the NaN of no loss
+  was merged with the window metrics' NaN, which no longer compiled."""
+  rng = np.random.default_rng(0)
+  batches = [rng.normal(size=(8, 8)).astype(np.float32) for _ in range(2)]
+  w0 = rng.normal(size=(8,)).astype(np.float32)
+  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), len(batches))
+
+  def loss_sum(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+  # Full batch, plainly: the summed gradient over the window's 2 x 2 tokens.
+  full = np.concatenate(batches)
+  expected = w0 - 0.1 * np.asarray(jax.grad(loss_sum)(w0, full)) / 4
+
+  mesh = ddp_mesh()
+  with jax.set_mesh(mesh):
+    w = jax.device_put(w0, NamedSharding(mesh, P(reduced={'data'})))
+    state = tx.init(w)
+
+    @jax.jit(static_argnames='close')
+    def step(w, state, x, close):
+      grads = jax.grad(loss_sum)(w, x)  # unreduced over data
+      updates, state = tx.update(grads, state, w, num_tokens=2, close=close)
+      return optax.apply_updates(w, updates), state
+
+    rows = NamedSharding(mesh, P('data'))
+    for m, x in enumerate(batches):
+      close = m == len(batches) - 1 if host_closes else None
+      w, state = step(w, state, jax.device_put(x, rows), close=close)
+    metrics = tokacc.window_metrics(state)
+    w = plain({'w': w})['w']
+  assert int(metrics.tokens) == 4
+  assert np.isnan(float(metrics.loss))
+  # float32 round-off of the sums of 64 products (the values are O(1)).
+  np.testing.assert_allclose(w, expected, rtol=0, atol=1e-5)
