@@ -1,16 +1,19 @@
 """CI sessions (``nox -l`` lists them; ``.ci/run`` runs them all).
 
-- ``tests-3.11``, ``tests-3.12``, ``tests-3.13``: the README's test command,
-  verbatim, in a fresh environment of each supported Python, with the
-  newest versions the index serves there (jax 0.10.2 on 3.11, the newest
-  jax on 3.12 and 3.13).
+- ``tests-3.11``, ``tests-3.12``, ``tests-3.13``: the README's test command
+  (the fast tests, ``-m 'not slow'``), verbatim, in a fresh environment of
+  each supported Python, with the newest versions the index serves there
+  (jax 0.10.2 on 3.11, the newest jax on 3.12 and 3.13).
 - ``tests-jax0.11``: the same on Python 3.12 with jax 0.11.2, the JAX of
   the GPU image that ``benchmarks/device_check.py`` runs on.
+- ``slow``: the slow tests (``-m slow``: the examples, the benchmarks' smoke
+  runs, several processes) on the newest Python, in their own session.
 - ``floors``: every declared floor (``pyproject.toml``'s ``name>=X``)
   installed exactly, by ``uv pip install --resolution lowest-direct``; the
-  installed versions checked against the declared ones; the test suite.
+  installed versions checked against the declared ones; the fast tests.
 - ``lint``: ruff, the version pinned here.
-- ``docs``: the site built with ``sphinx-build -W`` and its examples run.
+- ``docs``: the site built with ``sphinx-build -W`` (its examples run in
+  the tests sessions: ``tests/test_docs.py``).
 """
 
 import pathlib
@@ -24,9 +27,7 @@ nox.options.default_venv_backend = 'venv'  # with pip, as a user's venv
 PYTHONS = ['3.11', '3.12', '3.13']
 NEWEST = PYTHONS[-1]
 RUFF = 'ruff==0.17.6'
-# The benchmarks' smoke test runs in the tests-* sessions; benchmarks/ is
-# not shipped, so the floors session leaves it out.
-FLOORS_TESTS = ['tests', '--ignore=tests/test_benchmarks.py']
+PYTEST = ['python', '-m', 'pytest', '-q', '-p', 'no:cacheprovider']
 
 
 def readme_test_command() -> str:
@@ -62,8 +63,15 @@ def floors(session: nox.Session) -> None:
   )  # fmt: skip
   session.run('uv', 'pip', 'check', python, external=True)
   session.run('python', '.ci/check_floors.py')
-  session.run('python', '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
-              *FLOORS_TESTS)  # fmt: skip
+  session.run(*PYTEST, '-m', 'not slow')
+
+
+@nox.session(python=NEWEST)
+def slow(session: nox.Session) -> None:
+  session.install('--upgrade', 'pip')
+  session.install('-e', '.[test]')
+  session.run(*PYTEST, '-m', 'slow')
+  _report_versions(session)
 
 
 @nox.session(python=NEWEST)
@@ -76,12 +84,10 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=NEWEST)
 def docs(session: nox.Session) -> None:
   session.install('--upgrade', 'pip')
-  session.install('-e', '.[docs,test]')  # test_docs.py runs under pytest
+  session.install('-e', '.[docs]')
   html = pathlib.Path(session.create_tmp()) / 'html'
   session.run('python', '-m', 'sphinx', '-W', '--keep-going', '-q', '-b',
               'html', 'docs', str(html))  # fmt: skip
-  session.run('python', '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
-              'tests/test_docs.py')  # fmt: skip
 
 
 def _report_versions(session: nox.Session) -> None:

@@ -241,6 +241,7 @@ def docs_blocks() -> list[Block]:
 BLOCKS = docs_blocks()
 
 
+@pytest.mark.slow  # each block runs in a Python process
 @pytest.mark.parametrize('block', BLOCKS, ids=[block.id for block in BLOCKS])
 def test_docs_block_runs(block, tmp_path):
   run_block(block, tmp_path)

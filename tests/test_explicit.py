@@ -781,6 +781,7 @@ def child(role, path, variant):
 
 
 @pytest.mark.timeout(1500)  # two processes of up to 600 s each
+@pytest.mark.slow  # starts Python processes
 def test_resume_mid_window_in_new_processes(tmp_path):
   variant = 'hsdp_compensated_skip'
   path = str(tmp_path / 'ckpt')

@@ -19,6 +19,8 @@ import multihost_worker as worker
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts Python processes
+
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 2
 # Per worker process: 83 s on 2 loaded cores (load 17), 58 s CPU for the

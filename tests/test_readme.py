@@ -34,7 +34,7 @@ BLOCKS = test_docs.python_blocks(TEXT, 'README.md')
 MAX_LINES = 250
 COMMANDS = (
   "pip install -e '.[examples]' && python examples/train_lm.py",
-  "pip install -e '.[test]' && python -m pytest",  # noxfile.py reads this line
+  "pip install -e '.[test]' && python -m pytest -m 'not slow'",  # noxfile.py reads this line
 )
 
 
@@ -43,6 +43,7 @@ def test_readme_has_a_quickstart_program():
   assert any(name.endswith('-quickstart') for name in names), names
 
 
+@pytest.mark.slow  # each block runs in a Python process
 @pytest.mark.parametrize('block', BLOCKS, ids=[block.id for block in BLOCKS])
 def test_readme_block_runs(block, tmp_path):
   assert not block.skip, 'every block of the README is a complete program'
