@@ -38,7 +38,10 @@ it removed the implicit varying-to-unreduced cast of ``shard_map``, which
 ``_explicit.local`` never needed (``check_vma=False``: its outputs are
 described by ``out_specs``); and jax >= 0.11 merges equal constants before
 sharding propagation, so unreduced zeros are made replicated, then retyped
-(``_explicit.unreduced_zeros``). ``lax.pcast(x, axes, to='varying')`` and the manual
+(``_explicit.unreduced_zeros``). On every version XLA gives a constant that
+``jax.reshard`` types unreduced whole to every device once it is merged with
+an equal constant, so a replicated count or loss is put on one device by a
+select in a manual region (``_explicit.on_one_device``). ``lax.pcast(x, axes, to='varying')`` and the manual
 axes in a value's type (``jax.typeof(x).sharding.mesh.manual_axes``,
 ``pmap``'s axis included) are the same on every supported version, and are
 called directly.
