@@ -5,7 +5,8 @@
   each supported Python, with the newest versions the index serves there
   (jax 0.10.2 on 3.11, the newest jax on 3.12 and 3.13).
 - ``tests-jax0.11``: the same on Python 3.12 with jax 0.11.2, the JAX of
-  the GPU image that ``benchmarks/device_check.py`` runs on.
+  the GPU image that ``benchmarks/device_check.py`` runs on (``.ci/run``
+  runs it by name only: the default run must fit CI's 90 minutes).
 - ``slow``: the slow tests (``-m slow``: the examples, the benchmarks' smoke
   runs, several processes) on the newest Python, in their own session.
 - ``floors``: every declared floor (``pyproject.toml``'s ``name>=X``)
