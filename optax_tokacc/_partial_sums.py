@@ -42,9 +42,11 @@ from optax_tokacc import _validation
 @dataclasses.dataclass(frozen=True)
 class PartialSums(_placement.Single):
   """Shares typed unreduced over ``axes``; one reduction per window.
+
   ``targets``: per gradient leaf, where the window's reduction scatters it
   (the distributed optimizer's ``_zero1.Target``), or None where it is
-  summed whole; empty: every leaf summed whole."""
+  summed whole; empty: every leaf summed whole.
+  """
 
   axes: frozenset
   mesh: Any
