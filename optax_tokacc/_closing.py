@@ -117,9 +117,9 @@ def close_now(config, place, grads, window, inner_state, params, extra):
   Returns a :class:`Closing`, as :func:`close_if`."""
   _, step = _inner(config, place, grads, inner_state, params, extra)
   summed, closed = _reduce(config, place, window)
-  out = step(summed, inner_state, params, closed.emitted)
-  closed = Closed(*closed[:4], *out[2])
-  return Closing(out[0], reset_if(place, True, window), out[1], closed)
+  updates, new_inner, norms = step(summed, inner_state, params, closed.emitted)
+  closed = Closed(*closed[:4], *norms)
+  return Closing(updates, reset_if(place, True, window), new_inner, closed)
 
 
 def keep_open(config, place, grads, window, inner_state, params, extra):

@@ -206,8 +206,9 @@ def local(fn: Callable, args: tuple, out_specs: Any) -> Any:
 
 
 def specs(tree: Any) -> Any:
-  """The specs of a tree's types (replicated where none)."""
-  return jax.tree.map(lambda x: P() if spec(x) is None else spec(x), tree)
+  """The specs of a tree's types, ``P()`` where a type carries none or
+  only replication."""
+  return jax.tree.map(lambda x: P() if untyped(x) else spec(x), tree)
 
 
 def reduce_now(x: Any) -> Any:

@@ -34,17 +34,23 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optax_tokacc import _explicit
-from optax_tokacc import _manual
 from optax_tokacc import _placement
+from optax_tokacc import _tokens
 from optax_tokacc import _validation
 
 
 @dataclasses.dataclass(frozen=True)
 class PartialSums(_placement.Single):
-  """Shares typed unreduced over ``axes``; one reduction per window."""
+  """Shares typed unreduced over ``axes``; one reduction per window.
+
+  ``targets``: per gradient leaf, where the window's reduction scatters it
+  (the distributed optimizer's ``_zero1.Target``), or None where it is
+  summed whole; empty: every leaf summed whole.
+  """
 
   axes: frozenset
   mesh: Any
+  targets: tuple = ()
 
   @classmethod
   def of(cls, axes, params, state) -> 'PartialSums':
@@ -107,15 +113,34 @@ class PartialSums(_placement.Single):
     return _explicit.local(lambda v: lax.psum(fn(v), axes), (x,), P())
 
   def reduce(self, sums, acc_tokens, acc_loss):
-    """The partial sums reduced on each device (``Manual.reduce``: one
-    all-reduce in data parallelism)."""
-    leaves = jax.tree.leaves(sums)
-    over = tuple(tuple(sorted(_explicit.unreduced(x))) for x in leaves)
-    sum_over = _manual.Manual(tuple(sorted(self.axes)), grad_axes=over)
-    specs = jax.tree.map(lambda x: _explicit.spec(x, unreduced=False), sums)
-    out_specs = _placement.Reduced(specs, P(), P())
-    args = (sums, acc_tokens, acc_loss)
-    return _explicit.local(sum_over.reduce, args, out_specs)
+    """On each device's share, each leaf summed over the axes it is
+    unreduced over (reduce-scattered into its target, if any: the rest of
+    its axes summed after), and the scalars in one ``psum``: one
+    all-reduce in data parallelism."""
+    leaves, treedef = jax.tree.flatten(sums)
+    targets = self.targets or (None,) * len(leaves)
+    # the axes to sum over, known from the types here only
+    sum_over = [tuple(sorted(_explicit.unreduced(x))) for x in leaves]
+    axes = tuple(sorted(self.axes))
+
+    def reduce(leaves, acc_tokens, acc_loss):
+      out = []
+      for leaf, target, over in zip(leaves, targets, sum_over):
+        if target is not None:
+          leaf = lax.psum_scatter(
+            leaf, target.axes, scatter_dimension=target.dim, tiled=True
+          )
+          over = tuple(a for a in over if a not in jax.tree.leaves(target.axes))
+        out.append(lax.psum(leaf, over) if over else leaf)
+      parts, loss = lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
+      return _placement.Reduced(treedef.unflatten(out), parts, loss)
+
+    specs = [
+      _explicit.spec(x, unreduced=False) or P() if t is None else t.spec
+      for x, t in zip(leaves, targets)
+    ]
+    out_specs = _placement.Reduced(treedef.unflatten(specs), P(), P())
+    return _explicit.local(reduce, (leaves, acc_tokens, acc_loss), out_specs)
 
   def norms(self, *trees):
     """On each device's share, summed over the axes each leaf is split

@@ -86,18 +86,6 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
   )
 
 
-def _param_specs(params: optax.Params, param_specs: Optional[Any]) -> Any:
-  """``param_specs``, or the specs in the parameters' types (explicit
-  sharding; replicated where a type carries none)."""
-  if param_specs is not None:
-    return param_specs
-
-  def of(p):
-    return P() if _explicit.untyped(p) else _explicit.spec(p)
-
-  return jax.tree.map(of, params)
-
-
 def state_partition_specs(
   tx: optax.GradientTransformation,
   params: optax.Params,
@@ -161,7 +149,8 @@ def state_partition_specs(
 
 def _specs(tx, params, param_specs, axis_name, shard_over, mesh) -> Any:
   """:func:`state_partition_specs` but ``manual_axes``: the full layout."""
-  param_specs = _param_specs(params, param_specs)
+  if param_specs is None:  # the specs in the parameters' types
+    param_specs = _explicit.specs(params)
   abstract = jax.eval_shape(tx.init, params)
   specs = zero = _follow(tx, abstract, param_specs, params)
   if shard_over is not None:
@@ -299,6 +288,8 @@ def init_sharded(
   if axis_name is None:
     shardings = jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs)
     return jax.jit(tx.init, out_shardings=shardings)(params)
-  in_specs = (_param_specs(params, param_specs),)
+  if param_specs is None:
+    param_specs = _explicit.specs(params)
+  in_specs = (param_specs,)
   init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)
   return jax.jit(init)(params)

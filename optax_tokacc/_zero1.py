@@ -30,20 +30,16 @@ parameter is sharded (optax's ``tree_map_params`` says which state belongs
 to which parameter), so moments resharded by hand are followed.
 """
 
-import dataclasses
 import math
 from typing import Any, NamedTuple, Optional
 
 import jax
-from jax import lax
 from jax.sharding import PartitionSpec as P
 import optax
 
 from optax_tokacc import _explicit
 from optax_tokacc import _manual
 from optax_tokacc import _partial_sums
-from optax_tokacc import _placement
-from optax_tokacc import _tokens
 
 
 def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
@@ -109,14 +105,11 @@ class Target(NamedTuple):
   spec: P
 
 
-@dataclasses.dataclass(frozen=True)
 class DistributedOptimizer(_partial_sums.PartialSums):
   """Partial sums, reduce-scattered into the shards of ``inner``'s state
   when the window closes; ``targets``: per gradient leaf, a ``Target``, or
   None where its parameter's state is whole or the gradient holds no
   partial sums over the target's axes (all-reduced, or kept)."""
-
-  targets: tuple = ()
 
   @classmethod
   def of(cls, place, inner, inner_state, grads) -> Any:
@@ -131,34 +124,6 @@ class DistributedOptimizer(_partial_sums.PartialSums):
     # the window's sums are typed like the gradients (_validation.state_matches)
     leaves = jax.tree.leaves(grads)
     return cls(place.axes, place.mesh, tuple(map(_scattered, leaves, targets)))
-
-  def reduce(self, sums, acc_tokens, acc_loss):
-    """One reduce-scatter of each leaf of partial sums into its shards (an
-    all-reduce for a leaf whose state is whole), and the scalars in one
-    ``psum``."""
-    leaves, treedef = jax.tree.flatten(sums)
-    # the axes to sum over, known from the types here only
-    sum_over = [tuple(sorted(_explicit.unreduced(x))) for x in leaves]
-    axes = tuple(sorted(self.axes))
-
-    def reduce(leaves, acc_tokens, acc_loss):
-      out = []
-      for leaf, target, over in zip(leaves, self.targets, sum_over):
-        if target is not None:
-          leaf = lax.psum_scatter(
-            leaf, target.axes, scatter_dimension=target.dim, tiled=True
-          )
-          over = tuple(a for a in over if a not in jax.tree.leaves(target.axes))
-        out.append(lax.psum(leaf, over) if over else leaf)
-      parts, loss = lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
-      return _placement.Reduced(treedef.unflatten(out), parts, loss)
-
-    specs = [
-      _explicit.spec(x, unreduced=False) or P() if t is None else t.spec
-      for x, t in zip(leaves, self.targets)
-    ]
-    out_specs = _placement.Reduced(treedef.unflatten(specs), P(), P())
-    return _explicit.local(reduce, (leaves, acc_tokens, acc_loss), out_specs)
 
   def reduced_types(self, grads):
     leaves, treedef = jax.tree.flatten(grads)
