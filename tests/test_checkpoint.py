@@ -131,6 +131,40 @@ def test_resume_mid_window_is_bit_identical(tmp_path, variant, stop_at):
   assert int(expected[1].gradient_step) >= 2  # windows were applied
 
 
+def as_saved_by_0_4(opt_state):
+  """The state as 0.4 saved it: a dict of its fields, the accumulator named
+  ``acc_grads``, no window norms (0.5 added them)."""
+  fields = opt_state._asdict()
+  fields['acc_grads'] = fields.pop('grad_sums')
+  del fields['last_grad_norm'], fields['last_update_norm']
+  return fields
+
+
+def test_a_checkpoint_saved_before_the_rename_resumes_bit_identical(tmp_path):
+  """The CHANGELOG's recipe for a checkpoint saved by 0.4 (before
+  ``acc_grads`` became ``grad_sums``): restore into a target shaped like the
+  old state, rebuild the state; training resumes bit for bit (the window
+  norms are NaN until the next window closes)."""
+  tx = make_tx('adamw_clip')
+  step = make_step(tx)
+  params, opt_state = train(step, (init_params(), tx.init(init_params())), 0, 6)
+  assert 0 < int(opt_state.mini_step) < EVERY_K
+  save(tmp_path / 'ckpt', (params, as_saved_by_0_4(opt_state)))
+
+  like = (init_params(), as_saved_by_0_4(tx.init(init_params())))
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+  params, saved = ocp.StandardCheckpointer().restore(tmp_path / 'ckpt', target)
+  rest = {name: value for name, value in saved.items() if name != 'acc_grads'}
+  opt_state = tokacc.TokenWeightedMultiStepState(
+    **rest, grad_sums=saved['acc_grads']
+  )
+  assert np.isnan(tokacc.window_metrics(opt_state).grad_norm)
+  resumed = train(step, (params, opt_state), 6, NUM_MICRO_STEPS)
+  expected = uninterrupted('adamw_clip')
+  assert int(expected[1].gradient_step) > int(saved['gradient_step'])
+  chex.assert_trees_all_equal(resumed, expected)
+
+
 _CHILD = """
 import sys
 import jax
