@@ -90,11 +90,11 @@ def reference(
     n = int(tokens) + TERM_ROUNDINGS
     # the loss: n one-signed terms, both sides rounding
     loss_rtol = 2 * gamma(n)
-    grad_error = 2 * gamma(n) * float(optax.global_norm(magnitudes)) / tokens
+    grad_error = 2 * gamma(n) * float(optax.tree.norm(magnitudes)) / tokens
     updates, opt_state = inner.update(grads, opt_state, params)
     trace_error = grad_error + 0.9 * trace_error
     size = sum(np.size(g) for g in jax.tree.leaves(grads))
-    g, u = map(float, map(optax.global_norm, (grads, updates)))
+    g, u = map(float, map(optax.tree.norm, (grads, updates)))
     out.append(
       dict(
         loss=float(loss),
