@@ -165,7 +165,10 @@ def on_one_device(x: Any, axes: frozenset, mesh: Any) -> jax.Array:
 
 def to_type(x: Any, new_spec: P) -> jax.Array:
   """``x`` resharded to ``new_spec`` (no work when it already has it; free
-  from replicated to reduced or unreduced, and from reduced to replicated)."""
+  from replicated to reduced or unreduced, and from reduced to replicated).
+  A replicated value meant to be summed once is put on one device by
+  :func:`on_one_device` instead: XLA gives a constant so retyped to every
+  device."""
   x = jnp.asarray(x)
   return x if spec(x) == new_spec else jax.reshard(x, new_spec)
 
