@@ -60,6 +60,10 @@ class _Sums(NamedTuple):
   sums: optax.Updates
   divisor: jax.Array  # its count, at least 1
   mean_loss: jax.Array
+  # The sums' squares (``place.squares``), taken before ``inner`` runs:
+  # a norm of the mean taken beside ``inner`` kept the sums alive, and the
+  # buffer that holds the updates was copied (a parameter-sized temporary).
+  squares: dict
 
 
 def _open(window: Window) -> Closed:
@@ -77,7 +81,7 @@ def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
   divisor = jnp.maximum(total, 1)
   mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
   closed = Closed(jnp.logical_and(valid, total > 0), valid, total, mean_loss)
-  return _Sums(sums, divisor, mean_loss), closed
+  return _Sums(sums, divisor, mean_loss, place.squares(sums)), closed
 
 
 def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
@@ -102,7 +106,9 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
     mean_grads, plain_inner, place.for_inner(params), **extra.args, **value
   )
   new_inner = optax.tree.cast_like(new_inner, opt_state)
-  norms = place.norms(mean_grads, updates)  # what inner got, and gave
+  # What inner got (the sums' norm over their count), and gave.
+  per_token = jnp.stack([1 / summed.divisor.astype(jnp.float32), 1.0])
+  norms = place.norms(summed.squares, updates) * per_token
   if emitted is not None:
     updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
     new_inner = optax.tree.where(emitted, new_inner, plain_inner)
@@ -208,7 +214,8 @@ def _inner(config, place, grads, inner_state, params, extra):
   def shapes(extra):
     step = functools.partial(_step, config, place, grads, extra)
     try:
-      summed = _Sums(place.reduced_types(grads), *scalars)
+      sums = place.reduced_types(grads)  # unused values: for their types
+      summed = _Sums(sums, *scalars, place.squares(sums))
       return jax.eval_shape(step, summed, inner_state, params)[0], step
     except Exception as e:
       _raise(e, place.refusal(e))

@@ -50,14 +50,13 @@ called directly.
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 EXPLICIT_SHARDING_JAX = (0, 10, 0)
 VERSION = tuple(int(v) for v in jax.__version__.split('.')[:3])
 EXPLICIT_SHARDING = VERSION >= EXPLICIT_SHARDING_JAX
 
 
-def partitions(spec: P) -> tuple:
+def partitions(spec: jax.P) -> tuple:
   """The per-dimension entries of a spec (iterating a spec that has
   reduced or unreduced axes is an error in JAX)."""
   return tuple(getattr(spec, 'partitions', spec._partitions))

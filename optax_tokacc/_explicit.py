@@ -32,30 +32,29 @@ from typing import Any, Optional
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from optax_tokacc._compat import EXPLICIT_SHARDING as SUPPORTED
 from optax_tokacc._compat import EXPLICIT_SHARDING_JAX as MIN_JAX
 from optax_tokacc._compat import partitions
 
 
-def spec(x: Any, *, unreduced: bool = True) -> Optional[P]:
+def spec(x: Any, *, unreduced: bool = True) -> Optional[jax.P]:
   """The ``PartitionSpec`` in ``x``'s type, padded to its rank (None where
   the type carries no named sharding); ``unreduced=False`` drops the
   unreduced axes (the type of ``x`` once reduced)."""
   found = getattr(_sharding(x), 'spec', None)
-  if not isinstance(found, P):
+  if not isinstance(found, jax.P):
     return None
   parts = partitions(found)
   parts += (None,) * (len(jnp.shape(x)) - len(parts))
   kept = found.unreduced if unreduced else frozenset()  # P.update keeps an
-  return P(*parts, reduced=found.reduced, unreduced=kept)  # unreduced_kind
+  return jax.P(*parts, reduced=found.reduced, unreduced=kept)  # unreduced_kind
 
 
 def untyped(x: Any) -> bool:
   """Whether ``x``'s type carries no named sharding, or only replication
   (no split dimension, no reduced or unreduced axis)."""
-  return spec(x) in (None, P(*[None] * len(jnp.shape(x))))
+  return spec(x) in (None, jax.P(*[None] * len(jnp.shape(x))))
 
 
 def _sharding(x: Any) -> Any:
@@ -94,7 +93,7 @@ def reduce_trivial(tree: Any) -> Any:
     if found is None or kept == found.unreduced:
       return x
     parts = partitions(found)  # P(...): see spec
-    return jax.reshard(x, P(*parts, reduced=found.reduced, unreduced=kept))
+    return jax.reshard(x, jax.P(*parts, reduced=found.reduced, unreduced=kept))
 
   return jax.tree.map(reduce, tree)
 
@@ -107,7 +106,7 @@ def reduced(x: Any) -> frozenset:
 def sharded(x: Any) -> frozenset:
   """The mesh axes ``x`` is split over."""
   # entries: None, an axis, or a tuple of axes (none where no spec)
-  return frozenset(jax.tree.leaves(partitions(spec(x) or P())))
+  return frozenset(jax.tree.leaves(partitions(spec(x) or jax.P())))
 
 
 def check_supported(tree: Any, what: str) -> None:
@@ -134,16 +133,16 @@ def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
   if not reduced(param):
     return jnp.zeros_like(param, dtype=dtype)
   found, mesh = spec(param), mesh_of(param)
-  gradient = P(*partitions(found), unreduced=deferred(found.reduced, mesh))
+  gradient = jax.P(*partitions(found), unreduced=deferred(found.reduced, mesh))
   return unreduced_zeros(jnp.shape(param), dtype, mesh, gradient)
 
 
-def unreduced_zeros(shape: Any, dtype: Any, mesh: Any, new_spec: P) -> Any:
+def unreduced_zeros(shape: Any, dtype: Any, mesh: Any, new_spec: jax.P) -> Any:
   """Zeros typed ``new_spec`` (unreduced), made replicated, then retyped:
   a bare unreduced constant is merged with the program's other zeros of
   its shape, which then leave ``jax.jit`` typed unreduced too (jax >= 0.11:
   ``jax.jit(tx.init)``)."""
-  plain = jax.NamedSharding(mesh, P(*partitions(new_spec)))
+  plain = jax.NamedSharding(mesh, jax.P(*partitions(new_spec)))
   return to_type(jnp.zeros(shape, dtype, out_sharding=plain), new_spec)
 
 
@@ -159,11 +158,11 @@ def on_one_device(x: Any, axes: frozenset, mesh: Any) -> jax.Array:
     index = sum(lax.axis_index(a) for a in sorted(axes))
     return jnp.where(index == 0, x, jnp.zeros_like(x))
 
-  args = dict(mesh=mesh, in_specs=P(), out_specs=P(unreduced=axes))
+  args = dict(mesh=mesh, in_specs=jax.P(), out_specs=jax.P(unreduced=axes))
   return jax.shard_map(first, **args, check_vma=False)(jnp.asarray(x))
 
 
-def to_type(x: Any, new_spec: P) -> jax.Array:
+def to_type(x: Any, new_spec: jax.P) -> jax.Array:
   """``x`` resharded to ``new_spec`` (no work when it already has it; free
   from replicated to reduced or unreduced, and from reduced to replicated).
   A replicated value meant to be summed once is put on one device by
@@ -211,7 +210,7 @@ def local(fn: Callable, args: tuple, out_specs: Any) -> Any:
 def specs(tree: Any) -> Any:
   """The specs of a tree's types, ``P()`` where a type carries none or
   only replication."""
-  return jax.tree.map(lambda x: P() if untyped(x) else spec(x), tree)
+  return jax.tree.map(lambda x: jax.P() if untyped(x) else spec(x), tree)
 
 
 def reduce_now(x: Any) -> Any:

@@ -121,15 +121,18 @@ class Manual(_placement.Single):
 
     return lax.cond(pred, matched(true_fn), matched(false_fn), *ops)
 
-  def norms(self, *trees):
-    """Each leaf's squares summed over the manual axes it varies over (is
-    split over; none without variance tracking, where every leaf is
-    whole): no collective in data parallelism."""
-    leaves = jax.tree.leaves(trees)
-    over = [
-      tuple(sorted(varying_axes(x))) if self.tracked else () for x in leaves
-    ]
-    return _placement.global_norms(trees, over)
+  def squares(self, tree):
+    """Each leaf's squares summed over its shard, per set of manual axes
+    it varies over (is split over; none without variance tracking, where
+    every leaf is whole)."""
+    varying = varying_axes if self.tracked else lambda x: ()
+    over = [varying(x) for x in jax.tree.leaves(tree)]
+    return _placement.local_squares(tree, over)
+
+  def norms(self, grad_squares, updates):
+    """One scalar ``psum`` per set of axes: none in data parallelism."""
+    squares = (grad_squares, self.squares(updates))
+    return _placement.global_norms(lax.psum, *squares)
 
 
 def as_tuple(axis_name: AxisName) -> tuple[str, ...]:

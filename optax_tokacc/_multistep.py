@@ -155,10 +155,10 @@ def token_weighted_multistep(
     schedule=_validation.schedule(every_k_schedule),
     axis_name=axis_name,
     mean_loss=loss_reduction == 'mean',
-    accumulator_dtype=_validation.accumulator_dtype(accumulator_dtype),
+    accumulator_dtype=_validation.dtype(accumulator_dtype, 'accumulator_dtype'),
     compensated=bool(compensated),
     should_skip_update_fn=should_skip_update_fn,
-    token_dtype=_validation.token_dtype(token_dtype),
+    token_dtype=_validation.dtype(token_dtype, 'token_dtype'),
     tokens_per_update=_validation.tokens_per_update(tokens_per_update),
   )
   return optax.GradientTransformationExtraArgs(

@@ -31,7 +31,6 @@ from typing import Any
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from optax_tokacc import _explicit
 from optax_tokacc import _placement
@@ -59,14 +58,14 @@ class PartialSums(_placement.Single):
     return cls(axes, _explicit.mesh_of(like))
 
   def scalar_zeros(self, dtype):
-    spec = P(unreduced=self.axes)
+    spec = jax.P(unreduced=self.axes)
     return _explicit.unreduced_zeros([], dtype, self.mesh, spec)
 
   def share(self, x):
     """A replicated value is put on one device; one unreduced over other
     axes is summed there."""
     if _explicit.unreduced(x):
-      return _explicit.to_type(x, P(unreduced=self.axes))
+      return _explicit.to_type(x, jax.P(unreduced=self.axes))
     return _explicit.on_one_device(x, self.axes, self.mesh)
 
   def scale(self, grad, factor):
@@ -74,7 +73,7 @@ class PartialSums(_placement.Single):
     then linear in it)."""
     axes = _explicit.unreduced(grad)
     if axes:
-      factor = _explicit.to_type(factor, P(reduced=axes))
+      factor = _explicit.to_type(factor, jax.P(reduced=axes))
     return grad * factor
 
   def per_device(self, fn, args, like):
@@ -106,11 +105,11 @@ class PartialSums(_placement.Single):
         lambda s, x: s > 0 if x.dtype == jnp.bool_ else s, summed, decision
       )
 
-    return _explicit.local(decide, (grads, step, params), P())
+    return _explicit.local(decide, (grads, step, params), jax.P())
 
   def total(self, fn, x):
     axes = tuple(sorted(self.axes))
-    return _explicit.local(lambda v: lax.psum(fn(v), axes), (x,), P())
+    return _explicit.local(lambda v: lax.psum(fn(v), axes), (x,), jax.P())
 
   def reduce(self, sums, acc_tokens, acc_loss):
     """On each device's share, each leaf summed over the axes it is
@@ -136,15 +135,28 @@ class PartialSums(_placement.Single):
       return _placement.Reduced(treedef.unflatten(out), parts, loss)
 
     specs = [
-      _explicit.spec(x, unreduced=False) or P() if t is None else t.spec
+      _explicit.spec(x, unreduced=False) or jax.P() if t is None else t.spec
       for x, t in zip(leaves, targets)
     ]
-    out_specs = _placement.Reduced(treedef.unflatten(specs), P(), P())
+    out_specs = _placement.Reduced(treedef.unflatten(specs), jax.P(), jax.P())
     return _explicit.local(reduce, (leaves, acc_tokens, acc_loss), out_specs)
 
-  def norms(self, *trees):
-    """On each device's share, summed over the axes each leaf is split
-    over: one scalar all-reduce where the leaves are split alike."""
-    over = [tuple(sorted(_explicit.sharded(x))) for x in jax.tree.leaves(trees)]
-    fn = lambda *trees: _placement.global_norms(trees, over)  # noqa: E731
-    return _explicit.local(fn, trees, P())
+  def squares(self, tree):
+    """On each device's share, summed over each leaf's shard: partial sums
+    typed unreduced over the axes the leaves are split over."""
+    over = [_explicit.sharded(x) for x in jax.tree.leaves(tree)]
+    split = {tuple(sorted(a)): _explicit.deferred(a, self.mesh) for a in over}
+    specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
+    fn = lambda tree: _placement.local_squares(tree, over)  # noqa: E731
+    return _explicit.local(fn, (tree,), specs)
+
+  def norms(self, grad_squares, updates):
+    """One scalar all-reduce where the leaves are split alike (none in
+    data parallelism)."""
+
+    def norms(grad_squares, updates):
+      squares = (grad_squares, _placement.local_squares(updates, over))
+      return _placement.global_norms(jax.lax.psum, *squares)
+
+    over = [_explicit.sharded(x) for x in jax.tree.leaves(updates)]
+    return _explicit.local(norms, (grad_squares, updates), jax.P())

@@ -161,21 +161,37 @@ class Single:
     """``lax.cond``, where the branches' outputs may differ in type."""
     return lax.cond(pred, true_fn, false_fn, *ops)
 
-  def norms(self, *trees: Any) -> jax.Array:
-    """The global L2 norms of ``trees`` (as ``inner`` takes and gives
-    them, whole here), as a float32 vector."""
-    return global_norms(trees, [()] * len(jax.tree.leaves(trees)))
+  def squares(self, tree: Any) -> dict:
+    """``tree``'s squares summed (:func:`local_squares`): whole values here
+    (the compiler sums a leaf split over devices, in a scalar all-reduce)."""
+    return local_squares(tree, [()] * len(jax.tree.leaves(tree)))
+
+  def norms(self, grad_squares: dict, updates: Any) -> jax.Array:
+    """The global L2 norms of a tree given by its :meth:`squares` and of
+    ``updates``, a float32 vector."""
+    return global_norms(None, grad_squares, self.squares(updates))
 
 
-def global_norms(trees: tuple, over: list) -> jax.Array:
-  """The global L2 norms of ``trees`` (float32): each leaf's squares summed
-  in float32 or wider, then over the devices of the axes ``over`` gives
-  for it (one entry per leaf of ``trees``): one scalar ``psum`` per
-  distinct set of axes, the trees' norms summed together."""
-  sums = {a: jnp.zeros(len(trees), jnp.float32) for a in over}
-  leaves = [(i, x) for i, t in enumerate(trees) for x in jax.tree.leaves(t)]
-  for (i, x), axes in zip(leaves, over):
+def local_squares(tree: Any, over: list) -> dict:
+  """``{axes: s}``: the squares of ``tree``'s leaves (in float32 or wider)
+  summed on this device, one float32 scalar ``s`` per set of mesh axes in
+  ``over`` (one entry per leaf: the axes its sum is split over)."""
+  sums = {}
+  for x, axes in zip(jax.tree.leaves(tree), over):
+    axes = tuple(sorted(axes))
     wide = jnp.abs(x).astype(jnp.promote_types(x.dtype, jnp.float32))
-    sums[axes] = sums[axes].at[i].add(jnp.sum(wide * wide))
-  total = [lax.psum(s, a) if a else s for a, s in sums.items()]
-  return jnp.sqrt(sum(total, jnp.zeros(len(trees)))).astype(jnp.float32)
+    square = jnp.sum(wide * wide).astype(jnp.float32)
+    sums[axes] = sums[axes] + square if axes in sums else square
+  return sums
+
+
+def global_norms(reduce: Optional[Callable], *squares: dict) -> jax.Array:
+  """The L2 norms of trees given by their :func:`local_squares` (float32):
+  for each set of axes, the trees' squares stacked and summed over those
+  axes by ``reduce(vector, axes)``: one collective per set."""
+  total = jnp.zeros(len(squares), jnp.float32)
+  for axes in sorted({a for s in squares for a in s}):
+    some = next(s[axes] for s in squares if axes in s)
+    vector = jnp.stack([s.get(axes, jnp.zeros_like(some)) for s in squares])
+    total = total + (reduce(vector, axes) if axes else vector)
+  return jnp.sqrt(total)

@@ -26,7 +26,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import optax
 
 from optax_tokacc import _explicit
@@ -50,17 +49,17 @@ def _layout(axis_name: Any, specs: list) -> tuple:
 
     def slot(spec):
       split = jax.tree.leaves(_explicit.partitions(spec))
-      return P(tuple(a for a in axes if a not in split), *spec)
+      return jax.P(tuple(a for a in axes if a not in split), *spec)
 
-    return slot, slot(P())
+    return slot, slot(jax.P())
   mesh = jax.sharding.get_abstract_mesh()
 
   def like_gradient(spec):
     unreduced = _explicit.deferred(spec.reduced, mesh)
-    return P(*_explicit.partitions(spec), unreduced=unreduced)
+    return jax.P(*_explicit.partitions(spec), unreduced=unreduced)
 
   data_axes = frozenset().union(*(s.reduced for s in specs))
-  return like_gradient, like_gradient(P(reduced=data_axes))
+  return like_gradient, like_gradient(jax.P(reduced=data_axes))
 
 
 def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
@@ -73,7 +72,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
     if _zero1.is_masked(leaf):
       return leaf
     shape, like = jnp.shape(leaf), jnp.shape(param)  # behind a slot axis?
-    return spec if shape[len(shape) - len(like) :] == like else P()
+    return spec if shape[len(shape) - len(like) :] == like else jax.P()
 
   return optax.tree_map_params(
     tx,
@@ -81,7 +80,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
     abstract,
     specs,
     params,
-    transform_non_params=lambda _: P(),
+    transform_non_params=lambda _: jax.P(),
     is_leaf=_zero1.is_masked,
   )
 
@@ -194,7 +193,9 @@ def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
     )
 
   def keep(spec):  # entries: None, an axis or a tuple of axes
-    return P(*([a for a in jax.tree.leaves(e) if a in manual] for e in spec))
+    return jax.P(
+      *([a for a in jax.tree.leaves(e) if a in manual] for e in spec)
+    )
 
   return jax.tree.map(keep, specs)
 

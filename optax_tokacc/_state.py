@@ -263,9 +263,14 @@ def window_metrics(opt_state: optax.OptState) -> WindowMetrics:
   and norms are NaN before the first window; a window that emits nothing
   (no tokens, or an invalid count: dropped) keeps the last emitted
   window's metrics, as ``gradient_step`` keeps its count. Reading them
-  costs nothing; computing them costs no micro-step any work, and the
-  closing step at most one scalar collective (none where the gradient is
-  whole on every device).
+  costs nothing; computing them costs no micro-step any work and no
+  parameter-sized temporary. The closing step pays one scalar collective
+  where the gradient is split over devices by ``shard_map`` or explicit
+  types (FSDP, HSDP, ZeRO-1), two where the compiler splits it (GSPMD
+  FSDP: the gradient's, summed before ``inner`` runs, and the update's),
+  and none where it is whole on every device (data parallelism). The
+  gradient's norm is that of the window's sums, in the accumulator's
+  precision, over its token count.
 
   Args:
     opt_state: the state of :func:`token_weighted_multistep`, or of a

@@ -126,29 +126,22 @@ def check_k(k: Any) -> None:
   _scalar(k, name, 'an integer scalar', (jnp.integer,), fix, TypeError)
 
 
-def _dtype(value: Any, name: str, kinds: str, int32: bool) -> jnp.dtype:
-  """``value`` as a canonical floating (or, if ``int32``, int32) dtype."""
+def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
+  """``accumulator_dtype`` (a floating dtype; None stays None: the
+  gradient's, at least float32) or ``token_dtype`` (int32, the default for
+  exact counts, or a floating dtype), checked and canonicalized."""
+  counts = name == 'token_dtype'
+  value = jnp.int32 if counts and value is None else value
+  if value is None:
+    return None
+  kinds = 'int32 or a floating dtype' if counts else 'a floating dtype or None'
   try:
-    dtype = jnp.dtype(value)
+    found = jnp.dtype(value)
   except TypeError as e:
     raise _refuse(name, kinds, repr(value), _STATIC) from e
-  if not (jnp.issubdtype(dtype, jnp.floating) or int32 and dtype == jnp.int32):
-    raise _refuse(name, kinds, dtype)
-  return jax.dtypes.canonicalize_dtype(dtype)
-
-
-def accumulator_dtype(dtype: Any) -> Optional[jnp.dtype]:
-  """``accumulator_dtype`` checked and canonicalized (None stays None)."""
-  if dtype is None:
-    return None
-  kinds = 'a floating dtype, or None for the gradient dtype (at least float32)'
-  return _dtype(dtype, 'accumulator_dtype', kinds, int32=False)
-
-
-def token_dtype(dtype: Any) -> jnp.dtype:
-  """``token_dtype`` checked: int32 (exact counts) or a floating dtype."""
-  dtype = jnp.int32 if dtype is None else dtype
-  return _dtype(dtype, 'token_dtype', 'int32 or a floating dtype', int32=True)
+  if not (jnp.issubdtype(found, jnp.floating) or counts and found == jnp.int32):
+    raise _refuse(name, kinds, found)
+  return jax.dtypes.canonicalize_dtype(found)
 
 
 def _scalar(

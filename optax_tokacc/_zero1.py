@@ -34,7 +34,6 @@ import math
 from typing import Any, NamedTuple, Optional
 
 import jax
-from jax.sharding import PartitionSpec as P
 import optax
 
 from optax_tokacc import _explicit
@@ -76,8 +75,8 @@ def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
     parts += (None,) * (len(x.shape) - len(parts))
     for dim, (length, entry) in enumerate(zip(x.shape, parts)):
       if entry is None and length % size == 0 and length >= size:
-        return P(*parts[:dim], axes, *parts[dim + 1 :])
-    return P(*parts)
+        return jax.P(*parts[:dim], axes, *parts[dim + 1 :])
+    return jax.P(*parts)
 
   return jax.tree.map(shard, params, param_specs)
 
@@ -102,7 +101,7 @@ class Target(NamedTuple):
 
   dim: int
   axes: Any
-  spec: P
+  spec: jax.P
 
 
 class DistributedOptimizer(_partial_sums.PartialSums):
@@ -150,7 +149,7 @@ class DistributedOptimizer(_partial_sums.PartialSums):
     def gather(x, ref):
       if not sharded(x) & axes or sharded(ref) & axes:
         return x
-      return jax.reshard(x, P(*_explicit.partitions(_explicit.spec(ref))))
+      return jax.reshard(x, jax.P(*_explicit.partitions(_explicit.spec(ref))))
 
     return _explicit.like(jax.tree.map(gather, tree, reference), reference)
 
@@ -169,7 +168,7 @@ def _targets(inner, inner_state, grads, axes) -> tuple:
   def record(leaf, index):
     sharded = _explicit.sharded(leaf) & axes  # none for a MaskedNode
     if sharded and jax.numpy.shape(leaf) == jax.numpy.shape(leaves[index]):
-      found[index].add(P(*_explicit.partitions(_explicit.spec(leaf))))
+      found[index].add(jax.P(*_explicit.partitions(_explicit.spec(leaf))))
     return leaf
 
   indices = treedef.unflatten(range(len(leaves)))

@@ -1046,8 +1046,9 @@ def test_manual_axes_with_reduced_parameters_names_the_argument():
   assert 'explicit sharding' in str(error.value)
 
 
+@pytest.mark.parametrize('reduction', ['sum', 'mean'])
 @pytest.mark.parametrize('host_closes', [False, True])
-def test_a_literal_count_and_no_loss(host_closes):
+def test_a_literal_count_and_no_loss(host_closes, reduction):
   """A count written as a literal (``num_tokens=2``: the loss sums two
   counted tokens) is the micro-batch's count once, not once per device, and
   no ``loss`` gives a NaN window loss; closed by the device or by the host.
@@ -1056,14 +1057,21 @@ def test_a_literal_count_and_no_loss(host_closes):
   the program (here ``k``, 2) was merged with it and held whole by every
   device: the window counted 4 times its tokens (gradients 4x too small,
   silently, on jax 0.10.2 and 0.12). On jax >= 0.11 the NaN of no loss
-  was merged with the window metrics' NaN, which no longer compiled."""
+  was merged with the window metrics' NaN, which no longer compiled.
+  Under ``loss_reduction='mean'`` the literal also scales the gradient
+  (typed reduced, then multiplied into the partial sums)."""
   rng = np.random.default_rng(0)
   batches = [rng.normal(size=(8, 8)).astype(np.float32) for _ in range(2)]
   w0 = rng.normal(size=(8,)).astype(np.float32)
-  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), len(batches))
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(0.1), len(batches), loss_reduction=reduction
+  )
 
   def loss_sum(w, x):
     return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+  def loss(w, x):  # what tx takes: the sum, or its mean over the 2 tokens
+    return loss_sum(w, x) / (2 if reduction == 'mean' else 1)
 
   # Full batch, plainly: the summed gradient over the window's 2 x 2 tokens.
   full = np.concatenate(batches)
@@ -1076,7 +1084,7 @@ def test_a_literal_count_and_no_loss(host_closes):
 
     @jax.jit(static_argnames='close')
     def step(w, state, x, close):
-      grads = jax.grad(loss_sum)(w, x)  # unreduced over data
+      grads = jax.grad(loss)(w, x)  # unreduced over data
       updates, state = tx.update(grads, state, w, num_tokens=2, close=close)
       return optax.apply_updates(w, updates), state
 
