@@ -134,7 +134,11 @@ def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
   value = jnp.int32 if counts and value is None else value
   if value is None:
     return None
-  kinds = 'int32 or a floating dtype' if counts else 'a floating dtype or None'
+  kinds = (
+    'int32 or a floating dtype'
+    if counts
+    else 'a floating dtype, or None for the gradient dtype (at least float32)'
+  )
   try:
     found = jnp.dtype(value)
   except TypeError as e:
