@@ -136,7 +136,34 @@ def memory(compiled, param_bytes):
   analysis = compiled.memory_analysis()
   out = {field: int(getattr(analysis, field)) for field in _MEMORY_FIELDS}
   out['temp_over_params'] = out['temp_size_in_bytes'] / param_bytes
+  cost = compiled.cost_analysis()  # a list of one dict on older JAX
+  cost = (cost[0] if isinstance(cost, list) else cost) or {}
+  if 'bytes accessed' in cost:  # XLA's estimate: deterministic, unlike time
+    out['accessed_over_params'] = cost['bytes accessed'] / param_bytes
   return out
+
+
+def accessed_per_window(memory, k):
+  """XLA's estimate of the bytes a window accesses over the parameter
+  bytes, from its programs' :func:`memory`: k calls of one program
+  (``step``); k micro-steps and a window update (the ideals); or k - 1
+  micro-steps and a closing one (closed by the host). None where unknown,
+  as for a loop, which XLA counts once. XLA counts a conditional as its
+  costliest branch (``HandleConditional``), as if the window closed on
+  every call: a one-program step's figure is an upper bound."""
+  accessed = {
+    label: m.get('accessed_over_params') for label, m in memory.items()
+  }
+  if None in accessed.values():
+    return None
+  if 'step' in accessed:  # beside it: its optimizer part alone (``update``)
+    return k * accessed['step']
+  labels = {'micro_step': 'window_update', 'micro': 'close'}
+  for micro, last in labels.items():
+    if set(accessed) == {micro, last}:
+      micro_steps = k if last == 'window_update' else k - 1
+      return micro_steps * accessed[micro] + accessed[last]
+  return None
 
 
 def bytes_per_device(tree):

@@ -102,13 +102,13 @@ def _under_mesh(mesh, call):
   return on_mesh
 
 
-def _tokacc_explicit(case, init, reference, close=None):
-  """``token_weighted_multistep`` on parameters typed reduced over
-  ``data``; ``init(tx, params, mesh)`` lays its state out. ``close``: the
-  host's two programs (label -> ``close``, the micro-step's first), or
-  None for one program that the device closes."""
+def _tokacc_explicit(case, init, reference, close=None, **options):
+  """``token_weighted_multistep(..., **options)`` on parameters typed
+  reduced over ``data``; ``init(tx, params, mesh)`` lays its state out.
+  ``close``: the host's two programs (label -> ``close``, the micro-step's
+  first), or None for one program that the device closes."""
   model = case.model
-  tx = tokacc.token_weighted_multistep(case.adamw, case.k)
+  tx = tokacc.token_weighted_multistep(case.adamw, case.k, **options)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames='close')
   def step(params, opt_state, batch, close=None):
@@ -153,7 +153,7 @@ def tokacc_explicit_ddp(case):
   )
 
 
-def tokacc_explicit_ddp_host(case):
+def tokacc_explicit_ddp_host(case, **options):
   """``tokacc_explicit_ddp`` closed by the host: ``close=False`` on the
   micro-steps, ``close=True`` on the k-th (two programs, no conditional)."""
   return _tokacc_explicit(
@@ -161,7 +161,13 @@ def tokacc_explicit_ddp_host(case):
     lambda tx, params, mesh: tx.init(params),
     REFERENCE,
     {'micro': False, 'close': True},
+    **options,
   )
+
+
+def tokacc_explicit_ddp_host_no_norms(case):
+  """``tokacc_explicit_ddp_host`` with ``window_norms=False``."""
+  return tokacc_explicit_ddp_host(case, window_norms=False)
 
 
 def tokacc_explicit_zero1(case):
@@ -361,6 +367,7 @@ METHODS = {
   'ideal_explicit_ddp_one': _explicit_one.ideal_explicit_ddp_one,
   'tokacc_explicit_ddp': tokacc_explicit_ddp,
   'tokacc_explicit_ddp_host': tokacc_explicit_ddp_host,
+  'tokacc_explicit_ddp_host_no_norms': tokacc_explicit_ddp_host_no_norms,
   'ideal_explicit_zero1': ideal_explicit_zero1,
   'tokacc_explicit_zero1': tokacc_explicit_zero1,
 }

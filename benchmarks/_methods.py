@@ -201,12 +201,13 @@ def compile_timed(jitted, *args, **static):
   return compiled, time.perf_counter() - start
 
 
-def _tokacc_compiled(case, close, patch=contextlib.nullcontext):
-  """``token_weighted_multistep(adamw, k)`` as compiled programs: one step
-  (``close=None``), or the host's two (``close`` False and True). ``patch``
-  is entered while tracing (the ablations of ``ABLATIONS``)."""
+def _tokacc_compiled(case, close, patch=contextlib.nullcontext, **options):
+  """``token_weighted_multistep(adamw, k, **options)`` as compiled
+  programs: one step (``close=None``), or the host's two (``close`` False
+  and True). ``patch`` is entered while tracing (the ablations of
+  ``ABLATIONS``)."""
   model = case.model
-  tx = tokacc.token_weighted_multistep(case.adamw, case.k)
+  tx = tokacc.token_weighted_multistep(case.adamw, case.k, **options)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames='close')
   def step(params, opt_state, batch, close=None):
@@ -246,6 +247,13 @@ def tokacc_host(case):
   """``close=False`` on the micro-steps, ``close=True`` on the k-th: two
   programs, no conditional."""
   return _tokacc_compiled(case, {'micro': False, 'close': True})
+
+
+def tokacc_host_no_norms(case):
+  """``tokacc_host`` with ``window_norms=False`` (no gradient or update
+  norm at the close: the opt-out for the host's closing program)."""
+  close = {'micro': False, 'close': True}
+  return _tokacc_compiled(case, close, window_norms=False)
 
 
 @contextlib.contextmanager
@@ -403,6 +411,7 @@ METHODS = {
   'tokacc_chain': tokacc_chain,
   'tokacc_device': tokacc_device,
   'tokacc_host': tokacc_host,
+  'tokacc_host_no_norms': tokacc_host_no_norms,
   'microbatched': microbatched,
   **ABLATIONS,
 }

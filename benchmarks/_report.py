@@ -89,6 +89,9 @@ def rows(case, trainers, times, differences, errors):
       label: _common.memory(compiled, case.model.param_bytes)
       for label, compiled in trainer.compiled.items()
     }
+    row['accessed_per_window_over_params'] = _common.accessed_per_window(
+      row['memory'], case.k
+    )
     row['compile_s'] = dict(trainer.compile_s)
     if trainer.optimizer_state_of is not None:
       state = trainer.optimizer_state_of(trainer.carry)
@@ -97,6 +100,15 @@ def rows(case, trainers, times, differences, errors):
     out.append(row)
   for name, error in errors.items():
     out.append({**_model_fields(case), 'method': name, 'error': error})
+  accessed = {
+    r['method']: r.get('accessed_per_window_over_params') for r in out
+  }
+  for row in out:
+    reference = accessed.get(row.get('reference'))
+    mine = row.get('accessed_per_window_over_params')
+    row['accessed_ratio_to_ideal'] = (
+      mine / reference if mine and reference else None
+    )
   return out
 
 
@@ -157,6 +169,22 @@ def _print_memory_per_device(rows, file):
     )
 
 
+def _print_accessed(rows, file):
+  """XLA's estimate of the bytes each window accesses (``cost_analysis()``),
+  over the parameter bytes and over the reference's: deterministic for a
+  given XLA, where times on a shared CPU are not."""
+  known = [row for row in rows if row.get('accessed_per_window_over_params')]
+  if known:
+    print('bytes accessed per window (XLA estimate) / param bytes', file=file)
+  for row in known:
+    print(
+      f'accessed: {row["model"]:<12}{row["k"]:>2} {row["method"]:<24}'
+      f'{row["accessed_per_window_over_params"]:8.2f}'
+      f'{_ratio(row["accessed_ratio_to_ideal"]):>8}',
+      file=file,
+    )
+
+
 def print_table(rows, file=None):
   """Times, ratios, compiled memory and the check, one line per row."""
   print(_HEADER, file=file)
@@ -167,6 +195,7 @@ def print_table(rows, file=None):
     else:
       print(_line(row), file=file)
   _print_memory_per_device(rows, file)
+  _print_accessed(rows, file)
   timed = [row for row in rows if row.get('compile_s')]
   for row in timed:
     seconds = ' '.join(f'{k}={v:.2f}' for k, v in row['compile_s'].items())

@@ -110,6 +110,7 @@ METHODS = (
   'tokacc_chain',
   'tokacc_device',
   'tokacc_host',
+  'tokacc_host_no_norms',
   *FLAX_METHODS,
   'microbatched',
   *EXPLICIT_METHODS,

@@ -81,7 +81,8 @@ def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
   divisor = jnp.maximum(total, 1)
   mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
   closed = Closed(jnp.logical_and(valid, total > 0), valid, total, mean_loss)
-  return _Sums(sums, divisor, mean_loss, place.squares(sums)), closed
+  squares = place.squares(sums) if config.norms else {}
+  return _Sums(sums, divisor, mean_loss, squares), closed
 
 
 def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
@@ -108,7 +109,9 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
   new_inner = optax.tree.cast_like(new_inner, opt_state)
   # What inner got (the sums' norm over their count), and gave.
   per_token = jnp.stack([1 / summed.divisor.astype(jnp.float32), 1.0])
-  norms = place.norms(summed.squares, updates) * per_token
+  norms = jnp.full(2, jnp.nan, jnp.float32)
+  if config.norms:
+    norms = place.norms(summed.squares, updates) * per_token
   if emitted is not None:
     updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
     new_inner = optax.tree.where(emitted, new_inner, plain_inner)

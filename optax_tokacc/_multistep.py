@@ -50,6 +50,7 @@ def token_weighted_multistep(
   should_skip_update_fn: Optional[optax.ShouldSkipUpdateFunction] = None,
   token_dtype: Optional[jax.typing.DTypeLike] = None,
   tokens_per_update: Optional[int] = None,
+  window_norms: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates token-summed gradients; one exact update every k steps.
 
@@ -117,6 +118,13 @@ def token_weighted_multistep(
       whichever comes first; the micro-batch that reaches it belongs to the
       window. With data parallelism this costs a scalar all-reduce per
       micro-step. None (the default): windows of ``every_k_schedule``.
+    window_norms: whether the closing step computes the window's gradient
+      and update norms (:func:`window_metrics`). False leaves them NaN and
+      saves two passes over the parameters' size at each close, and the
+      norms' scalar collectives where the gradient is split: a host-closed
+      step (``close=True``), which XLA cannot fuse the norms into, costs
+      up to 1.12x the hand-written ideal's window with them (CPU,
+      ``docs/performance.md``).
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose ``update(grads, state,
@@ -147,7 +155,11 @@ def token_weighted_multistep(
     <https://huggingface.co/blog/gradient_accumulation>`_, 2024.
   """
   _validation.check_options(
-    inner, should_skip_update_fn, loss_reduction, compensated
+    inner,
+    should_skip_update_fn,
+    loss_reduction,
+    compensated=compensated,
+    window_norms=window_norms,
   )
   _validation.axis_name(axis_name)
   config = _validation.Config(
@@ -160,6 +172,7 @@ def token_weighted_multistep(
     should_skip_update_fn=should_skip_update_fn,
     token_dtype=_validation.dtype(token_dtype, 'token_dtype'),
     tokens_per_update=_validation.tokens_per_update(tokens_per_update),
+    norms=bool(window_norms),
   )
   return optax.GradientTransformationExtraArgs(
     functools.partial(_init, config), functools.partial(_update, config)

@@ -50,6 +50,8 @@ class Config:
   token_dtype: jnp.dtype
   # Close a window once it holds this many counted tokens (all devices).
   tokens_per_update: Optional[int] = None
+  # Whether the closing step computes the window's two norms.
+  norms: bool = True
 
   def acc_dtype(self, leaf: Any) -> jnp.dtype:
     """The accumulator dtype of a leaf: configured, or at least float32."""
@@ -77,9 +79,10 @@ def _typed(value: Any) -> str:
 
 
 def check_options(
-  inner: Any, should_skip_update_fn: Any, loss_reduction: Any, compensated: Any
+  inner: Any, should_skip_update_fn: Any, loss_reduction: Any, **flags: Any
 ) -> None:
-  """Checks the constructor's non-dtype arguments."""
+  """Checks the constructor's non-dtype arguments; ``flags`` must be
+  bools."""
   if not isinstance(inner, optax.GradientTransformation):
     kinds = 'an optax.GradientTransformation such as optax.adam(1e-3)'
     raise _refuse('inner', kinds, repr(inner))
@@ -89,8 +92,9 @@ def check_options(
   if loss_reduction not in _REDUCTIONS:
     kinds = f'one of {_REDUCTIONS}'
     raise _refuse('loss_reduction', kinds, repr(loss_reduction), '', ValueError)
-  if not isinstance(compensated, (bool, np.bool_)):
-    raise _refuse('compensated', 'True or False', repr(compensated), _STATIC)
+  for name, flag in flags.items():
+    if not isinstance(flag, (bool, np.bool_)):
+      raise _refuse(name, 'True or False', repr(flag), _STATIC)
 
 
 def positive_int(value: Any, name: str, kinds: str) -> int:

@@ -133,6 +133,12 @@ CONSTRUCTOR_CASES = [
   ('compensated_str', {'compensated': 'yes'}, TypeError, r'True or False'),
   ('compensated_none', {'compensated': None}, TypeError, r'compensated must'),
   (
+    'window_norms_str',
+    {'window_norms': 'no'},
+    TypeError,
+    r"window_norms must be True or False; got 'no'",
+  ),
+  (
     'skip_fn_not_callable',
     {'should_skip_update_fn': True},
     TypeError,

@@ -40,6 +40,7 @@ METHODS = (  # in run.py's order
   'tokacc_chain',
   'tokacc_device',
   'tokacc_host',
+  'tokacc_host_no_norms',
   'tokacc_flax',
   'tokacc_nnx',
   'microbatched',
@@ -47,6 +48,7 @@ METHODS = (  # in run.py's order
   'ideal_explicit_ddp_one',
   'tokacc_explicit_ddp',
   'tokacc_explicit_ddp_host',
+  'tokacc_explicit_ddp_host_no_norms',
   'ideal_explicit_zero1',
   'tokacc_explicit_zero1',
   'tokacc_no_buffer',
@@ -58,6 +60,7 @@ EXPLICIT_METHODS = {
   'ideal_explicit_ddp_one': 'ideal_explicit_ddp',
   'tokacc_explicit_ddp': 'ideal_explicit_ddp_one',  # both one program
   'tokacc_explicit_ddp_host': 'ideal_explicit_ddp',
+  'tokacc_explicit_ddp_host_no_norms': 'ideal_explicit_ddp',
   'ideal_explicit_zero1': 'ideal_explicit_zero1',
   'tokacc_explicit_zero1': 'ideal_explicit_zero1',
 }
@@ -163,6 +166,20 @@ def test_quick_run_writes_every_method_and_model(quick_results, run_module):
     if 'error' in row:
       assert row['method'] in run_module.MAY_FAIL, row
   assert quick_results['machine']['commit']
+
+
+def test_quick_run_reports_the_bytes_each_window_accesses(quick_results):
+  """XLA's estimate (``cost_analysis()``) per window, over the parameter
+  bytes and the reference's: 1.00x for a reference itself (none for the
+  one-call window's loop, which XLA counts once)."""
+  for row in measured(quick_results['rows'], 'method'):
+    if row['method'] == 'microbatched':
+      assert row['accessed_per_window_over_params'] is None
+      continue
+    accessed = row['accessed_per_window_over_params']
+    assert accessed is not None and accessed > 0, row
+    if row['method'] == row['reference']:
+      assert row['accessed_ratio_to_ideal'] == 1.0
 
 
 def test_quick_run_times_micro_steps_and_windows(quick_results):

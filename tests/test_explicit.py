@@ -372,12 +372,13 @@ def test_accumulator_bytes_per_device():
 collectives = harness.load_collectives()
 
 
-def compiled_sites(layout, spelling, inner=None):
+def compiled_sites(layout, spelling, inner=None, **options):
   """Collective sites of one compiled micro-step: ``(every_step, window)``
-  where ``window`` holds those in the closing branch."""
+  where ``window`` holds those in the closing branch; ``options`` go to
+  the transform."""
   make_mesh, specs = LAYOUTS[layout]
   mesh = make_mesh()
-  tx = tokacc.token_weighted_multistep(inner or harness.adamw(), K)
+  tx = tokacc.token_weighted_multistep(inner or harness.adamw(), K, **options)
   with jax.set_mesh(mesh):
     params = place_params(harness.init_params(), mesh, specs)
     state = tx.init(params)

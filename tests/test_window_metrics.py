@@ -433,6 +433,39 @@ def sgd():
   return momentum_sgd()
 
 
+def test_without_window_norms_they_stay_nan_and_cost_nothing():
+  """``window_norms=False`` (the opt-out for programs where two more
+  passes over the parameters matter, e.g. a host-closed step): the loss
+  and tokens are logged as before, the norms stay NaN, and the closing
+  step computes no norm (plain SGD takes no square root of its own) and,
+  where the compiler splits the gradient, runs no collective."""
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), 2, window_norms=False)
+  params = {'w': jnp.ones(3)}
+
+  @functools.partial(jax.jit, static_argnames='close')
+  def step(state, grads, num_tokens, close=None):
+    return tx.update(
+      grads, state, params, num_tokens=num_tokens, loss=2.0, close=close
+    )[1]
+
+  grads = {'w': jnp.array([3.0, 0.0, 4.0])}
+  for close in (None, True):  # the device's close, then the host's
+    state = tx.init(params)
+    state = step(state, grads, 1, close=None if close is None else False)
+    state = step(state, grads, 3, close=close)
+    metrics = tokacc.window_metrics(state)
+    assert int(metrics.tokens) == 4 and float(metrics.loss) == 1.0  # 4 / 4
+    assert np.isnan(metrics.grad_norm) and np.isnan(metrics.update_norm)
+    assert int(state.gradient_step) == 1
+    text = step.lower(state, grads, 1, close=close).compile().as_text()
+    assert 'sqrt' not in text
+  if jax.__version_info__ >= (0, 10):  # explicit types (test_explicit)
+    _, window = test_explicit.compiled_sites(
+      'fsdp', 'replicated', sgd(), window_norms=False
+    )
+    assert window == []
+
+
 @pytest.mark.skipif(
   jax.__version_info__ < (0, 10),
   reason='the XLA of jax < 0.10 copies the accumulator on this program with '
