@@ -270,7 +270,8 @@ def window_metrics(opt_state: optax.OptState) -> WindowMetrics:
   FSDP: the gradient's, summed before ``inner`` runs, and the update's),
   and none where it is whole on every device (data parallelism). The
   gradient's norm is that of the window's sums, in the accumulator's
-  precision, over its token count.
+  precision, over its token count. With ``window_norms=False`` the norms
+  stay NaN and cost nothing.
 
   Args:
     opt_state: the state of :func:`token_weighted_multistep`, or of a
