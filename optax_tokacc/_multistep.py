@@ -154,13 +154,7 @@ def token_weighted_multistep(
     Hugging Face, `Fixing gradient accumulation
     <https://huggingface.co/blog/gradient_accumulation>`_, 2024.
   """
-  _validation.check_options(
-    inner,
-    should_skip_update_fn,
-    loss_reduction,
-    compensated=compensated,
-    window_norms=window_norms,
-  )
+  _validation.check_options(inner, should_skip_update_fn, loss_reduction)
   _validation.axis_name(axis_name)
   config = _validation.Config(
     inner=optax.with_extra_args_support(inner),
@@ -168,11 +162,11 @@ def token_weighted_multistep(
     axis_name=axis_name,
     mean_loss=loss_reduction == 'mean',
     accumulator_dtype=_validation.dtype(accumulator_dtype, 'accumulator_dtype'),
-    compensated=bool(compensated),
+    compensated=_validation.flag(compensated, 'compensated'),
     should_skip_update_fn=should_skip_update_fn,
     token_dtype=_validation.dtype(token_dtype, 'token_dtype'),
     tokens_per_update=_validation.tokens_per_update(tokens_per_update),
-    norms=bool(window_norms),
+    norms=_validation.flag(window_norms, 'window_norms'),
   )
   return optax.GradientTransformationExtraArgs(
     functools.partial(_init, config), functools.partial(_update, config)

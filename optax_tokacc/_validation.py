@@ -79,10 +79,9 @@ def _typed(value: Any) -> str:
 
 
 def check_options(
-  inner: Any, should_skip_update_fn: Any, loss_reduction: Any, **flags: Any
+  inner: Any, should_skip_update_fn: Any, loss_reduction: Any
 ) -> None:
-  """Checks the constructor's non-dtype arguments; ``flags`` must be
-  bools."""
+  """Checks the constructor's non-dtype arguments (bools: :func:`flag`)."""
   if not isinstance(inner, optax.GradientTransformation):
     kinds = 'an optax.GradientTransformation such as optax.adam(1e-3)'
     raise _refuse('inner', kinds, repr(inner))
@@ -92,9 +91,13 @@ def check_options(
   if loss_reduction not in _REDUCTIONS:
     kinds = f'one of {_REDUCTIONS}'
     raise _refuse('loss_reduction', kinds, repr(loss_reduction), '', ValueError)
-  for name, flag in flags.items():
-    if not isinstance(flag, (bool, np.bool_)):
-      raise _refuse(name, 'True or False', repr(flag), _STATIC)
+
+
+def flag(value: Any, name: str) -> bool:
+  """``name``'s ``value``, a Python or NumPy bool, as a Python bool."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise _refuse(name, 'True or False', repr(value), _STATIC)
+  return bool(value)
 
 
 def positive_int(value: Any, name: str, kinds: str) -> int:
