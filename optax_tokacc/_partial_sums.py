@@ -156,7 +156,7 @@ class PartialSums(_placement.Single):
 
     def norms(grad_squares, updates):
       squares = (grad_squares, _placement.local_squares(updates, over))
-      return _placement.global_norms(jax.lax.psum, *squares)
+      return _placement.global_norms(*squares)
 
     over = [_explicit.sharded(x) for x in jax.tree.leaves(updates)]
     return _explicit.local(norms, (grad_squares, updates), jax.P())

@@ -168,8 +168,10 @@ class Single:
 
   def norms(self, grad_squares: dict, updates: Any) -> jax.Array:
     """The global L2 norms of a tree given by its :meth:`squares` and of
-    ``updates``, a float32 vector."""
-    return global_norms(None, grad_squares, self.squares(updates))
+    ``updates``, a float32 vector: one scalar ``psum`` per set of manual axes
+    the squares are split over (none with whole values, or in data
+    parallelism)."""
+    return global_norms(grad_squares, self.squares(updates))
 
 
 def local_squares(tree: Any, over: list) -> dict:
@@ -185,13 +187,13 @@ def local_squares(tree: Any, over: list) -> dict:
   return sums
 
 
-def global_norms(reduce: Optional[Callable], *squares: dict) -> jax.Array:
+def global_norms(*squares: dict) -> jax.Array:
   """The L2 norms of trees given by their :func:`local_squares` (float32):
   for each set of axes, the trees' squares stacked and summed over those
-  axes by ``reduce(vector, axes)``: one collective per set."""
+  axes by ``lax.psum`` (in a manual region): one collective per set."""
   total = jnp.zeros(len(squares), jnp.float32)
   for axes in sorted({a for s in squares for a in s}):
     some = next(s[axes] for s in squares if axes in s)
     vector = jnp.stack([s.get(axes, jnp.zeros_like(some)) for s in squares])
-    total = total + (reduce(vector, axes) if axes else vector)
+    total = total + (lax.psum(vector, axes) if axes else vector)
   return jnp.sqrt(total)

@@ -180,8 +180,8 @@ def _inner_states(specs: Any) -> list:
 
 def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
   """``specs`` with the axes outside ``manual_axes`` dropped."""
-  manual = set(_manual.as_tuple(manual_axes))
-  if axis_name is not None and not set(_manual.as_tuple(axis_name)) <= manual:
+  kept = set(_manual.as_tuple(manual_axes))
+  if axis_name is not None and not set(_manual.as_tuple(axis_name)) <= kept:
     raise ValueError(
       f'axis_name={axis_name!r} must be among the manual axes of shard_map '
       f'(manual_axes={manual_axes!r}): the transform sums over manual axes.'
@@ -193,9 +193,7 @@ def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
     )
 
   def keep(spec):  # entries: None, an axis or a tuple of axes
-    return jax.P(
-      *([a for a in jax.tree.leaves(e) if a in manual] for e in spec)
-    )
+    return jax.P(*([a for a in jax.tree.leaves(e) if a in kept] for e in spec))
 
   return jax.tree.map(keep, specs)
 

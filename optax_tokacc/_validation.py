@@ -134,11 +134,8 @@ def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
   value = jnp.int32 if counts and value is None else value
   if value is None:
     return None
-  kinds = (
-    'int32 or a floating dtype'
-    if counts
-    else 'a floating dtype, or None for the gradient dtype (at least float32)'
-  )
+  kinds = 'a floating dtype, or None for the gradient dtype (at least float32)'
+  kinds = 'int32 or a floating dtype' if counts else kinds
   try:
     found = jnp.dtype(value)
   except TypeError as e:
