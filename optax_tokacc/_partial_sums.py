@@ -149,14 +149,3 @@ class PartialSums(_placement.Single):
     specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
     fn = lambda tree: _placement.local_squares(tree, over)  # noqa: E731
     return _explicit.local(fn, (tree,), specs)
-
-  def norms(self, grad_squares, updates):
-    """One scalar all-reduce where the leaves are split alike (none in
-    data parallelism)."""
-
-    def norms(grad_squares, updates):
-      squares = (grad_squares, _placement.local_squares(updates, over))
-      return _placement.global_norms(*squares)
-
-    over = [_explicit.sharded(x) for x in jax.tree.leaves(updates)]
-    return _explicit.local(norms, (grad_squares, updates), jax.P())

@@ -168,10 +168,12 @@ class Single:
 
   def norms(self, grad_squares: dict, updates: Any) -> jax.Array:
     """The global L2 norms of a tree given by its :meth:`squares` and of
-    ``updates``, a float32 vector: one scalar ``psum`` per set of manual axes
-    the squares are split over (none with whole values, or in data
-    parallelism)."""
-    return global_norms(grad_squares, self.squares(updates))
+    ``updates``, a float32 vector, from each device's share of the squares:
+    one scalar ``psum`` per set of mesh axes they are split over (none in
+    data parallelism)."""
+    squares = (grad_squares, self.squares(updates))
+    vector = jax.ShapeDtypeStruct([len(squares)], jnp.float32)
+    return self.per_device(global_norms, squares, vector)
 
 
 def local_squares(tree: Any, over: list) -> dict:
