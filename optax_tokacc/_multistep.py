@@ -36,7 +36,6 @@ from optax_tokacc import _state
 from optax_tokacc import _validation
 from optax_tokacc import _window
 from optax_tokacc import _zero1
-from optax_tokacc._state import TokenWeightedMultiStepState
 
 
 def token_weighted_multistep(
@@ -183,14 +182,14 @@ def placement(config, params, state=None, grads=None, num_tokens=None):
 
 def _init(
   config: _validation.Config, /, params: optax.Params
-) -> TokenWeightedMultiStepState:
+) -> _state.TokenWeightedMultiStepState:
   _explicit.check_supported(params, 'Parameters')
   place = placement(config, params)
 
   def zeros(dtype_of):
     return jax.tree.map(lambda p: place.gradient_zeros(p, dtype_of(p)), params)
 
-  state = TokenWeightedMultiStepState(
+  state = _state.TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
     grad_sums=zeros(config.acc_dtype),
@@ -227,7 +226,7 @@ def _update(
   config: _validation.Config,
   /,
   updates: optax.Updates,
-  state: TokenWeightedMultiStepState,
+  state: _state.TokenWeightedMultiStepState,
   params: Optional[optax.Params] = None,
   *,
   num_tokens: Optional[jax.typing.ArrayLike] = None,
@@ -235,9 +234,9 @@ def _update(
   emit_now: Union[bool, jax.typing.ArrayLike] = False,
   close: Optional[bool] = None,
   **extra_args: Any,
-) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
+) -> tuple[optax.Updates, _state.TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory)."""
-  _state.check_is_state(state)
+  _validation.state_type(state)
   _validation.tree(updates, params, 'the parameters')
   _explicit.check_supported(updates, 'Gradients')
   grads, num_tokens, loss = _explicit.reduce_trivial(
@@ -280,7 +279,7 @@ def _next_state(state, mini_step, close, closing, skip_state):
   window, closed = closing.window, closing.closed
   emitted = closed.emitted
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
-  return TokenWeightedMultiStepState(
+  return _state.TokenWeightedMultiStepState(
     **window._asdict(),  # grad_sums, acc_compensation, acc_tokens, acc_loss
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
     gradient_step=_increment_if(emitted, state.gradient_step),

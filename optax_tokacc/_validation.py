@@ -210,6 +210,14 @@ def loss(value: Any) -> Any:
   return value
 
 
+def state_type(state: Any) -> None:
+  """``state`` must be the transform's own state."""
+  if type(state).__name__ != 'TokenWeightedMultiStepState':
+    kinds = 'the TokenWeightedMultiStepState of tx.init'
+    fix = " With optax.chain, pass the chain's state."
+    raise _refuse('state', kinds, type(state).__name__, fix)
+
+
 def tree(grads: Any, reference: Any, what: str) -> None:
   """``grads`` must have the tree structure of ``reference`` (None: any)."""
   expected = jax.tree.structure(reference)
