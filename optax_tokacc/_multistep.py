@@ -216,9 +216,7 @@ def _judge(config, place, grads, gradient_step, params):
   skip_fn = config.should_skip_update_fn
   if skip_fn is None:
     return None, ()
-  # skip_not_finite decides as well on partial sums as on their sum
-  exact = skip_fn is optax.skip_not_finite
-  skip, skip_state = place.judge(skip_fn, grads, gradient_step, params, exact)
+  skip, skip_state = place.judge(skip_fn, grads, gradient_step, params)
   return jnp.logical_not(skip), skip_state
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 from jax import lax
 import jax.numpy as jnp
+import optax
 
 from optax_tokacc import _explicit
 from optax_tokacc import _placement
@@ -79,23 +80,23 @@ class PartialSums(_placement.Single):
   def per_device(self, fn, args, like):
     return _explicit.local(fn, args, _explicit.specs(like))
 
-  def judge(self, skip_fn, grads, step, params, exact):
+  def judge(self, skip_fn, grads, step, params):
     """Gradients kept as partial sums are judged on every device's share
     and rejected everywhere if any device rejects them: a scalar
     all-reduce per micro-step. That is exact for ``skip_not_finite`` (a sum
     is not finite when a partial sum is not); any other function sees the
     reduced gradients, at the cost of their all-reduce per micro-step."""
     if not any(map(_explicit.unreduced, jax.tree.leaves(grads))):
-      return super().judge(skip_fn, grads, step, params, exact)
+      return super().judge(skip_fn, grads, step, params)
     params = _explicit.without_reduced(params)
-    if not exact:
+    if skip_fn is not optax.skip_not_finite:
       _placement.warn(
         'should_skip_update_fn sees the gradients reduced, an all-reduce of '
         'the gradients per micro-step under explicit sharding; '
         'tokacc.skip_not_finite decides on partial sums.'
       )
       grads = jax.tree.map(_explicit.reduce_now, grads)
-      return super().judge(skip_fn, grads, step, params, exact)
+      return super().judge(skip_fn, grads, step, params)
     axes = tuple(sorted(self.axes))
 
     def decide(*args):  # summed in one psum, bools as any device's

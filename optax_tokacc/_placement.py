@@ -119,16 +119,9 @@ class Single:
   #: ``like``.
   same_values = staticmethod(_explicit.retype_same_values)
 
-  def judge(
-    self, skip_fn: Callable, grads: Any, step: Any, params: Any, exact: bool
-  ) -> tuple[jax.Array, Any]:
-    """``skip_fn``'s decision on the micro-batch, and its skip state.
-
-    ``exact``: whether ``skip_fn`` decides on partial sums as on their sum
-    (``skip_not_finite``).
-    """
-    del exact
-    return _validation.call_skip_fn(skip_fn, grads, step, params)
+  #: ``(skip_fn, grads, step, params)``: ``skip_fn``'s decision on the
+  #: micro-batch, and its skip state.
+  judge = staticmethod(_validation.call_skip_fn)
 
   def total(self, fn: Callable, x: jax.Array) -> jax.Array:
     """``fn`` of each device's share of ``x``, summed over the devices."""
@@ -157,9 +150,9 @@ class Single:
   #: update's value: where typed, it splits its dimensions alike.
   can_hold = staticmethod(_explicit.same_layout)
 
-  def cond(self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops):
-    """``lax.cond``, where the branches' outputs may differ in type."""
-    return lax.cond(pred, true_fn, false_fn, *ops)
+  #: ``(pred, true_fn, false_fn, *ops)``: ``lax.cond``, where the branches'
+  #: outputs may differ in type.
+  cond = staticmethod(lax.cond)
 
   def squares(self, tree: Any) -> dict:
     """``tree``'s squares summed (:func:`local_squares`): whole values here
