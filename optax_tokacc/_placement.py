@@ -102,13 +102,13 @@ class Single:
     del error
     return None
 
-  def share(self, x: Any) -> Any:
-    """A micro-batch's count or loss as this device's share of it."""
-    return self.whole(x)
+  #: ``(x)``: a micro-batch's count or loss as this device's share of it
+  #: (here, all of it).
+  share = whole
 
-  def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
-    """``grad * factor`` for a scalar ``factor`` the same on all devices."""
-    return grad * factor
+  #: ``(grad, factor)``: ``grad * factor`` for a scalar ``factor`` the same
+  #: on all devices.
+  scale = staticmethod(jnp.multiply)
 
   def per_device(self, fn: Callable, args: tuple, like: Any) -> Any:
     """``fn(*args)`` on each device's share; its outputs are typed like
