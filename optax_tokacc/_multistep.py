@@ -240,11 +240,11 @@ def _update(
   grads, num_tokens, loss = _explicit.reduce_trivial(
     (updates, num_tokens, loss)
   )
-  num_tokens = _validation.num_tokens(num_tokens, config.token_dtype)
+  _validation.num_tokens(num_tokens, config.token_dtype)
   place = placement(config, params, state, grads, num_tokens)
   state = place.enter(state)
   _validation.state_matches(config, grads, state, params)
-  loss = _validation.loss(loss)
+  _validation.loss(loss)
   emit_now = _validation.emit_now(emit_now)
   _validation.close(close, emit_now, config.tokens_per_update)
   _validation.extra_args(extra_args)

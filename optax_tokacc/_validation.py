@@ -159,7 +159,7 @@ def _scalar(
     raise _refuse(name, kinds, f'shape {jnp.shape(value)}', fix, error)
 
 
-def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
+def num_tokens(value: Any, dtype: jnp.dtype) -> None:
   """Checks ``num_tokens`` at trace time (kind, shape, concrete range)."""
   if value is None:
     raise TypeError(
@@ -169,7 +169,7 @@ def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
   fix = ' Sum a mask: num_tokens=mask.sum().'
   _scalar(value, 'num_tokens', kinds, _REAL, fix)
   if isinstance(value, jax.core.Tracer):
-    return value
+    return
   count = np.asarray(value).item()
   got = f'num_tokens={count}'
   if not 0 <= count < np.inf:  # Also NaN.
@@ -179,7 +179,6 @@ def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
     kinds = f'a whole number that fits the {dtype} token counter'
     fix = ' For fractional counts, set token_dtype=jnp.float32.'
     raise _refuse('num_tokens', kinds, got, fix, ValueError)
-  return value
 
 
 def emit_now(value: Any) -> Optional[jax.Array]:
@@ -203,11 +202,10 @@ def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
     raise ValueError(f'close={value} and {other} both decide when: drop one.')
 
 
-def loss(value: Any) -> Any:
+def loss(value: Any) -> None:
   """Checks ``loss``: None, or a real scalar."""
   if value is not None:
     _scalar(value, 'loss', "a real scalar (this micro-batch's loss)", _REAL)
-  return value
 
 
 def state_type(state: Any) -> None:
