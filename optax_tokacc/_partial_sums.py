@@ -73,8 +73,7 @@ class PartialSums(_placement.Single):
     """An unreduced gradient takes ``factor`` typed reduced (the product is
     then linear in it)."""
     axes = _explicit.unreduced(grad)
-    if axes:
-      factor = _explicit.to_type(factor, jax.P(reduced=axes))
+    factor = _explicit.to_type(factor, jax.P(reduced=axes)) if axes else factor
     return grad * factor
 
   def per_device(self, fn, args, like):
