@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -128,7 +127,7 @@ def microbatched_value_and_grad(
 
     # zeros typed like the sums (unreduced gradients included)
     zeros = optax.tree.zeros_like(jax.eval_shape(one, 0))
-    sums, grads_sum = lax.fori_loop(0, num_microbatches, add, zeros)
+    sums, grads_sum = jax.lax.fori_loop(0, num_microbatches, add, zeros)
     return sums, optax.tree.cast_like(grads_sum, params)
 
   return microbatched_fn

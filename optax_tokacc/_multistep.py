@@ -237,9 +237,7 @@ def _update(
   _validation.state_type(state)
   _validation.tree(updates, params, 'the parameters')
   _explicit.check_supported(updates, 'Gradients')
-  grads, num_tokens, loss = _explicit.reduce_trivial(
-    (updates, num_tokens, loss)
-  )
+  grads, num_tokens, loss = _explicit.reduce_trivial(updates, num_tokens, loss)
   _validation.num_tokens(num_tokens, config.token_dtype)
   place = placement(config, params, state, grads, num_tokens)
   state = place.enter(state)

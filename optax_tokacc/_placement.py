@@ -33,7 +33,6 @@ from typing import Any, NamedTuple, Optional
 import warnings
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 
 from optax_tokacc import _explicit
@@ -152,7 +151,7 @@ class Single:
 
   #: ``(pred, true_fn, false_fn, *ops)``: ``lax.cond``, where the branches'
   #: outputs may differ in type.
-  cond = staticmethod(lax.cond)
+  cond = staticmethod(jax.lax.cond)
 
   def squares(self, tree: Any) -> dict:
     """``tree``'s squares summed (:func:`local_squares`): whole values here
@@ -190,5 +189,5 @@ def global_norms(*squares: dict) -> jax.Array:
   for axes in sorted({a for s in squares for a in s}):
     some = next(s[axes] for s in squares if axes in s)
     vector = jnp.stack([s.get(axes, jnp.zeros_like(some)) for s in squares])
-    total = total + (lax.psum(vector, axes) if axes else vector)
+    total = total + (jax.lax.psum(vector, axes) if axes else vector)
   return jnp.sqrt(total)
