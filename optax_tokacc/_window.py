@@ -97,15 +97,15 @@ def add(
       grad = place.scale(grad, micro.count.astype(grad.dtype))
     return grad if adds is None else jnp.where(adds, grad, jnp.zeros_like(grad))
 
-  def accumulate(grad_sums, acc_compensation, addends, restart):
+  def accumulate(sums, addends, restart):
     return _compensated.accumulate(
-      grad_sums, acc_compensation, addends, restart, config.compensated, select
+      sums, addends, restart, config.compensated, select
     )
 
   addends = jax.tree.map(addend, window.grad_sums, micro.grads)
-  args = (window.grad_sums, window.acc_compensation, addends, restart)
+  args = ((window.grad_sums, window.acc_compensation), addends, restart)
   if config.compensated or select:  # not linear: on each device's share
-    grad_sums, acc_compensation = place.per_device(accumulate, args, args[:2])
+    grad_sums, acc_compensation = place.per_device(accumulate, args, args[0])
   else:
     grad_sums, acc_compensation = accumulate(*args)
   acc_tokens, acc_loss = _add_scalars(config, place, window, micro, adds)
