@@ -131,9 +131,8 @@ def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
   gradient's, at least float32) or ``token_dtype`` (int32, the default for
   exact counts, or a floating dtype), checked and canonicalized."""
   counts = name == 'token_dtype'
-  value = jnp.int32 if counts and value is None else value
   if value is None:
-    return None
+    return jnp.dtype(jnp.int32) if counts else None
   kinds = 'a floating dtype, or None for the gradient dtype (at least float32)'
   kinds = 'int32 or a floating dtype' if counts else kinds
   try:
