@@ -272,11 +272,11 @@ def _update(
 def _next_state(state, mini_step, close, closing, skip_state):
   """The state after this call: a closed window starts afresh (its
   parameter-sized buffers are restarted by its next micro-step)."""
-  window, closed = closing.window, closing.closed
-  emitted = closed.emitted
+  closed, emitted = closing.closed, closing.closed.emitted
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
   return _state.TokenWeightedMultiStepState(
-    **window._asdict(),  # grad_sums, acc_compensation, acc_tokens, acc_loss
+    # grad_sums, acc_compensation, acc_tokens, acc_loss
+    **closing.window._asdict(),
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
     gradient_step=_increment_if(emitted, state.gradient_step),
     inner_state=closing.inner_state,
