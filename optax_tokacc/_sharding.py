@@ -74,15 +74,8 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
     shape, like = jnp.shape(leaf), jnp.shape(param)  # behind a slot axis?
     return spec if shape[len(shape) - len(like) :] == like else jax.P()
 
-  return optax.tree_map_params(
-    tx,
-    follow,
-    abstract,
-    specs,
-    params,
-    transform_non_params=lambda _: jax.P(),
-    is_leaf=_zero1.is_masked,
-  )
+  args = dict(transform_non_params=lambda _: jax.P(), is_leaf=_zero1.is_masked)
+  return optax.tree_map_params(tx, follow, abstract, specs, params, **args)
 
 
 def state_partition_specs(
