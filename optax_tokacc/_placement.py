@@ -75,9 +75,8 @@ class Single:
     """The state as the algebra reads it (this device's share)."""
     return state
 
-  def leave(self, state: Any) -> Any:
-    """The inverse of :meth:`enter`."""
-    return state
+  #: ``(state)``: the inverse of :meth:`enter` (here, the state itself).
+  leave = enter
 
   #: ``(param, dtype)``: the accumulator's zeros for ``param``'s gradient,
   #: typed like it.
