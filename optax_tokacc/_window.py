@@ -79,12 +79,11 @@ def micro_batch(config, place, grads, num_tokens, loss, keep) -> MicroBatch:
   return MicroBatch(grads, count, loss, keep)
 
 
-def add(
-  config, place, window: Window, micro: MicroBatch, restart, select=False
-) -> Window:
-  """The window with the micro-batch added; ``restart`` starts a window
-  (in a ``cond``, or a select where the program has no conditional).
-  Contributions are selected, never multiplied by zero."""
+def add(config, place, window, micro, restart, select=False) -> Window:
+  """The window with the micro-batch (a :class:`MicroBatch`) added;
+  ``restart`` starts a window (in a ``cond``, or a select where the program
+  has no conditional). Contributions are selected, never multiplied by
+  zero."""
   adds = micro.keep  # whether the micro-batch adds anything (None: always)
   if config.mean_loss:  # without tokens its mean is undefined: it adds nothing
     has_tokens = micro.count > 0
