@@ -170,9 +170,8 @@ def placement(config, params, state=None, grads=None, num_tokens=None):
   the types of the parameters (``init``) or of the state's window."""
   if config.axis_name is not None:
     return _manual.Manual.of(config, params, grads, num_tokens)
-  if state is None:  # init: no inner state yet
-    axes, inner_state = _explicit.data_axes(params), None
-  else:
+  axes, inner_state = _explicit.data_axes(params), None  # init: no state yet
+  if state is not None:
     axes, inner_state = _explicit.unreduced(state.acc_tokens), state.inner_state
   if not axes:
     return _placement.Single()
