@@ -188,9 +188,8 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     del params
     return hold(None, window.grad_sums), inner_state, _open(window)
 
-  held, inner_state, closed = place.cond(
-    close, closing, accumulating, window, inner_state, params
-  )
+  ops = (window, inner_state, params)
+  held, inner_state, closed = place.cond(close, closing, accumulating, *ops)
   window = reset_if(place, close, window)
   if not buffer:
     return Closing(held, window, inner_state, closed)

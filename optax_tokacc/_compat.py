@@ -52,8 +52,7 @@ from typing import Any
 import jax
 
 EXPLICIT_SHARDING_JAX = (0, 10, 0)
-VERSION = tuple(int(v) for v in jax.__version__.split('.')[:3])
-EXPLICIT_SHARDING = VERSION >= EXPLICIT_SHARDING_JAX
+EXPLICIT_SHARDING = jax.__version_info__ >= EXPLICIT_SHARDING_JAX
 
 
 def partitions(spec: jax.P) -> tuple:

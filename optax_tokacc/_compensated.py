@@ -62,28 +62,27 @@ def _restarted(trees, restart: jax.Array, select: bool = False):
 
 
 def accumulate(
-  grad_sums: optax.Updates,
-  acc_compensation: optax.Updates,
+  sums: tuple[optax.Updates, optax.Updates],
   addends: optax.Updates,
   restart: jax.Array,
   compensated: bool,
   select: bool = False,
 ) -> tuple[optax.Updates, optax.Updates]:
-  """Adds ``addends`` into the window's sums; ``restart`` starts a window.
+  """Adds ``addends`` into the window's ``sums``, the pair ``(grad_sums,
+  acc_compensation)``, and returns the new pair; ``restart`` starts a
+  window.
 
   A restart zeroes the sums first (never multiplies them by zero), so what
   the buffer held before, scratch or a NaN of a finished window, cannot
   leak into the new window. ``acc_compensation`` is ``()`` when summation
   is not compensated.
   """
-  grad_sums, acc_compensation = _restarted(
-    (grad_sums, acc_compensation), restart, select
-  )
+  grad_sums, acc_compensation = _restarted(sums, restart, select)
   if not compensated:
     addends = optax.tree.cast_like(addends, grad_sums)
     return jax.tree.map(jnp.add, grad_sums, addends), ()
-  sums = jax.tree.map(_compensated_add, grad_sums, acc_compensation, addends)
-  return jax.tree.transpose(jax.tree.structure(grad_sums), None, sums)
+  added = jax.tree.map(_compensated_add, grad_sums, acc_compensation, addends)
+  return jax.tree.transpose(jax.tree.structure(grad_sums), None, added)
 
 
 def window_sums(window, compensated: bool) -> optax.Updates:

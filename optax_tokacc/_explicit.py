@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 
 from optax_tokacc._compat import EXPLICIT_SHARDING as SUPPORTED
@@ -84,8 +83,8 @@ def unreduced(x: Any) -> frozenset:
   return deferred(getattr(spec(x), 'unreduced', None), mesh_of(x))
 
 
-def reduce_trivial(tree: Any) -> Any:
-  """``tree`` with every unreduced axis of size 1 reduced (no data moves):
+def reduce_trivial(*trees: Any) -> tuple:
+  """``trees`` with every unreduced axis of size 1 reduced (no data moves):
   a partial sum over one device is the sum."""
 
   def reduce(x):
@@ -95,7 +94,7 @@ def reduce_trivial(tree: Any) -> Any:
     parts = partitions(found)  # P(...): see spec
     return jax.reshard(x, jax.P(*parts, reduced=found.reduced, unreduced=kept))
 
-  return jax.tree.map(reduce, tree)
+  return jax.tree.map(reduce, trees)
 
 
 def reduced(x: Any) -> frozenset:
@@ -155,7 +154,7 @@ def on_one_device(x: Any, axes: frozenset, mesh: Any) -> jax.Array:
   literal count was counted once per device."""
 
   def first(x):
-    index = sum(lax.axis_index(a) for a in sorted(axes))
+    index = sum(jax.lax.axis_index(a) for a in sorted(axes))
     return jnp.where(index == 0, x, jnp.zeros_like(x))
 
   args = dict(mesh=mesh, in_specs=jax.P(), out_specs=jax.P(unreduced=axes))

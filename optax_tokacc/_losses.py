@@ -28,36 +28,6 @@ import jax.numpy as jnp
 import optax
 
 
-def _validate(logits: jax.Array, labels: jax.Array, where: jax.Array) -> None:
-  """Validates shapes and dtypes at trace time."""
-  if logits.ndim < 1:
-    raise ValueError(
-      f'logits must have a trailing vocabulary axis; got shape {logits.shape}.'
-    )
-  if not jnp.issubdtype(logits.dtype, jnp.floating):
-    raise TypeError(f'logits must be floating point; got dtype {logits.dtype}.')
-  if labels.shape != logits.shape[:-1]:
-    raise ValueError(
-      f'labels must have the shape {logits.shape[:-1]} of logits without the '
-      f'vocabulary axis; got {labels.shape}. For next-token prediction '
-      'shift first, e.g. logits[:, :-1] with labels tokens[:, 1:].'
-    )
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise TypeError(
-      f'labels must be integer class indices; got dtype {labels.dtype}. '
-      'For one-hot targets use optax.losses.softmax_cross_entropy.'
-    )
-  if where.shape != labels.shape:
-    raise ValueError(
-      f'where must have the shape {labels.shape} of labels; got {where.shape}.'
-    )
-  real = (jnp.bool_, jnp.integer, jnp.floating)
-  if not any(jnp.issubdtype(where.dtype, kind) for kind in real):
-    raise TypeError(
-      f'where must be a bool mask or real token weights; got {where.dtype}.'
-    )
-
-
 def token_cross_entropy(
   logits: jax.typing.ArrayLike,
   labels: jax.typing.ArrayLike,
@@ -135,7 +105,34 @@ def token_cross_entropy(
   """
   logits, labels = jnp.asarray(logits), jnp.asarray(labels)
   where = jnp.asarray(jnp.ones(labels.shape, bool) if where is None else where)
-  _validate(logits, labels, where)
+  # shapes and dtypes, checked at trace time
+  if logits.ndim < 1:
+    raise ValueError(
+      f'logits must have a trailing vocabulary axis; got shape {logits.shape}.'
+    )
+  if not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise TypeError(f'logits must be floating point; got dtype {logits.dtype}.')
+  if labels.shape != logits.shape[:-1]:
+    raise ValueError(
+      f'labels must have the shape {logits.shape[:-1]} of logits without the '
+      f'vocabulary axis; got {labels.shape}. For next-token prediction '
+      'shift first, e.g. logits[:, :-1] with labels tokens[:, 1:].'
+    )
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(
+      f'labels must be integer class indices; got dtype {labels.dtype}. '
+      'For one-hot targets use optax.losses.softmax_cross_entropy.'
+    )
+  if where.shape != labels.shape:
+    raise ValueError(
+      f'where must have the shape {labels.shape} of labels; got {where.shape}.'
+    )
+  real = (jnp.bool_, jnp.integer, jnp.floating)
+  if not any(jnp.issubdtype(where.dtype, kind) for kind in real):
+    raise TypeError(
+      f'where must be a bool mask or real token weights; got {where.dtype}.'
+    )
+
   # int32 for a bool mask or integer weights (an exact count); floating
   # weights keep their dtype, promoted to at least float32.
   floating = jnp.issubdtype(where.dtype, jnp.floating)

@@ -129,11 +129,6 @@ class Manual(_placement.Single):
     over = [varying(x) for x in jax.tree.leaves(tree)]
     return _placement.local_squares(tree, over)
 
-  def norms(self, grad_squares, updates):
-    """One scalar ``psum`` per set of axes: none in data parallelism."""
-    squares = (grad_squares, self.squares(updates))
-    return _placement.global_norms(lax.psum, *squares)
-
 
 def as_tuple(axis_name: AxisName) -> tuple[str, ...]:
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)

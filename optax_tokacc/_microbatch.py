@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -110,14 +109,12 @@ def microbatched_value_and_grad(
     Array(64., dtype=float32)
   """
   kinds = 'a Python int >= 1 (examples per micro-batch)'
-  microbatch_size = _validation.positive_int(
-    microbatch_size, 'microbatch_size', kinds
-  )
+  size = _validation.positive_int(microbatch_size, 'microbatch_size', kinds)
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
   def microbatched_fn(params, batch):
-    num_microbatches = _batch_size(batch, microbatch_size) // microbatch_size
-    split = jax.tree.map(lambda x: _split(x, microbatch_size), batch)
+    num_microbatches = _batch_size(batch, size) // size
+    split = jax.tree.map(lambda x: _split(x, size), batch)
 
     def one(m):  # micro-batch m
       sums, grads = value_and_grad(params, jax.tree.map(lambda x: x[m], split))
@@ -128,7 +125,7 @@ def microbatched_value_and_grad(
 
     # zeros typed like the sums (unreduced gradients included)
     zeros = optax.tree.zeros_like(jax.eval_shape(one, 0))
-    sums, grads_sum = lax.fori_loop(0, num_microbatches, add, zeros)
+    sums, grads_sum = jax.lax.fori_loop(0, num_microbatches, add, zeros)
     return sums, optax.tree.cast_like(grads_sum, params)
 
   return microbatched_fn

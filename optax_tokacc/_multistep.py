@@ -36,7 +36,6 @@ from optax_tokacc import _state
 from optax_tokacc import _validation
 from optax_tokacc import _window
 from optax_tokacc import _zero1
-from optax_tokacc._state import TokenWeightedMultiStepState
 
 
 def token_weighted_multistep(
@@ -178,9 +177,8 @@ def placement(config, params, state=None, grads=None, num_tokens=None):
   the types of the parameters (``init``) or of the state's window."""
   if config.axis_name is not None:
     return _manual.Manual.of(config, params, grads, num_tokens)
-  if state is None:  # init: no inner state yet
-    axes, inner_state = _explicit.data_axes(params), None
-  else:
+  axes, inner_state = _explicit.data_axes(params), None  # init: no state yet
+  if state is not None:
     axes, inner_state = _explicit.unreduced(state.acc_tokens), state.inner_state
   if not axes:
     return _placement.Single()
@@ -190,14 +188,14 @@ def placement(config, params, state=None, grads=None, num_tokens=None):
 
 def _init(
   config: _validation.Config, /, params: optax.Params
-) -> TokenWeightedMultiStepState:
+) -> _state.TokenWeightedMultiStepState:
   _explicit.check_supported(params, 'Parameters')
   place = placement(config, params)
 
   def zeros(dtype_of):
     return jax.tree.map(lambda p: place.gradient_zeros(p, dtype_of(p)), params)
 
-  state = TokenWeightedMultiStepState(
+  state = _state.TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
     grad_sums=zeros(config.acc_dtype),
@@ -224,9 +222,7 @@ def _judge(config, place, grads, gradient_step, params):
   skip_fn = config.should_skip_update_fn
   if skip_fn is None:
     return None, ()
-  # skip_not_finite decides as well on partial sums as on their sum
-  exact = skip_fn is optax.skip_not_finite
-  skip, skip_state = place.judge(skip_fn, grads, gradient_step, params, exact)
+  skip, skip_state = place.judge(skip_fn, grads, gradient_step, params)
   return jnp.logical_not(skip), skip_state
 
 
@@ -234,7 +230,7 @@ def _update(
   config: _validation.Config,
   /,
   updates: optax.Updates,
-  state: TokenWeightedMultiStepState,
+  state: _state.TokenWeightedMultiStepState,
   params: Optional[optax.Params] = None,
   *,
   num_tokens: Optional[jax.typing.ArrayLike] = None,
@@ -242,19 +238,17 @@ def _update(
   emit_now: Union[bool, jax.typing.ArrayLike] = False,
   close: Optional[bool] = None,
   **extra_args: Any,
-) -> tuple[optax.Updates, TokenWeightedMultiStepState]:
+) -> tuple[optax.Updates, _state.TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory)."""
-  _state.check_is_state(state)
+  _validation.state_type(state)
   _validation.tree(updates, params, 'the parameters')
   _explicit.check_supported(updates, 'Gradients')
-  grads, num_tokens, loss = _explicit.reduce_trivial(
-    (updates, num_tokens, loss)
-  )
-  num_tokens = _validation.num_tokens(num_tokens, config.token_dtype)
+  grads, num_tokens, loss = _explicit.reduce_trivial(updates, num_tokens, loss)
+  _validation.num_tokens(num_tokens, config.token_dtype)
   place = placement(config, params, state, grads, num_tokens)
   state = place.enter(state)
   _validation.state_matches(config, grads, state, params)
-  loss = _validation.loss(loss)
+  _validation.loss(loss)
   emit_now = _validation.emit_now(emit_now)
   _validation.close(close, emit_now, config.tokens_per_update)
   _validation.extra_args(extra_args)
@@ -284,11 +278,11 @@ def _update(
 def _next_state(state, mini_step, close, closing, skip_state):
   """The state after this call: a closed window starts afresh (its
   parameter-sized buffers are restarted by its next micro-step)."""
-  window, closed = closing.window, closing.closed
-  emitted = closed.emitted
+  closed, emitted = closing.closed, closing.closed.emitted
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
-  return TokenWeightedMultiStepState(
-    **window._asdict(),  # grad_sums, acc_compensation, acc_tokens, acc_loss
+  return _state.TokenWeightedMultiStepState(
+    # grad_sums, acc_compensation, acc_tokens, acc_loss
+    **closing.window._asdict(),
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
     gradient_step=_increment_if(emitted, state.gradient_step),
     inner_state=closing.inner_state,

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 from jax import lax
 import jax.numpy as jnp
+import optax
 
 from optax_tokacc import _explicit
 from optax_tokacc import _placement
@@ -72,30 +73,29 @@ class PartialSums(_placement.Single):
     """An unreduced gradient takes ``factor`` typed reduced (the product is
     then linear in it)."""
     axes = _explicit.unreduced(grad)
-    if axes:
-      factor = _explicit.to_type(factor, jax.P(reduced=axes))
+    factor = _explicit.to_type(factor, jax.P(reduced=axes)) if axes else factor
     return grad * factor
 
   def per_device(self, fn, args, like):
     return _explicit.local(fn, args, _explicit.specs(like))
 
-  def judge(self, skip_fn, grads, step, params, exact):
+  def judge(self, skip_fn, grads, step, params):
     """Gradients kept as partial sums are judged on every device's share
     and rejected everywhere if any device rejects them: a scalar
     all-reduce per micro-step. That is exact for ``skip_not_finite`` (a sum
     is not finite when a partial sum is not); any other function sees the
     reduced gradients, at the cost of their all-reduce per micro-step."""
     if not any(map(_explicit.unreduced, jax.tree.leaves(grads))):
-      return super().judge(skip_fn, grads, step, params, exact)
+      return super().judge(skip_fn, grads, step, params)
     params = _explicit.without_reduced(params)
-    if not exact:
+    if skip_fn is not optax.skip_not_finite:
       _placement.warn(
         'should_skip_update_fn sees the gradients reduced, an all-reduce of '
         'the gradients per micro-step under explicit sharding; '
         'tokacc.skip_not_finite decides on partial sums.'
       )
       grads = jax.tree.map(_explicit.reduce_now, grads)
-      return super().judge(skip_fn, grads, step, params, exact)
+      return super().judge(skip_fn, grads, step, params)
     axes = tuple(sorted(self.axes))
 
     def decide(*args):  # summed in one psum, bools as any device's
@@ -149,14 +149,3 @@ class PartialSums(_placement.Single):
     specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
     fn = lambda tree: _placement.local_squares(tree, over)  # noqa: E731
     return _explicit.local(fn, (tree,), specs)
-
-  def norms(self, grad_squares, updates):
-    """One scalar all-reduce where the leaves are split alike (none in
-    data parallelism)."""
-
-    def norms(grad_squares, updates):
-      squares = (grad_squares, _placement.local_squares(updates, over))
-      return _placement.global_norms(jax.lax.psum, *squares)
-
-    over = [_explicit.sharded(x) for x in jax.tree.leaves(updates)]
-    return _explicit.local(norms, (grad_squares, updates), jax.P())

@@ -33,7 +33,6 @@ from typing import Any, NamedTuple, Optional
 import warnings
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 
 from optax_tokacc import _explicit
@@ -76,9 +75,8 @@ class Single:
     """The state as the algebra reads it (this device's share)."""
     return state
 
-  def leave(self, state: Any) -> Any:
-    """The inverse of :meth:`enter`."""
-    return state
+  #: ``(state)``: the inverse of :meth:`enter` (here, the state itself).
+  leave = enter
 
   #: ``(param, dtype)``: the accumulator's zeros for ``param``'s gradient,
   #: typed like it.
@@ -102,13 +100,13 @@ class Single:
     del error
     return None
 
-  def share(self, x: Any) -> Any:
-    """A micro-batch's count or loss as this device's share of it."""
-    return self.whole(x)
+  #: ``(x)``: a micro-batch's count or loss as this device's share of it
+  #: (here, all of it).
+  share = whole
 
-  def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
-    """``grad * factor`` for a scalar ``factor`` the same on all devices."""
-    return grad * factor
+  #: ``(grad, factor)``: ``grad * factor`` for a scalar ``factor`` the same
+  #: on all devices.
+  scale = staticmethod(jnp.multiply)
 
   def per_device(self, fn: Callable, args: tuple, like: Any) -> Any:
     """``fn(*args)`` on each device's share; its outputs are typed like
@@ -119,16 +117,9 @@ class Single:
   #: ``like``.
   same_values = staticmethod(_explicit.retype_same_values)
 
-  def judge(
-    self, skip_fn: Callable, grads: Any, step: Any, params: Any, exact: bool
-  ) -> tuple[jax.Array, Any]:
-    """``skip_fn``'s decision on the micro-batch, and its skip state.
-
-    ``exact``: whether ``skip_fn`` decides on partial sums as on their sum
-    (``skip_not_finite``).
-    """
-    del exact
-    return _validation.call_skip_fn(skip_fn, grads, step, params)
+  #: ``(skip_fn, grads, step, params)``: ``skip_fn``'s decision on the
+  #: micro-batch, and its skip state.
+  judge = staticmethod(_validation.call_skip_fn)
 
   def total(self, fn: Callable, x: jax.Array) -> jax.Array:
     """``fn`` of each device's share of ``x``, summed over the devices."""
@@ -157,9 +148,9 @@ class Single:
   #: update's value: where typed, it splits its dimensions alike.
   can_hold = staticmethod(_explicit.same_layout)
 
-  def cond(self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops):
-    """``lax.cond``, where the branches' outputs may differ in type."""
-    return lax.cond(pred, true_fn, false_fn, *ops)
+  #: ``(pred, true_fn, false_fn, *ops)``: ``lax.cond``, where the branches'
+  #: outputs may differ in type.
+  cond = staticmethod(jax.lax.cond)
 
   def squares(self, tree: Any) -> dict:
     """``tree``'s squares summed (:func:`local_squares`): whole values here
@@ -168,8 +159,12 @@ class Single:
 
   def norms(self, grad_squares: dict, updates: Any) -> jax.Array:
     """The global L2 norms of a tree given by its :meth:`squares` and of
-    ``updates``, a float32 vector."""
-    return global_norms(None, grad_squares, self.squares(updates))
+    ``updates``, a float32 vector, from each device's share of the squares:
+    one scalar ``psum`` per set of mesh axes they are split over (none in
+    data parallelism)."""
+    squares = (grad_squares, self.squares(updates))
+    vector = jax.ShapeDtypeStruct([len(squares)], jnp.float32)
+    return self.per_device(global_norms, squares, vector)
 
 
 def local_squares(tree: Any, over: list) -> dict:
@@ -185,13 +180,13 @@ def local_squares(tree: Any, over: list) -> dict:
   return sums
 
 
-def global_norms(reduce: Optional[Callable], *squares: dict) -> jax.Array:
+def global_norms(*squares: dict) -> jax.Array:
   """The L2 norms of trees given by their :func:`local_squares` (float32):
   for each set of axes, the trees' squares stacked and summed over those
-  axes by ``reduce(vector, axes)``: one collective per set."""
+  axes by ``lax.psum`` (in a manual region): one collective per set."""
   total = jnp.zeros(len(squares), jnp.float32)
   for axes in sorted({a for s in squares for a in s}):
     some = next(s[axes] for s in squares if axes in s)
     vector = jnp.stack([s.get(axes, jnp.zeros_like(some)) for s in squares])
-    total = total + (reduce(vector, axes) if axes else vector)
+    total = total + (jax.lax.psum(vector, axes) if axes else vector)
   return jnp.sqrt(total)

@@ -74,15 +74,8 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
     shape, like = jnp.shape(leaf), jnp.shape(param)  # behind a slot axis?
     return spec if shape[len(shape) - len(like) :] == like else jax.P()
 
-  return optax.tree_map_params(
-    tx,
-    follow,
-    abstract,
-    specs,
-    params,
-    transform_non_params=lambda _: jax.P(),
-    is_leaf=_zero1.is_masked,
-  )
+  args = dict(transform_non_params=lambda _: jax.P(), is_leaf=_zero1.is_masked)
+  return optax.tree_map_params(tx, follow, abstract, specs, params, **args)
 
 
 def state_partition_specs(
@@ -143,13 +136,28 @@ def state_partition_specs(
   specs = _specs(tx, params, param_specs, axis_name, shard_optimizer_over, mesh)
   if manual_axes is None:
     return specs
-  return _only_manual(specs, axis_name, manual_axes)
+  kept = set(_manual.as_tuple(manual_axes))  # the other axes are dropped
+  if axis_name is not None and not set(_manual.as_tuple(axis_name)) <= kept:
+    raise ValueError(
+      f'axis_name={axis_name!r} must be among the manual axes of shard_map '
+      f'(manual_axes={manual_axes!r}): the transform sums over manual axes.'
+    )
+  if any(spec.reduced or spec.unreduced for spec in jax.tree.leaves(specs)):
+    raise ValueError(
+      f'manual_axes={manual_axes!r} is for a partial-manual shard_map with '
+      'axis_name; explicit sharding (parameters typed reduced) needs none.'
+    )
+
+  def keep(spec):  # entries: None, an axis or a tuple of axes
+    return jax.P(*([a for a in jax.tree.leaves(e) if a in kept] for e in spec))
+
+  return jax.tree.map(keep, specs)
 
 
 def _specs(tx, params, param_specs, axis_name, shard_over, mesh) -> Any:
   """:func:`state_partition_specs` but ``manual_axes``: the full layout."""
-  if param_specs is None:  # the specs in the parameters' types
-    param_specs = _explicit.specs(params)
+  # None: the specs in the parameters' types
+  param_specs = _explicit.specs(params) if param_specs is None else param_specs
   abstract = jax.eval_shape(tx.init, params)
   specs = zero = _follow(tx, abstract, param_specs, params)
   if shard_over is not None:
@@ -176,28 +184,6 @@ def _specs(tx, params, param_specs, axis_name, shard_over, mesh) -> Any:
 def _inner_states(specs: Any) -> list:
   nodes = jax.tree.leaves(specs, is_leaf=_state.is_state)
   return [n.inner_state for n in nodes if _state.is_state(n)]
-
-
-def _only_manual(specs: Any, axis_name: Any, manual_axes: Any) -> Any:
-  """``specs`` with the axes outside ``manual_axes`` dropped."""
-  manual = set(_manual.as_tuple(manual_axes))
-  if axis_name is not None and not set(_manual.as_tuple(axis_name)) <= manual:
-    raise ValueError(
-      f'axis_name={axis_name!r} must be among the manual axes of shard_map '
-      f'(manual_axes={manual_axes!r}): the transform sums over manual axes.'
-    )
-  if any(spec.reduced or spec.unreduced for spec in jax.tree.leaves(specs)):
-    raise ValueError(
-      f'manual_axes={manual_axes!r} is for a partial-manual shard_map with '
-      'axis_name; explicit sharding (parameters typed reduced) needs none.'
-    )
-
-  def keep(spec):  # entries: None, an axis or a tuple of axes
-    return jax.P(
-      *([a for a in jax.tree.leaves(e) if a in manual] for e in spec)
-    )
-
-  return jax.tree.map(keep, specs)
 
 
 def state_shardings(
@@ -289,8 +275,6 @@ def init_sharded(
   if axis_name is None:
     shardings = jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs)
     return jax.jit(tx.init, out_shardings=shardings)(params)
-  if param_specs is None:
-    param_specs = _explicit.specs(params)
-  in_specs = (param_specs,)
+  in_specs = (_explicit.specs(params) if param_specs is None else param_specs,)
   init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)
   return jax.jit(init)(params)

@@ -334,12 +334,3 @@ def apply_if_updated(
   """
   find_state(opt_state)
   return optax.apply_updates(params, updates)
-
-
-def check_is_state(state: Any) -> None:
-  """``state`` must be the transform's own state."""
-  if type(state).__name__ != 'TokenWeightedMultiStepState':
-    raise TypeError(
-      'state must be the TokenWeightedMultiStepState of tx.init; got '
-      f"{type(state).__name__}. With optax.chain, pass the chain's state."
-    )

@@ -138,14 +138,10 @@ def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
   gradient's, at least float32) or ``token_dtype`` (int32, the default for
   exact counts, or a floating dtype), checked and canonicalized."""
   counts = name == 'token_dtype'
-  value = jnp.int32 if counts and value is None else value
   if value is None:
-    return None
-  kinds = (
-    'int32 or a floating dtype'
-    if counts
-    else 'a floating dtype, or None for the gradient dtype (at least float32)'
-  )
+    return jnp.dtype(jnp.int32) if counts else None
+  kinds = 'a floating dtype, or None for the gradient dtype (at least float32)'
+  kinds = 'int32 or a floating dtype' if counts else kinds
   try:
     found = jnp.dtype(value)
   except TypeError as e:
@@ -169,7 +165,7 @@ def _scalar(
     raise _refuse(name, kinds, f'shape {jnp.shape(value)}', fix, error)
 
 
-def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
+def num_tokens(value: Any, dtype: jnp.dtype) -> None:
   """Checks ``num_tokens`` at trace time (kind, shape, concrete range)."""
   if value is None:
     raise TypeError(
@@ -179,7 +175,7 @@ def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
   fix = ' Sum a mask: num_tokens=mask.sum().'
   _scalar(value, 'num_tokens', kinds, _REAL, fix)
   if isinstance(value, jax.core.Tracer):
-    return value
+    return
   count = np.asarray(value).item()
   got = f'num_tokens={count}'
   if not 0 <= count < np.inf:  # Also NaN.
@@ -189,7 +185,6 @@ def num_tokens(value: Any, dtype: jnp.dtype) -> Any:
     kinds = f'a whole number that fits the {dtype} token counter'
     fix = ' For fractional counts, set token_dtype=jnp.float32.'
     raise _refuse('num_tokens', kinds, got, fix, ValueError)
-  return value
 
 
 def emit_now(value: Any) -> Optional[jax.Array]:
@@ -213,11 +208,18 @@ def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
     raise ValueError(f'close={value} and {other} both decide when: drop one.')
 
 
-def loss(value: Any) -> Any:
+def loss(value: Any) -> None:
   """Checks ``loss``: None, or a real scalar."""
   if value is not None:
     _scalar(value, 'loss', "a real scalar (this micro-batch's loss)", _REAL)
-  return value
+
+
+def state_type(state: Any) -> None:
+  """``state`` must be the transform's own state."""
+  if type(state).__name__ != 'TokenWeightedMultiStepState':
+    kinds = 'the TokenWeightedMultiStepState of tx.init'
+    fix = " With optax.chain, pass the chain's state."
+    raise _refuse('state', kinds, type(state).__name__, fix)
 
 
 def tree(grads: Any, reference: Any, what: str) -> None:

@@ -49,7 +49,7 @@ class MicroBatch(NamedTuple):
 
   grads: optax.Updates
   count: jax.Array
-  loss: jax.Array
+  loss: jax.Array  # summed over its tokens
   keep: Optional[jax.Array]
 
 
@@ -67,32 +67,27 @@ class Closed(NamedTuple):
 
 def micro_batch(config, place, grads, num_tokens, loss, keep) -> MicroBatch:
   """The micro-batch as the window adds it. Under a mean loss the gradient
-  is scaled by the count it is the mean over, validated now; otherwise the
-  count is validated on each device's share when it is added."""
+  (in :func:`add`) and the loss are scaled by the count they are the mean
+  over, validated now; otherwise the count is validated on each device's
+  share when it is added."""
   count = jnp.asarray(num_tokens)
-  if config.mean_loss:
-    count = _tokens.as_count(place.whole(count), config.token_dtype)
   # No loss: the window's is NaN.
   loss = jnp.asarray(jnp.nan if loss is None else loss, config.loss_dtype)
+  if config.mean_loss:
+    count = _tokens.as_count(place.whole(count), config.token_dtype)
+    loss = place.scale(loss, count.astype(loss.dtype))
   return MicroBatch(grads, count, loss, keep)
 
 
-def _adds(config, micro: MicroBatch) -> Optional[jax.Array]:
-  """Whether the micro-batch adds anything (None: always). Under a mean
-  loss a micro-batch without tokens adds nothing: its mean is undefined."""
-  if not config.mean_loss:
-    return micro.keep
-  has_tokens = micro.count > 0
-  return has_tokens if micro.keep is None else micro.keep & has_tokens
-
-
-def add(
-  config, place, window: Window, micro: MicroBatch, restart, select=False
-) -> Window:
-  """The window with the micro-batch added; ``restart`` starts a window
-  (in a ``cond``, or a select where the program has no conditional).
-  Contributions are selected, never multiplied by zero."""
-  adds = _adds(config, micro)
+def add(config, place, window, micro, restart, select=False) -> Window:
+  """The window with the micro-batch (a :class:`MicroBatch`) added;
+  ``restart`` starts a window (in a ``cond``, or a select where the program
+  has no conditional). Contributions are selected, never multiplied by
+  zero."""
+  adds = micro.keep  # whether the micro-batch adds anything (None: always)
+  if config.mean_loss:  # without tokens its mean is undefined: it adds nothing
+    has_tokens = micro.count > 0
+    adds = has_tokens if micro.keep is None else micro.keep & has_tokens
 
   def addend(acc, grad):
     dtype = jnp.promote_types(acc.dtype, jnp.float32)
@@ -101,15 +96,15 @@ def add(
       grad = place.scale(grad, micro.count.astype(grad.dtype))
     return grad if adds is None else jnp.where(adds, grad, jnp.zeros_like(grad))
 
-  def accumulate(grad_sums, acc_compensation, addends, restart):
+  def accumulate(sums, addends, restart):
     return _compensated.accumulate(
-      grad_sums, acc_compensation, addends, restart, config.compensated, select
+      sums, addends, restart, config.compensated, select
     )
 
   addends = jax.tree.map(addend, window.grad_sums, micro.grads)
-  args = (window.grad_sums, window.acc_compensation, addends, restart)
+  args = ((window.grad_sums, window.acc_compensation), addends, restart)
   if config.compensated or select:  # not linear: on each device's share
-    grad_sums, acc_compensation = place.per_device(accumulate, args, args[:2])
+    grad_sums, acc_compensation = place.per_device(accumulate, args, args[0])
   else:
     grad_sums, acc_compensation = accumulate(*args)
   acc_tokens, acc_loss = _add_scalars(config, place, window, micro, adds)
@@ -120,9 +115,6 @@ def _add_scalars(config, place, window, micro, adds):
   """The window's count and loss with the micro-batch's, on each device's
   share: the count is validated there, and selecting on a share moves no
   data. A rejected micro-batch's count is ignored, even if invalid."""
-  loss = micro.loss
-  if config.mean_loss:
-    loss = place.scale(loss, micro.count.astype(loss.dtype))
 
   def add_shares(acc_tokens, acc_loss, count, loss, keep, adds):
     if keep is not None:
@@ -133,7 +125,7 @@ def _add_scalars(config, place, window, micro, adds):
     return _tokens.add(acc_tokens, count), acc_loss + loss
 
   args = (window.acc_tokens, window.acc_loss)
-  args += (place.share(micro.count), place.share(loss), micro.keep, adds)
+  args += (place.share(micro.count), place.share(micro.loss), micro.keep, adds)
   return place.per_device(add_shares, args, args[:2])
 
 

@@ -56,19 +56,19 @@ class _Accumulating:
         f'once; {e} For a plain optimizer use {self._PLAIN}.'
       ) from e
 
-  def _counters(self, before: jax.Array, step: Any, micro_step: Any) -> tuple:
+  def _counters(self, before: jax.Array, step: Any) -> tuple:
     """``(step, micro_step, emitted)`` after one micro-batch.
 
     ``before`` is the accumulator's ``gradient_step`` (its count of
-    optimizer updates) before the micro-batch, ``step`` and ``micro_step``
-    the counts before it; ``step`` advances (saturating) if ``gradient_step``
-    did. Unlike the state's ``emitted`` flag, whether it advanced cannot go
-    stale when a wrapper such as ``optax.apply_if_finite`` returns the
-    previous state.
+    optimizer updates) before the micro-batch and ``step`` the count before
+    it; ``step`` advances (saturating) if ``gradient_step`` did, and
+    ``micro_step`` by one. Unlike the state's ``emitted`` flag, whether it
+    advanced cannot go stale when a wrapper such as ``optax.apply_if_finite``
+    returns the previous state.
     """
     emitted = jnp.asarray(self._acc_state().gradient_step) != before
     step = jnp.where(emitted, optax.safe_increment(step), step)
-    return step, optax.safe_increment(micro_step), emitted
+    return step, optax.safe_increment(jnp.asarray(self.micro_step)), emitted
 
   @property
   def window_loss(self) -> jax.Array:
@@ -205,9 +205,8 @@ class TrainState(train_state.TrainState, _Accumulating):
     updates, opt_state = self.tx.update(*args, **kwargs)
     params = optax.apply_updates(self.params, updates)
     new = self.replace(params=params, opt_state=opt_state)
-    step, micro_step, emitted = new._counters(
-      self._acc_state().gradient_step, self.step, self.micro_step
-    )
+    before = self._acc_state().gradient_step
+    step, micro_step, emitted = new._counters(before, self.step)
     return new.replace(step=step, micro_step=micro_step, has_updated=emitted)
 
 
@@ -317,9 +316,8 @@ class Optimizer(nnx.Optimizer, _Accumulating):
     step, before = self.step[...], self._acc_state().gradient_step[...]
     kwargs.update(num_tokens=num_tokens, loss=loss)
     updates = super().update(model, grads, **kwargs)
-    self.step[...], self.micro_step[...], self.emitted[...] = self._counters(
-      before, step, self.micro_step[...]
-    )
+    counters = self._counters(before, step)
+    self.step[...], self.micro_step[...], self.emitted[...] = counters
     return updates
 
   @property
