@@ -153,9 +153,18 @@ class Single:
   cond = staticmethod(jax.lax.cond)
 
   def squares(self, tree: Any) -> dict:
-    """``tree``'s squares summed (:func:`local_squares`): whole values here
-    (the compiler sums a leaf split over devices, in a scalar all-reduce)."""
-    return local_squares(tree, [()] * len(jax.tree.leaves(tree)))
+    """``tree``'s squares summed on each device's share
+    (:func:`local_squares`): partial sums typed unreduced over the axes a
+    leaf's type splits it over, so that :meth:`norms` sums them in one
+    collective (whole values where no type says so: the compiler sums a
+    leaf it split, in a scalar all-reduce of its own)."""
+    over = [_explicit.sharded(x) for x in jax.tree.leaves(tree)]
+    mesh = next((_explicit.mesh_of(x) for x in jax.tree.leaves(tree)), None)
+    split = {tuple(sorted(a)): _explicit.deferred(a, mesh) for a in over}
+    if not any(split.values()):
+      return local_squares(tree, [()] * len(over))
+    specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
+    return _explicit.local(lambda t: local_squares(t, over), (tree,), specs)
 
   def norms(self, grad_squares: dict, updates: Any) -> jax.Array:
     """The global L2 norms of a tree given by its :meth:`squares` and of
@@ -163,6 +172,8 @@ class Single:
     one scalar ``psum`` per set of mesh axes they are split over (none in
     data parallelism)."""
     squares = (grad_squares, self.squares(updates))
+    if any(axes for s in squares for axes in s):  # split: in a manual region
+      return _explicit.local(global_norms, squares, jax.P())
     vector = jax.ShapeDtypeStruct([len(squares)], jnp.float32)
     return self.per_device(global_norms, squares, vector)
 
