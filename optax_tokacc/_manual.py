@@ -129,6 +129,10 @@ class Manual(_placement.Single):
     over = [varying(x) for x in jax.tree.leaves(tree)]
     return _placement.local_squares(tree, over)
 
+  def norms(self, grad_squares, updates):
+    """One scalar ``psum`` per set of axes (already in a manual region)."""
+    return _placement.global_norms(grad_squares, self.squares(updates))
+
 
 def as_tuple(axis_name: AxisName) -> tuple[str, ...]:
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)

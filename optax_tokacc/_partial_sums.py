@@ -51,6 +51,7 @@ class PartialSums(_placement.Single):
   axes: frozenset
   mesh: Any
   targets: tuple = ()
+  on_shares = True
 
   @classmethod
   def of(cls, axes, params, state) -> 'PartialSums':
@@ -140,12 +141,3 @@ class PartialSums(_placement.Single):
     ]
     out_specs = _placement.Reduced(treedef.unflatten(specs), jax.P(), jax.P())
     return _explicit.local(reduce, (leaves, acc_tokens, acc_loss), out_specs)
-
-  def squares(self, tree):
-    """On each device's share, summed over each leaf's shard: partial sums
-    typed unreduced over the axes the leaves are split over."""
-    over = [_explicit.sharded(x) for x in jax.tree.leaves(tree)]
-    split = {tuple(sorted(a)): _explicit.deferred(a, self.mesh) for a in over}
-    specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
-    fn = lambda tree: _placement.local_squares(tree, over)  # noqa: E731
-    return _explicit.local(fn, (tree,), specs)

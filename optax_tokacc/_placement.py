@@ -70,6 +70,10 @@ class Single:
   # Whether a rejected micro-batch still counts as a micro-step, so that
   # devices that may decide differently close their windows together.
   advances_rejected = False
+  # The mesh whose axes the values' types split (None: read from them), and
+  # whether their arithmetic must run on each device's share (partial sums).
+  mesh = None
+  on_shares = False
 
   def enter(self, state: Any) -> Any:
     """The state as the algebra reads it (this device's share)."""
@@ -158,10 +162,11 @@ class Single:
     leaf's type splits it over, so that :meth:`norms` sums them in one
     collective (whole values where no type says so: the compiler sums a
     leaf it split, in a scalar all-reduce of its own)."""
-    over = [_explicit.sharded(x) for x in jax.tree.leaves(tree)]
-    mesh = next((_explicit.mesh_of(x) for x in jax.tree.leaves(tree)), None)
+    leaves = jax.tree.leaves(tree)
+    over = [_explicit.sharded(x) for x in leaves]
+    mesh = self.mesh or next(map(_explicit.mesh_of, leaves), None)
     split = {tuple(sorted(a)): _explicit.deferred(a, mesh) for a in over}
-    if not any(split.values()):
+    if not (self.on_shares or any(split.values())):
       return local_squares(tree, [()] * len(over))
     specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
     return _explicit.local(lambda t: local_squares(t, over), (tree,), specs)
