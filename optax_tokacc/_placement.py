@@ -70,9 +70,8 @@ class Single:
   # Whether a rejected micro-batch still counts as a micro-step, so that
   # devices that may decide differently close their windows together.
   advances_rejected = False
-  # The mesh whose axes the values' types split (None: read from them), and
-  # whether their arithmetic must run on each device's share (partial sums).
-  mesh = None
+  # Whether the values' arithmetic must run on each device's share, as
+  # with partial sums (:meth:`squares`).
   on_shares = False
 
   def enter(self, state: Any) -> Any:
@@ -164,7 +163,7 @@ class Single:
     leaf it split, in a scalar all-reduce of its own)."""
     leaves = jax.tree.leaves(tree)
     over = [_explicit.sharded(x) for x in leaves]
-    mesh = self.mesh or next(map(_explicit.mesh_of, leaves), None)
+    mesh = next(map(_explicit.mesh_of, leaves), None)
     split = {tuple(sorted(a)): _explicit.deferred(a, mesh) for a in over}
     if not (self.on_shares or any(split.values())):
       return local_squares(tree, [()] * len(over))
