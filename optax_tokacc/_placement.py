@@ -173,7 +173,7 @@ class Single:
   def norms(self, grad_squares: dict, updates: Any) -> jax.Array:
     """The global L2 norms of a tree given by its :meth:`squares` and of
     ``updates``, a float32 vector, from each device's share of the squares:
-    one scalar ``psum`` per set of mesh axes they are split over (none in
+    one ``psum`` of both per set of mesh axes they are split over (none in
     data parallelism)."""
     squares = (grad_squares, self.squares(updates))
     if any(axes for s in squares for axes in s):  # split: in a manual region

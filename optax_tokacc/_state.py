@@ -264,11 +264,14 @@ def window_metrics(opt_state: optax.OptState) -> WindowMetrics:
   (no tokens, or an invalid count: dropped) keeps the last emitted
   window's metrics, as ``gradient_step`` keeps its count. Reading them
   costs nothing; computing them costs no micro-step any work and no
-  parameter-sized temporary. The closing step pays one scalar collective
-  where the gradient is split over devices by ``shard_map`` or explicit
-  types (FSDP, HSDP, ZeRO-1), two where the compiler splits it (GSPMD
-  FSDP: the gradient's, summed before ``inner`` runs, and the update's),
-  and none where it is whole on every device (data parallelism). The
+  parameter-sized temporary. The closing step pays one collective (the
+  two norms' squares) where the gradient is split over devices by
+  ``shard_map`` or explicit types (FSDP, HSDP, ZeRO-1), and none where it
+  is whole on every device (data parallelism). Where only the compiler
+  knows it is split (``AxisType.Auto`` axes), it pays two scalar
+  all-reduces: the gradient's squares are summed before ``inner`` writes
+  its updates into their buffer, and XLA cannot defer that sum's
+  all-reduce to the update's without copying the buffer. The
   gradient's norm is that of the window's sums, in the accumulator's
   precision, over its token count. With ``window_norms=False`` the norms
   stay NaN and cost nothing.

@@ -567,8 +567,11 @@ def test_hsdp_reduces_across_replicas_once_per_window(layout, with_emit_now):
 
   # window_metrics: the norms of the fsdp-split gradient and update: small
   # all-reduces within a replica only, in the emitting branch nested in the
-  # closing one; where the compiler splits the gradient (partial manual),
-  # its squares are summed in the closing branch, before inner runs.
+  # closing one; where only the compiler knows that the gradient is split
+  # (partial manual: fsdp is an Auto axis), the squares of the gradient are
+  # summed, and all-reduced, in the closing branch before inner runs (so
+  # that inner's updates may be written into their buffer without a copy):
+  # a second scalar all-reduce.
   def scalar_within_replica(site):
     small = all(math.prod(d) <= 2 for _, d in site.shapes)
     return groups[site.name] == FSDP_GROUPS and small

@@ -422,8 +422,10 @@ def test_closing_collectives():
   runs (so that the buffer inner's updates are written into is read
   first, not copied) and reduced with the update's; no micro-step
   collective is the norms'. (Partial sums and shard_map: one as well,
-  test_explicit and test_sharded; under AxisType.Auto meshes, whose types
-  do not say what is split, the compiler's two.)"""
+  test_explicit and test_sharded. Under AxisType.Auto axes, whose types
+  do not say what is split, two: the compiler all-reduces the gradient's
+  squares where they are summed, before inner runs; test_sharded's
+  partial-manual HSDP.)"""
   every_step, window = test_explicit.compiled_sites('ddp', 'unreduced', sgd())
   assert every_step == [] and len(window) == 1
   every_step, window = test_explicit.compiled_sites('fsdp', 'replicated', sgd())
