@@ -165,7 +165,8 @@ class Single:
     over = [_explicit.sharded(x) for x in leaves]
     mesh = next(map(_explicit.mesh_of, leaves), None)
     split = {tuple(sorted(a)): _explicit.deferred(a, mesh) for a in over}
-    if not (self.on_shares or any(split.values())):
+    # (jax < 0.10 cannot type them unreduced: there the compiler sums them)
+    if not (self.on_shares or _explicit.SUPPORTED and any(split.values())):
       return local_squares(tree, [()] * len(over))
     specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
     return _explicit.local(lambda t: local_squares(t, over), (tree,), specs)

@@ -23,6 +23,7 @@ import optax
 import pytest
 
 import optax_tokacc as tokacc
+from optax_tokacc import _compat
 from optax_tokacc import _explicit
 
 # A hang (devices in different branches of a collective) fails the test
@@ -52,7 +53,8 @@ def hsdp_mesh():
 
 def full_spec(spec, ndim):
   """``spec`` padded to ``ndim`` entries (what ``jit`` returns)."""
-  parts = tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
+  parts = _compat.partitions(spec)  # jax 0.8.2: no spec.partitions
+  parts += (None,) * (ndim - len(parts))
   return P(*parts, reduced=spec.reduced, unreduced=spec.unreduced)
 
 

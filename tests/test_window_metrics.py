@@ -262,6 +262,27 @@ def test_equal_full_batch(placement):
   assert_metrics(records, windows)
 
 
+def test_explicit_fsdp_on_every_jax(monkeypatch):
+  """FSDP typed sharded on an explicit mesh, the compiler reducing the
+  gradients (no reduced or unreduced type): exact metrics on every JAX,
+  the declared floor included. Regression: summing the squares on each
+  shard, typed unreduced (one all-reduce, jax >= 0.10), made jax 0.8.2
+  refuse the step (its ``shard_map`` cannot give an unreduced output);
+  there the compiler sums them, as before."""
+
+  def mesh():
+    devices = jax.devices()[:4]
+    explicit = (jax.sharding.AxisType.Explicit,)
+    return jax.make_mesh((4,), ('fsdp',), explicit, devices=devices)
+
+  layout = (mesh, {'w': P('fsdp'), 'v': P('fsdp')})
+  monkeypatch.setitem(test_explicit.LAYOUTS, 'fsdp_explicit', layout)
+  windows = harness.make_windows(WINDOW_SIZES, 4)
+  records = run_explicit(windows, 'fsdp_explicit')
+  assert len(records) == len(windows)
+  assert_metrics(records, windows)
+
+
 @needs_explicit
 @pytest.mark.parametrize('host_closes', [False, True])
 @pytest.mark.parametrize('layout', sorted(zero1.LAYOUTS))
