@@ -268,7 +268,8 @@ def window_metrics(opt_state: optax.OptState) -> WindowMetrics:
   two norms' squares) where the gradient is split over devices by
   ``shard_map`` or explicit types (FSDP, HSDP, ZeRO-1), and none where it
   is whole on every device (data parallelism). Where only the compiler
-  knows it is split (``AxisType.Auto`` axes), it pays two scalar
+  knows it is split (``AxisType.Auto`` axes, and explicit types on
+  jax < 0.10, which cannot type the partial sums), it pays two scalar
   all-reduces: the gradient's squares are summed before ``inner`` writes
   its updates into their buffer, and XLA cannot defer that sum's
   all-reduce to the update's without copying the buffer. The
