@@ -108,8 +108,8 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
   )
   new_inner = optax.tree.cast_like(new_inner, opt_state)
   norms = jnp.full(2, jnp.nan, jnp.float32)
-  if config.norms:  # What inner got (its sums' norm over their count), and
-    # gave.
+  if config.norms:
+    # What inner got (its sums' norm over their count), and gave.
     per_token = jnp.stack([1 / summed.divisor.astype(jnp.float32), 1.0])
     norms = place.norms(summed.squares, updates) * per_token
   if emitted is not None:

@@ -130,7 +130,8 @@ class Manual(_placement.Single):
     return _placement.local_squares(tree, over)
 
   def norms(self, grad_squares, updates):
-    """One scalar ``psum`` per set of axes (already in a manual region)."""
+    """One ``psum`` of both norms' squares per set of axes (already in a
+    manual region)."""
     return _placement.global_norms(grad_squares, self.squares(updates))
 
 
