@@ -84,20 +84,27 @@ from typing import NamedTuple
 # `python benchmarks/collectives.py`, or this file loaded by its path (the
 # tests do), finds its sibling modules.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The HLO reader is the tests' (tests/hlo.py); the benchmarks read it too.
+sys.path.insert(
+  1,
+  os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tests'
+  ),
+)
 
 import _common  # noqa: E402
 import _explicit_steps as explicit  # noqa: E402
-from _hlo import COLLECTIVE_OPCODES  # noqa: E402, F401
-from _hlo import collective_records  # noqa: E402
-from _hlo import collective_sites  # noqa: E402, F401
-from _hlo import device_groups  # noqa: E402, F401
-from _hlo import find_instruction  # noqa: E402, F401
-from _hlo import group_sets  # noqa: E402, F401
-from _hlo import parse_hlo  # noqa: E402, F401
-from _hlo import reachable_opcodes  # noqa: E402, F401
-from _hlo import returns_its_parameters  # noqa: E402, F401
-from _hlo import summarize  # noqa: E402
 import _sharded_steps as steps  # noqa: E402
+from hlo import COLLECTIVE_OPCODES  # noqa: E402, F401
+from hlo import collective_records  # noqa: E402
+from hlo import collective_sites  # noqa: E402, F401
+from hlo import device_groups  # noqa: E402, F401
+from hlo import find_instruction  # noqa: E402, F401
+from hlo import group_sets  # noqa: E402, F401
+from hlo import parse_hlo  # noqa: E402, F401
+from hlo import reachable_opcodes  # noqa: E402, F401
+from hlo import returns_its_parameters  # noqa: E402, F401
+from hlo import summarize  # noqa: E402
 import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 

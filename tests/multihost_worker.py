@@ -310,18 +310,6 @@ def global_step(tx):
   return step
 
 
-def load_collectives():
-  """``benchmarks/collectives.py`` (its HLO reader), loaded by path."""
-  import importlib.util  # noqa: PLC0415
-  import pathlib  # noqa: PLC0415
-
-  path = pathlib.Path(__file__).parents[1] / 'benchmarks' / 'collectives.py'
-  spec = importlib.util.spec_from_file_location('collectives', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def train_sharded_jit(tx, params, windows, mesh, axes, on_step=None):
   """Trains with ``jax.jit`` over global arrays (GSPMD, no ``axis_name``).
 

@@ -23,15 +23,15 @@ emptied they must be measured and show their collectives per window.
 import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import warnings
 
+import helpers
 import jax
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = helpers.REPO
 METHODS = (  # in run.py's order
   'plain',
   'ideal',
@@ -88,7 +88,10 @@ EXPLICIT_PATTERNS = (
   'explicit_hsdp',
 )
 
-pytestmark = pytest.mark.slow  # starts a Python process
+pytestmark = [
+  pytest.mark.slow,  # starts a Python process
+  helpers.needs_repository('benchmarks'),
+]
 
 
 # Wall-clock limits of the scripts run here, each at least 5 times a quiet

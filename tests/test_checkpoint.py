@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,11 +193,7 @@ def child(role, path, variant, stop_at):
 
 def run_child(*args):
   code = _CHILD.format(tests_dir=os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ)
-  env['PYTHONPATH'] = os.pathsep.join(
-    [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    + [p for p in [env.get('PYTHONPATH')] if p]
-  )
+  env = helpers.subprocess_env()
   result = subprocess.run(
     [sys.executable, '-c', code, *map(str, args)],
     capture_output=True,

@@ -7,6 +7,7 @@ show one reduction of the gradients per window, none on micro-steps.
 """
 
 import chex
+import hlo
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -29,8 +30,6 @@ K = 3
 WINDOW_SIZES = (3, 3, 2)  # the last window is closed early by emit_now
 AUTO = jax.sharding.AxisType.Auto
 
-
-collectives = harness.load_collectives()
 
 OPTIMIZERS = {
   'adamw': harness.adamw,
@@ -231,8 +230,8 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
     the inner optimizer (AdamW's ``sqrt``): a single all-reduce of each
     gradient leaf, the window's token count and its loss.
   """
-  module = collectives.parse_hlo(compiled_step_text(mode, with_emit_now))
-  sites = collectives.collective_sites(module)
+  module = hlo.parse_hlo(compiled_step_text(mode, with_emit_now))
+  sites = hlo.collective_sites(module)
   assert {site.collective for site, _ in sites} == {'all-reduce'}
 
   every_step = [site for site, path in sites if not path]
@@ -245,14 +244,14 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
   branches = {path[0] for _, path in sites if path}
   assert len(branches) == 1, branches
   ((conditional_name, emit_index),) = branches
-  conditional = collectives.find_instruction(module, conditional_name)
+  conditional = hlo.find_instruction(module, conditional_name)
   emit_branch = conditional.branches[emit_index]
-  assert collectives.reachable_opcodes(module, emit_branch)['sqrt'] > 0
+  assert hlo.reachable_opcodes(module, emit_branch)['sqrt'] > 0
   for index, branch in enumerate(conditional.branches):
     if index != emit_index:
-      opcodes = collectives.reachable_opcodes(module, branch)
+      opcodes = hlo.reachable_opcodes(module, branch)
       assert opcodes['sqrt'] == 0  # the micro-step does not run AdamW
-      assert not set(opcodes) & set(collectives.COLLECTIVE_OPCODES)
+      assert not set(opcodes) & set(hlo.COLLECTIVE_OPCODES)
 
   gradient_shapes = sorted(
     ('f32', tuple(np.shape(p))) for p in jax.tree.leaves(harness.init_params())
@@ -285,7 +284,7 @@ def test_count_collectives_of_the_usual_pattern():
     .compile()
     .as_text()
   )
-  sites = collectives.collective_sites(collectives.parse_hlo(text))
+  sites = hlo.collective_sites(hlo.parse_hlo(text))
   every_step = [site.collective for site, path in sites if not path]
   in_branches = [site.collective for site, path in sites if path]
   assert every_step == ['all-reduce'] and in_branches == ['all-reduce']

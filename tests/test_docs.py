@@ -39,17 +39,18 @@ the ``docs`` extra installs) is skipped, naming it.
 import dataclasses
 import importlib.metadata
 import importlib.util
-import os
 import pathlib
 import re
 import subprocess
 import sys
 from typing import Optional
 
+import helpers
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = helpers.REPO
 DOCS = REPO / 'docs'
+needs_docs = helpers.needs_repository('docs')
 NUM_DEVICES = 8
 TIMEOUT_S = 900  # per block; 5x a loaded 2-core run (issue 33)
 MAX_FRAGMENTS = 3
@@ -202,10 +203,7 @@ def run_block(block: Block, tmp_path: pathlib.Path) -> None:
     pytest.skip(reason)
   script = tmp_path / 'block.py'
   script.write_text(block.code)
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env['PYTHONPATH'] = os.pathsep.join(
-    [str(REPO)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else [])
-  )
+  env = helpers.subprocess_env(JAX_PLATFORMS='cpu')
   if _NEEDS_DEVICES.search(block.code):
     env['JAX_NUM_CPU_DEVICES'] = str(NUM_DEVICES)
   result = subprocess.run(
@@ -238,20 +236,23 @@ def docs_blocks() -> list[Block]:
   return blocks
 
 
-BLOCKS = docs_blocks()
+BLOCKS = docs_blocks() if DOCS.exists() else []
 
 
+@needs_docs
 @pytest.mark.slow  # each block runs in a Python process
 @pytest.mark.parametrize('block', BLOCKS, ids=[block.id for block in BLOCKS])
 def test_docs_block_runs(block, tmp_path):
   run_block(block, tmp_path)
 
 
+@needs_docs
 def test_docs_have_few_fragments():
   fragments = [block.id for block in BLOCKS if block.skip]
   assert len(fragments) <= MAX_FRAGMENTS, fragments
 
 
+@needs_docs
 def test_every_guide_has_a_program():
   with_code = {block.page for block in BLOCKS if not block.skip}
   guides = {
@@ -299,6 +300,7 @@ def public_names() -> set[str]:
   return names
 
 
+@needs_docs
 def test_api_reference_documents_every_public_name():
   missing = public_names() - documented_names()
   assert not missing, (

@@ -15,19 +15,19 @@
 """The examples run as scripts with tiny settings, so they cannot rot."""
 
 import json
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import chex
+import helpers
 import numpy as np
 import pytest
 
 from optax_tokacc import _explicit as tokacc_explicit
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = helpers.REPO
 EXAMPLES = REPO / 'examples'
 EXAMPLE_SCRIPTS = sorted(
   path.name for path in EXAMPLES.glob('*.py') if not path.name.startswith('_')
@@ -35,7 +35,10 @@ EXAMPLE_SCRIPTS = sorted(
 # Tiny model and data: a few seconds per run, most of it compilation.
 TINY = ('--seq-len', '32', '--d-model', '16', '--layers', '1')
 
-pytestmark = pytest.mark.slow  # each test starts Python processes
+pytestmark = [
+  pytest.mark.slow,  # each test starts Python processes
+  helpers.needs_repository('examples'),
+]
 
 
 # A hang guard for every example run, not a speed check: the tiny sizes
@@ -53,10 +56,7 @@ def run_example(
 
 def start_example(script: str, *args: str, env=None) -> subprocess.Popen:
   """Starts an example as :func:`run_example` does, without waiting."""
-  env = dict(os.environ, **(env or {}))
-  env['PYTHONPATH'] = os.pathsep.join(
-    [str(REPO)] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else [])
-  )
+  env = helpers.subprocess_env(**(env or {}))
   env['JAX_PLATFORMS'] = 'cpu'
   return subprocess.Popen(
     [sys.executable, str(EXAMPLES / script), *map(str, args)],

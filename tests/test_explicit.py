@@ -7,12 +7,13 @@ unequal token counts per device and micro-step and devices without tokens.
 The compiled step is inspected for the collectives each path runs.
 """
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import chex
+import helpers
+import hlo
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -371,8 +372,6 @@ def test_accumulator_bytes_per_device():
 
 # Collectives in the compiled step.
 
-collectives = harness.load_collectives()
-
 
 def compiled_sites(layout, spelling, inner=None, **options):
   """Collective sites of one compiled micro-step: ``(every_step, window)``
@@ -393,7 +392,7 @@ def compiled_sites(layout, spelling, inner=None, **options):
       .compile()
       .as_text()
     )
-  sites = collectives.collective_sites(collectives.parse_hlo(text))
+  sites = hlo.collective_sites(hlo.parse_hlo(text))
   every_step = [site for site, path in sites if not path]
   window = [site for site, path in sites if path]
   return every_step, window
@@ -401,7 +400,7 @@ def compiled_sites(layout, spelling, inner=None, **options):
 
 def groups_of(site):
   text = site.groups
-  return collectives.device_groups(text, 4)
+  return hlo.device_groups(text, 4)
 
 
 def test_ddp_one_all_reduce_per_window():
@@ -790,7 +789,7 @@ def test_resume_mid_window_in_new_processes(tmp_path):
   path = str(tmp_path / 'ckpt')
   harness_dir = pathlib.Path(__file__).parent
   code = _CHILD.format(tests_dir=str(harness_dir))
-  env = dict(os.environ, PYTHONPATH=str(harness_dir.parent))
+  env = helpers.subprocess_env()
   for role in ('save', 'resume'):
     result = subprocess.run(
       [sys.executable, '-c', code, role, path, variant],
@@ -967,7 +966,7 @@ def test_token_cross_entropy_partial_sums_need_no_collective():
   gamma = m * 2.0**-24 / (1 - m * 2.0**-24)
   np.testing.assert_allclose(totals[0], expected[0], rtol=2 * gamma)
   assert int(totals[1]) == int(expected[1])
-  sites = collectives.collective_sites(collectives.parse_hlo(text))
+  sites = hlo.collective_sites(hlo.parse_hlo(text))
   assert sites == []
 
 
@@ -1014,7 +1013,7 @@ def test_ddp_micro_step_copies_nothing_parameter_sized():
       .compile()
       .as_text()
     )
-  module = collectives.parse_hlo(text)
+  module = hlo.parse_hlo(text)
   closing = [
     i
     for instructions in module.computations.values()

@@ -19,6 +19,7 @@ micro-step's path. The configuration also trains exactly as full-batch SGD
 (``test_reduction_modes.reference_and_bound``).
 """
 
+import hlo
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -111,14 +112,13 @@ def placed(mesh):
 
 
 def sites_of(compiled_text):
-  collectives = test_explicit.collectives
-  return collectives.collective_sites(collectives.parse_hlo(compiled_text))
+  return hlo.collective_sites(hlo.parse_hlo(compiled_text))
 
 
 def closing_only(path):
   """Whether a collective at ``path`` runs only on the closing step: in
   branch 1 (``lax.cond``'s true branch) of every conditional leading to it,
-  as ``benchmarks/_hlo.py`` counts it."""
+  as ``tests/hlo.py`` counts it."""
   return bool(path) and all(index == 1 for _, index in path)
 
 

@@ -1,6 +1,8 @@
 """optax_tokacc.flax: TrainState and Optimizer equal full-batch training."""
 
 import functools
+import importlib
+import sys
 from typing import NamedTuple
 
 import chex
@@ -628,3 +630,16 @@ def test_nnx_emit_now_is_forwarded():
   assert int(opt.step[...]) == 1 and int(opt.micro_step[...]) == 1
   assert bool(opt.has_updated)
   assert not np.allclose(model.a[...], INITIAL['a'])
+
+
+def test_import_without_flax_names_the_extra(monkeypatch):
+  """Without Flax installed, ``import optax_tokacc.flax`` says which extra
+  installs it (issue 39), and stays a ``ModuleNotFoundError`` naming the
+  missing module, as ``importlib`` callers expect."""
+  for name in list(sys.modules):
+    if name == 'flax' or name.startswith('flax.'):
+      monkeypatch.setitem(sys.modules, name, None)  # import raises
+  monkeypatch.delitem(sys.modules, 'optax_tokacc.flax')
+  with pytest.raises(ModuleNotFoundError, match=r'optax_tokacc\[flax\]') as e:
+    importlib.import_module('optax_tokacc.flax')
+  assert e.value.name.split('.')[0] == 'flax'

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import chex
 from flax import nnx
+import hlo
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -82,8 +83,6 @@ NAN_DEVICE = 2  # the device whose rows of the rejected micro-batch hold a NaN
 # wrongly in a window of at most 96 moves its gradient by about 1e-2.
 F64_TOLERANCE = 1e-11
 AUTO = jax.sharding.AxisType.Auto
-
-collectives = harness.load_collectives()
 
 
 def sizes_schedule(gradient_step):
@@ -846,7 +845,7 @@ def test_explicit_sharding_equals_full_batch(layout, name):
 
 def opcodes(text):
   """Opcodes of every instruction of a compiled program, with their count."""
-  return collectives.reachable_opcodes(collectives.parse_hlo(text))
+  return hlo.reachable_opcodes(hlo.parse_hlo(text))
 
 
 def check_programs(texts, reduction_shapes=None):
@@ -859,7 +858,7 @@ def check_programs(texts, reduction_shapes=None):
     ops = opcodes(text)
     assert ops['conditional'] == 0, close
     square_roots = ops['sqrt'] + ops['rsqrt']
-    sites = collectives.collective_sites(collectives.parse_hlo(text))
+    sites = hlo.collective_sites(hlo.parse_hlo(text))
     if not close:
       assert square_roots == 0
       assert sites == []
@@ -953,9 +952,7 @@ def compiled_micro_step(step, params, state, batch):
 def assert_returns_its_parameters(text):
   """The program's entry holds nothing but its parameters and the tuple
   of them it returns: XLA removed the add of the zero updates."""
-  returns, found = collectives.returns_its_parameters(
-    collectives.parse_hlo(text)
-  )
+  returns, found = hlo.returns_its_parameters(hlo.parse_hlo(text))
   assert returns, found
 
 

@@ -23,6 +23,7 @@ calls of the same window.
 import contextlib
 import functools
 
+import hlo
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -369,9 +370,6 @@ def test_close_none_counts_the_host_calls_of_its_window(name):
   same_bits(mixed[closing][3].last_loss, host[closing][3].last_loss, 'loss')
 
 
-collectives = harness.load_collectives()
-
-
 @pytest.mark.parametrize('placement', sorted(DATA_PARALLEL))
 def test_the_mean_is_one_reciprocal_in_both_programs(placement):
   """In the compiled programs of ``close=True`` and of ``close=None``, the
@@ -383,7 +381,7 @@ def test_the_mean_is_one_reciprocal_in_both_programs(placement):
     batch = jax.device_put(window_for(make_run)[0], data)
     for close in (True, None):
       text = step.lower(params, state, batch, close).compile().as_text()
-      module = collectives.parse_hlo(text)
+      module = hlo.parse_hlo(text)
       divisions = [
         i.shapes
         for instructions in module.computations.values()

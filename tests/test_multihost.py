@@ -8,13 +8,12 @@ data parallelism over all 4 devices, and HSDP on a ``('replica', 'fsdp') =
 with the optimizer state sharded over the data axis (ZeRO-1).
 """
 
-import os
-import pathlib
 import socket
 import subprocess
 import sys
 
 import chex
+import helpers
 import multihost_worker as worker
 import numpy as np
 import pytest
@@ -37,11 +36,7 @@ def free_port():
 def run_workers(out, mode='ddp'):
   """Runs the worker processes to completion; kills them all on failure."""
   port = free_port()
-  repo = pathlib.Path(__file__).resolve().parents[1]
-  env = dict(os.environ)
-  env['PYTHONPATH'] = os.pathsep.join(
-    filter(None, [str(repo), env.get('PYTHONPATH')])
-  )
+  env = helpers.subprocess_env()
   env.pop('XLA_FLAGS', None)
   processes = [
     subprocess.Popen(

@@ -23,13 +23,19 @@ blocks of the documentation (same markers, same fake devices).
 
 import pathlib
 import re
+import tomllib
 
+import helpers
 import pytest
 import test_docs
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+import optax_tokacc
+
+REPO = helpers.REPO
 README = REPO / 'README.md'
-TEXT = README.read_text()
+TEXT = README.read_text() if README.exists() else ''
+pytestmark = helpers.needs_repository('README.md', 'CITATION.cff')
+needs_docs = helpers.needs_repository('docs')
 BLOCKS = test_docs.python_blocks(TEXT, 'README.md')
 MAX_LINES = 250
 COMMANDS = (
@@ -62,15 +68,34 @@ def test_readme_is_short():
   assert len(TEXT.splitlines()) <= MAX_LINES
 
 
+def _source_url() -> str:
+  """The repository's address: ``pyproject.toml``'s ``Source`` URL."""
+  pyproject = tomllib.loads((REPO / 'pyproject.toml').read_text())
+  return pyproject['project']['urls']['Source']
+
+
 def _linked_files() -> set[pathlib.Path]:
-  targets = re.findall(r'\]\(([^)#\s]+)(?:#[^)]*)?\)', TEXT)
-  return {
-    (REPO / target).resolve()
-    for target in targets
-    if not re.match(r'[a-z]+:', target)  # not https: or mailto:
-  }
+  """The repository files the README links to. Its links are absolute
+  (it is the package page too): ``<Source>/blob/main/<path>``, and the
+  image's ``raw.githubusercontent.com`` address."""
+  source = _source_url()
+  raw = source.replace(
+    'https://github.com/', 'https://raw.githubusercontent.com/'
+  )
+  prefixes = (f'{source}/blob/main/', f'{raw}/main/')
+  targets = re.findall(r'\]\(([^)\s]+)\)', TEXT)
+  targets += re.findall(r'^\[[^\]]+\]: (\S+)$', TEXT, re.M)
+  files = set()
+  for target in targets:
+    relative = [target[len(p) :] for p in prefixes if target.startswith(p)]
+    assert relative or not target.startswith(source), target
+    assert re.match(r'[a-z]+:', target), f'a relative link: {target}'
+    if relative:
+      files.add((REPO / relative[0].split('#')[0]).resolve())
+  return files
 
 
+@helpers.needs_repository('docs', 'examples', 'benchmarks')
 def test_readme_links_resolve():
   missing = [path for path in _linked_files() if not path.exists()]
   assert not missing, missing
@@ -102,6 +127,7 @@ def _page_file(page: str) -> pathlib.Path:
   raise AssertionError(f'docs/index.md lists {page!r}, which does not exist')
 
 
+@needs_docs
 def test_readme_links_every_page_of_the_docs():
   pages = _toctree_pages()
   assert len(pages) >= 10, pages
@@ -114,6 +140,7 @@ def _table(text: str) -> list[str]:
   return [line for line in text.splitlines() if line.startswith('|')]
 
 
+@needs_docs
 def test_readme_shows_the_measured_table_of_the_docs():
   measured = (test_docs.DOCS / 'accumulation_bug.md').read_text()
   rows = _table(measured)
@@ -145,9 +172,8 @@ def test_readme_citation_matches_citation_cff():
   assert _bibtex_field('license') == _cff_field('license')
   assert _bibtex_field('year') == _cff_field('date-released')[:4]
   assert _bibtex_field('author') == '{' + _cff_field('  - name') + '}'
+  assert _bibtex_field('url') == _cff_field('repository-code') == _source_url()
 
 
 def test_citation_version_is_the_package_version():
-  init = (REPO / 'optax_tokacc' / '__init__.py').read_text()
-  version = re.search(r"^__version__ = '(.*)'$", init, re.M).group(1)
-  assert _cff_field('version') == version
+  assert _cff_field('version') == optax_tokacc.__version__

@@ -10,13 +10,13 @@ the dtype pairs of the issue are in `test_composition.py` and
 """
 
 import functools
-import os
 import pathlib
 import pickle
 import subprocess
 import sys
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -344,12 +344,7 @@ main()
 @pytest.mark.slow  # starts a Python process
 @pytest.mark.parametrize('mode', ['pmap', 'shard_map'])
 def test_1_data_parallel_skip_closes_window_everywhere(mode):
-  env = dict(os.environ)
-  # The worker imports the same optax_tokacc as this process.
-  package_root = pathlib.Path(tokacc.__file__).resolve().parents[1]
-  env['PYTHONPATH'] = os.pathsep.join(
-    filter(None, [str(package_root), str(TESTS_DIR), env.get('PYTHONPATH')])
-  )
+  env = helpers.subprocess_env()  # the same optax_tokacc as this process
   env.pop('XLA_FLAGS', None)
   try:
     result = subprocess.run(

@@ -24,6 +24,7 @@ import math
 from typing import NamedTuple
 
 import chex
+import hlo
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -93,9 +94,6 @@ LAYOUTS = {
   'hsdp_manual_sharded': (harness.HSDP_AXES, HSDP_SHARDED, False),
   'hsdp_manual_mixed': (harness.HSDP_AXES, HSDP_MIXED, False),
 }
-
-
-collectives = harness.load_collectives()
 
 
 def windows_and_params():
@@ -483,7 +481,7 @@ def test_device_groups_of_every_spelling():
   cannot read."""
 
   def groups(text):
-    return collectives.group_sets(_Site('all-reduce', text), 4)
+    return hlo.group_sets(_Site('all-reduce', text), 4)
 
   assert groups('{{0,2},{1,3}}') == REPLICA_GROUPS
   assert groups('[2,2]<=[4]') == FSDP_GROUPS
@@ -546,8 +544,8 @@ def test_hsdp_reduces_across_replicas_once_per_window(layout, with_emit_now):
   """
   text, mesh = compiled_hsdp_step(layout, with_emit_now)
   assert [d.id for d in mesh.devices.flat] == [0, 1, 2, 3]
-  sites = collectives.collective_sites(collectives.parse_hlo(text))
-  groups = {s.name: collectives.group_sets(s, mesh.size) for s, _ in sites}
+  sites = hlo.collective_sites(hlo.parse_hlo(text))
+  groups = {s.name: hlo.group_sets(s, mesh.size) for s, _ in sites}
 
   every_step = [site for site, path in sites if not path]
   across = [s for s in every_step if groups[s.name] != FSDP_GROUPS]

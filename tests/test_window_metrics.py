@@ -33,6 +33,7 @@ own summation of ``P`` squares adds ``(P + 2) u`` of it.
 
 import functools
 
+import hlo
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -389,13 +390,10 @@ def test_acc_grads_alias_warns_and_reads_the_renamed_field():
   assert alias is state.grad_sums
 
 
-collectives = harness.load_collectives()
-
-
 def outside_branches(text, opcode):
   """The ``opcode`` instructions that run on every call (not inside a
   conditional's branches) of compiled HLO text."""
-  module = collectives.parse_hlo(text)
+  module = hlo.parse_hlo(text)
   found, seen = [], set()
 
   def visit(name):

@@ -13,6 +13,7 @@ unequal token counts per device and micro-step.
 """
 
 import chex
+import hlo
 import jax
 import jax.numpy as jnp
 import multihost_worker as harness
@@ -391,7 +392,6 @@ def test_budget_costs_one_scalar_all_reduce_per_micro_step():
   """Under shard_map the budget needs the window's count over all devices
   on every micro-step: one all-reduce of four float32 scalars (the count's
   exact parts), and no other collective outside the closing branch."""
-  import test_data_parallel as dp  # noqa: PLC0415
 
   mesh = jax.make_mesh(
     (NUM_DEVICES,),
@@ -408,7 +408,7 @@ def test_budget_costs_one_scalar_all_reduce_per_micro_step():
     state = harness.shard_map_state(tx, params, mesh, 'data')
     step = harness.shard_map_step(tx, mesh, 'data', state, False)
     text = step.lower(params, state, batch).compile().as_text()
-    sites = dp.collectives.collective_sites(dp.collectives.parse_hlo(text))
+    sites = hlo.collective_sites(hlo.parse_hlo(text))
     every_step = [site.shapes for site, path in sites if not path]
     assert every_step == expected
 
