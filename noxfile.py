@@ -15,10 +15,19 @@
 - ``lint``: ruff, the version pinned here.
 - ``docs``: the site built with ``sphinx-build -W`` (its examples run in
   the tests sessions: ``tests/test_docs.py``).
+- ``release``: what users install, built and tested as they get it: the
+  sdist, a wheel built from the sdist (``python -m build``), ``twine check
+  --strict``; the wheel installed in a fresh environment, and the fast
+  tests run from the unpacked sdist's ``tests/``, where the checkout is not
+  importable; the version checked against the artifacts' names and a tag
+  ``vX.Y.Z`` on the commit, where there is one.
 """
 
 import pathlib
 import re
+import shutil
+import subprocess
+import tarfile
 
 import nox
 
@@ -89,6 +98,74 @@ def docs(session: nox.Session) -> None:
   html = pathlib.Path(session.create_tmp()) / 'html'
   session.run('python', '-m', 'sphinx', '-W', '--keep-going', '-q', '-b',
               'html', 'docs', str(html))  # fmt: skip
+
+
+@nox.session(python=NEWEST)
+def release(session: nox.Session) -> None:
+  tmp = pathlib.Path(session.create_tmp()).resolve()
+  dist, unpacked, venv = tmp / 'dist', tmp / 'sdist', tmp / 'venv'
+  for path in (dist, unpacked, venv):
+    shutil.rmtree(path, ignore_errors=True)
+  session.install('--upgrade', 'pip')
+  session.install(*RELEASE_TOOLS)
+  session.run('python', '-m', 'build', '--outdir', str(dist))  # sdist, then
+  session.run('twine', 'check', '--strict', *map(str, dist.iterdir()))
+  version = _check_release_names(dist)
+  _check_tag(session, version)
+  (sdist,) = dist.glob('*.tar.gz')
+  with tarfile.open(sdist) as archive:
+    archive.extractall(unpacked, filter='data')
+  (wheel,) = dist.glob('*.whl')
+  python = str(venv / 'bin' / 'python')
+  session.run('python', '-m', 'venv', str(venv))
+  session.run(python, '-m', 'pip', 'install', '--upgrade', 'pip', silent=True)
+  session.run(python, '-m', 'pip', 'install', f'{wheel}[test]')
+  with session.chdir(unpacked / f'optax_tokacc-{version}' / 'tests'):
+    session.run(python, '-c', INSTALLED_CHECK, version, external=True)
+    session.run(python, *PYTEST[1:], '-m', 'not slow', external=True)
+
+
+RELEASE_TOOLS = ['build==1.3.0', 'twine==6.2.0']
+# Run from the unpacked sdist's tests/: the package imported is the wheel's.
+INSTALLED_CHECK = """
+import pathlib, sys, sysconfig
+import optax_tokacc
+where = pathlib.Path(optax_tokacc.__file__).resolve()
+site = pathlib.Path(sysconfig.get_paths()['purelib']).resolve()
+assert site in where.parents, f'optax_tokacc imported from {where}, not {site}'
+assert optax_tokacc.__version__ == sys.argv[1], optax_tokacc.__version__
+print(f'optax_tokacc {optax_tokacc.__version__} from {where.parent}')
+"""
+
+
+def _check_release_names(dist: pathlib.Path) -> str:
+  """The version the artifacts carry, the same in both and in the
+  package's one source (``__version__``, read without importing it)."""
+  init = pathlib.Path('optax_tokacc/__init__.py').read_text()
+  version = re.search(r"^__version__ = '(.+)'$", init, re.M).group(1)
+  names = sorted(path.name for path in dist.iterdir())
+  expected = [
+    f'optax_tokacc-{version}-py3-none-any.whl',
+    f'optax_tokacc-{version}.tar.gz',
+  ]
+  if names != expected:
+    raise ValueError(f'built {names}, expected {expected}')
+  return version
+
+
+def _check_tag(session: nox.Session, version: str) -> None:
+  """A release tag on this commit must be ``v`` + the version (no tag: a
+  commit between releases, nothing to check)."""
+  if shutil.which('git') is None:
+    session.log('no git here: no release tag to check')
+    return
+  found = subprocess.run(
+    ['git', 'tag', '--points-at', 'HEAD', '--list', 'v*'],
+    capture_output=True, text=True, check=False,
+  ).stdout.split()  # fmt: skip
+  if found and f'v{version}' not in found:
+    session.error(f'tags {found} on this commit, but the version is {version}')
+  session.log(f'release tags on this commit: {found or "none"}')
 
 
 def _report_versions(session: nox.Session) -> None:
