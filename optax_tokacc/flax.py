@@ -26,8 +26,16 @@ accumulation, and count the micro-batches fed in ``micro_step``.
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from flax import nnx
-from flax.training import train_state
+try:
+  from flax import nnx
+  from flax.training import train_state
+except ModuleNotFoundError as e:  # flax is optional
+  if e.name != 'flax' and not str(e.name).startswith('flax.'):
+    raise
+  raise ModuleNotFoundError(
+    "optax_tokacc.flax needs Flax: pip install 'optax_tokacc[flax]'.",
+    name=e.name,
+  ) from e
 import jax
 import jax.numpy as jnp
 import optax
