@@ -24,18 +24,14 @@ Google-style docstrings by autodoc and napoleon. Every ```python block of
 every page is executed by ``tests/test_docs.py``.
 """
 
-import pathlib
-import sys
-
-# The package from this checkout, also when it is not installed.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-import optax_tokacc  # noqa: E402
+import importlib.metadata
 
 project = 'optax_tokacc'
 author = 'The optax_tokacc Authors'
 copyright = '2026, The optax_tokacc Authors'  # noqa: A001
-release = optax_tokacc.__version__
+# The installed package's version: autodoc documents the installed package
+# (`pip install -e '.[docs]'` installs this checkout).
+release = importlib.metadata.version('optax_tokacc')
 version = release
 
 extensions = [

@@ -43,7 +43,7 @@ from optax_tokacc._state import has_updated
 from optax_tokacc._state import window_loss
 from optax_tokacc._state import window_metrics
 
-__version__ = '0.3.0'
+__version__ = '0.5.0'
 
 __all__ = (
   'TokenWeightedMultiStepState',
