@@ -103,9 +103,25 @@ class TokenWeightedMultiStepState(NamedTuple):
   def acc_grads(self) -> optax.Updates:
     """Renamed :attr:`grad_sums` (a read-only alias that warns): the
     window's token-summed gradients, not ``optax.MultiSteps``' running
-    mean, and scratch right after a window closes."""
-    msg = 'acc_grads is grad_sums now (token sums); log tokacc.window_metrics'
-    warnings.warn(msg, DeprecationWarning, stacklevel=2)
+    mean, and scratch right after a window closes.
+
+    It warns with a ``FutureWarning``, which Python's default filters show
+    wherever the read happens: a ``DeprecationWarning`` is shown only in
+    ``__main__``, and trainers read the field in their own library modules
+    (nanodo's ``metrics.py``), where it printed nothing while they logged
+    gradient norms 77-96x off. It does not raise: code that only touches
+    the name (restoring a checkpoint) keeps working. Under ``jax.jit`` it
+    warns once per trace: the property runs when the function is traced.
+    """
+    warnings.warn(
+      'state.acc_grads reads grad_sums: the token-summed gradients of the '
+      'open window, scratch right after a window closes, not '
+      "optax.MultiSteps' running mean of the gradients. To log the "
+      "window's gradient statistics, read "
+      'tokacc.window_metrics(state).grad_norm and .update_norm.',
+      FutureWarning,
+      stacklevel=2,  # the line that reads .acc_grads
+    )
     return self.grad_sums
 
 

@@ -32,7 +32,11 @@ own summation of ``P`` squares adds ``(P + 2) u`` of it.
 """
 
 import functools
+import subprocess
+import sys
+import warnings
 
+import helpers
 import hlo
 import jax
 import jax.numpy as jnp
@@ -385,9 +389,103 @@ def test_checkpoint_mid_window_keeps_the_metrics():
 def test_acc_grads_alias_warns_and_reads_the_renamed_field():
   tx, params, _ = small_run()
   state = tx.init(params)
-  with pytest.warns(DeprecationWarning, match='grad_sums'):
+  with pytest.warns(FutureWarning, match='grad_sums'):
     alias = state.acc_grads
   assert alias is state.grad_sums
+
+
+def test_acc_grads_warns_once_per_trace():
+  """The property runs when ``jit`` traces the function that reads it:
+  once for any number of calls with the same shapes, again on a retrace.
+  Every warning is recorded (``always``), so the count is the traces'."""
+  tx, params, step = small_run()
+  grad_norm = jax.jit(lambda state: optax.tree.norm(state.acc_grads))
+  grads = {'w': jnp.ones(3)}
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    state = tx.init(params)
+    for n in (1, 2, 3):
+      state = step(state, grads, n)
+      grad_norm(state)
+    traced_once = list(caught)
+    grad_norm(tx.init({'w': jnp.ones(4)}))  # another shape: a new trace
+  assert [w.category for w in traced_once] == [FutureWarning]
+  assert [w.category for w in caught] == [FutureWarning] * 2
+  assert {w.filename for w in caught} == {__file__}
+
+
+# A trainer's metrics module, as nanodo's metrics.py reads MultiSteps' field:
+# in a library module, where default filters hide a DeprecationWarning.
+TRAINER_METRICS = """\
+import optax
+
+
+def get_metrics(opt_state):
+  grads = opt_state.acc_grads
+  return {'grads/all/norm': optax.global_norm(grads)}
+"""
+TRAINER_SCRIPT = """\
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_tokacc as tokacc
+from mytrainer import metrics
+
+tx = tokacc.token_weighted_multistep(optax.sgd(0.1), every_k_schedule=2)
+params = {'w': jnp.ones(3)}
+
+
+@jax.jit
+def train_step(state, grads, num_tokens):
+  _, state = tx.update(grads, state, params, num_tokens=num_tokens)
+  return state, metrics.get_metrics(state)
+
+
+state = tx.init(params)
+for num_tokens in (1, 2, 3, 4, 5):
+  state, logged = train_step(state, {'w': jnp.ones(3)}, num_tokens)
+print('updates', int(tokacc.find_state(state).gradient_step))
+"""
+
+
+# The trainer's run takes 0.9 s on a quiet 2-core machine, 1.5 s with both
+# cores busy: 10 s is about 7x the loaded run (a hang guard, not a speed
+# check), and the test's own work is well under a second.
+TRAINER_LIMIT_S = 10
+
+
+@pytest.mark.timeout(2 * TRAINER_LIMIT_S)
+def test_acc_grads_warning_shows_under_default_filters(tmp_path):
+  """Issue 41: a plain ``python train.py`` whose library module reads
+  ``acc_grads`` under ``jit`` prints the warning once, at that module's
+  line, with no warning filter set (a DeprecationWarning printed nothing
+  there, and the trainer logged its gradient norms 77-96x off)."""
+  package = tmp_path / 'mytrainer'
+  package.mkdir()
+  (package / '__init__.py').write_text('')
+  (package / 'metrics.py').write_text(TRAINER_METRICS)
+  (tmp_path / 'train.py').write_text(TRAINER_SCRIPT)
+  env = helpers.subprocess_env(JAX_PLATFORMS='cpu')
+  for name in ('PYTHONWARNINGS', 'PYTHONDEVMODE'):  # default filters
+    env.pop(name, None)
+  result = subprocess.run(
+    [sys.executable, 'train.py'],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=tmp_path,
+    timeout=TRAINER_LIMIT_S,
+  )
+  assert result.returncode == 0, result.stderr
+  assert result.stdout == 'updates 2\n'
+  lines = TRAINER_METRICS.splitlines()
+  line = 1 + next(i for i, text in enumerate(lines) if '.acc_grads' in text)
+  where = f'{package / "metrics.py"}:{line}: FutureWarning: '
+  warned = [text for text in result.stderr.splitlines() if where in text]
+  assert len(warned) == 1, result.stderr
+  for words in ('token-summed', 'scratch', 'window_metrics(state).grad_norm'):
+    assert words in warned[0], warned[0]
 
 
 def outside_branches(text, opcode):
