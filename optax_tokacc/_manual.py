@@ -15,12 +15,15 @@
 """The placement under ``pmap`` and ``shard_map`` with ``axis_name``.
 
 Each device holds its share of the window; the state's per-device fields
-carry a leading slot axis (``_state.with_device_slot``). One rule decides
-what is summed over the data axes when a window closes: a per-device value
-is summed over the axes it varies over, and a gradient never over an axis
-along which its parameter is sharded (each device holds a different shard).
-Under ``pmap`` or ``shard_map(check_vma=False)`` JAX does not track
-variance, and everything is summed over all of ``axis_name``.
+carry a leading slot axis (``_state.with_device_slot``). A value that
+arrives the same on every device of some data axes (already summed: the
+gradient of a parameter not marked varying, a count the caller summed) is
+held by the first device along them (:meth:`Manual.share`), so that every
+device's slot is a share: the window is summed over the data axes when it
+closes, a gradient never over an axis along which its parameter is sharded
+(each device holds a different shard), and a checkpoint's shares merge by
+summing them. Under ``pmap`` or ``shard_map(check_vma=False)`` JAX does not
+track variance, and everything is summed over all of ``axis_name``.
 """
 
 import dataclasses
@@ -28,6 +31,7 @@ from typing import Any, Optional, Union
 
 import jax
 from jax import lax
+import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _placement
@@ -45,7 +49,6 @@ class Manual(_placement.Single):
   axes: tuple[str, ...]
   tracked: bool = False  # whether JAX tracks what varies (check_vma)
   grad_axes: tuple = ()  # per gradient leaf, the axes to sum it over
-  param_axes: Optional[tuple] = None  # per parameter, the axes it varies
 
   advances_rejected = True
 
@@ -72,7 +75,7 @@ class Manual(_placement.Single):
     leaves = jax.tree.leaves(params)
     param_axes = None if params is None else tuple(map(varying_axes, leaves))
     over = grad_sum_axes(num_tokens, grads, param_axes, axes, config.mean_loss)
-    return cls(axes, tracked, over, param_axes)
+    return cls(axes, tracked, over)
 
   enter = staticmethod(_state.without_device_slot)
   leave = staticmethod(_state.with_device_slot)
@@ -89,6 +92,19 @@ class Manual(_placement.Single):
     over = self._over(flag)
     return lax.pmax(flag.astype('int32'), over) > 0 if over else flag
 
+  def share(self, x):
+    """``x`` as this device's share: where it is the same on every device
+    of some data axes (already summed there), held by the first device
+    along them, zeros elsewhere (a select: no data moves)."""
+    same = [a for a in self.axes if a not in varying_axes(x)]
+    if not self.tracked or not same:
+      return x
+    first = jnp.all(jnp.stack([lax.axis_index(a) == 0 for a in same]))
+    return jnp.where(first, x, jnp.zeros_like(x))
+
+  def gradient_shares(self, grads):
+    return jax.tree.map(self.share, grads)
+
   def reduce(self, sums, acc_tokens, acc_loss):
     """Each value summed over its axes; XLA combines the all-reduces (in
     data parallelism, a single all-reduce per window)."""
@@ -96,15 +112,7 @@ class Manual(_placement.Single):
     scalars = (_tokens.to_parts(acc_tokens), acc_loss)
     leaves = [lax.psum(x, over) for x, over in zip(leaves, self.grad_axes)]
     parts, loss = lax.psum(scalars, self._over(acc_tokens))
-    if self.param_axes is not None:
-      leaves = [self._invariant(x, s) for x, s in zip(leaves, self.param_axes)]
     return _placement.Reduced(treedef.unflatten(leaves), parts, loss)
-
-  def _invariant(self, x: jax.Array, sharded: frozenset) -> jax.Array:
-    """``x``, equal on the devices of ``axes`` it is not sharded over, made
-    invariant there (a gradient summed by autodiff, held per device)."""
-    same = tuple(a for a in self._over(x) if a not in sharded)
-    return lax.pmean(x, same) if same else x
 
   def can_hold(self, acc, update):
     return not varying_axes(acc) and super().can_hold(acc, update)
@@ -177,7 +185,9 @@ def grad_sum_axes(
 
   Never an axis along which the parameter is sharded. A gradient that is
   already invariant over an axis (``shard_map`` autodiff summed it on this
-  micro-step) is not summed again; a warning says how to avoid that cost.
+  micro-step) is held by the first device there (:meth:`Manual.share`)
+  and so summed once more, exactly; a warning says how to avoid the
+  all-reduce per micro-step.
   Under a mean loss such a gradient is the sum of the devices' means,
   which no scaling makes token-weighted: refused.
 
@@ -198,7 +208,7 @@ def grad_sum_axes(
   no_params = [frozenset()] * len(grad_leaves)
   for grad, sharded in zip(grad_leaves, param_axes or no_params):
     kept = [a for a in axes if a not in sharded]
-    per_leaf.append(tuple(a for a in kept if a in varying_axes(grad)))
+    per_leaf.append(tuple(kept))  # shares (Manual.share): summed over all
     summed |= {a for a in kept if a not in varying_axes(grad)}
     outside |= varying_axes(grad) - set(axes) - sharded
   missing, what = varying_axes(count) - set(axes), 'num_tokens'

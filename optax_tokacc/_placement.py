@@ -107,6 +107,11 @@ class Single:
   #: (here, all of it).
   share = whole
 
+  def gradient_shares(self, grads: Any) -> Any:
+    """A micro-batch's gradients as this device's shares of them (here,
+    as they come: whole, or partial sums typed unreduced)."""
+    return grads
+
   #: ``(grad, factor)``: ``grad * factor`` for a scalar ``factor`` the same
   #: on all devices.
   scale = staticmethod(jnp.multiply)

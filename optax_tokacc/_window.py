@@ -76,7 +76,7 @@ def micro_batch(config, place, grads, num_tokens, loss, keep) -> MicroBatch:
   if config.mean_loss:
     count = _tokens.as_count(place.whole(count), config.token_dtype)
     loss = place.scale(loss, count.astype(loss.dtype))
-  return MicroBatch(grads, count, loss, keep)
+  return MicroBatch(place.gradient_shares(grads), count, loss, keep)
 
 
 def add(config, place, window, micro, restart, select=False) -> Window:
