@@ -26,6 +26,8 @@ holds the Flax train states.
 
 from optax import skip_not_finite
 
+from optax_tokacc._checkpoint import SavedState
+from optax_tokacc._checkpoint import checkpoint_target
 from optax_tokacc._checkpoint import from_checkpoint
 from optax_tokacc._checkpoint import to_checkpoint
 from optax_tokacc._checks import with_input_checks
@@ -46,9 +48,11 @@ from optax_tokacc._state import window_metrics
 __version__ = '0.5.0'
 
 __all__ = (
+  'SavedState',
   'TokenWeightedMultiStepState',
   'WindowMetrics',
   'apply_if_updated',
+  'checkpoint_target',
   'find_state',
   'has_updated',
   'from_checkpoint',

@@ -21,6 +21,8 @@ back (TwoSum in at least float32), so that a low-precision accumulator keeps
 about twice its precision over long windows.
 """
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -98,3 +100,25 @@ def _wide_sum(x: jax.Array, error: jax.Array) -> jax.Array:
   dtype, as the total it compensates)."""
   wide = jnp.promote_types(error.dtype, jnp.float32)
   return x.astype(wide) + error.astype(wide)
+
+
+def merge_rows(
+  grad_rows: jax.Array, error_rows: Optional[jax.Array]
+) -> tuple[jax.Array, Optional[jax.Array]]:
+  """Several windows' sums of one leaf, stacked on the leading axis (the
+  shares of a window's devices), merged into one: their total, and with
+  compensation its rounding error (``error_rows`` None without).
+
+  With compensation the shares and their errors are added in turn by
+  :func:`_compensated_add`, so that no error term is lost; without, they
+  are summed in at least float32 and rounded once to the accumulator's
+  dtype.
+  """
+  if error_rows is None:
+    wide = jnp.promote_types(grad_rows.dtype, jnp.float32)
+    return jnp.sum(grad_rows.astype(wide), axis=0).astype(grad_rows.dtype), None
+  total, error = grad_rows[0], error_rows[0]
+  for row in range(1, grad_rows.shape[0]):
+    total, error = _compensated_add(total, error, grad_rows[row])
+    total, error = _compensated_add(total, error, error_rows[row])
+  return total, error
