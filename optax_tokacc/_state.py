@@ -129,6 +129,24 @@ class TokenWeightedMultiStepState(NamedTuple):
 PER_DEVICE_FIELDS = _window.Window._fields + ('skip_state',)
 
 
+class SavedState(NamedTuple):
+  """What :func:`to_checkpoint` saves of a ``TokenWeightedMultiStepState``.
+
+  Attributes:
+    state: the state, its per-device fields (``grad_sums``,
+      ``acc_compensation``, ``acc_tokens``, ``acc_loss``, ``skip_state``)
+      with a leading axis of rows, one per device that holds a share of
+      the window (one row where the window is whole), every other field
+      whole.
+    rows: int32, per leaf of the per-device fields (in their tree order),
+      its number of rows when saved: a restore that padded or truncated
+      them (orbax's ``strict=False``) is refused.
+  """
+
+  state: Any
+  rows: Any
+
+
 def map_per_device(fn: Any, state: 'TokenWeightedMultiStepState'):
   """``state`` with ``fn`` applied to every leaf of its per-device fields."""
   per_device = {name: getattr(state, name) for name in PER_DEVICE_FIELDS}

@@ -25,9 +25,13 @@ device, with the round-off bound of ``multihost_worker.full_batch_with_bounds``.
 """
 
 import functools
+import subprocess
+import sys
 from typing import Any, Callable, NamedTuple
+import warnings
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -41,6 +45,7 @@ import test_explicit
 
 import optax_tokacc as tokacc
 from optax_tokacc import _explicit
+from optax_tokacc import _shares
 
 # A hang (devices in different branches of a collective) fails the test
 # instead of stalling the run; the longest test here, a new process
@@ -308,7 +313,7 @@ def _cases():
         yield pytest.param(layout, pair, stop, marks=marks, id=name)
 
 
-@pytest.mark.parametrize("layout, pair, stop", list(_cases()))
+@pytest.mark.parametrize('layout, pair, stop', list(_cases()))
 def test_resumed_on_another_device_count_equals_full_batch(
   tmp_path, layout, pair, stop
 ):
@@ -326,3 +331,267 @@ def test_resumed_on_another_device_count_equals_full_batch(
     atol=expected.atol,
   )
   assert int(np.ravel(np.asarray(state.gradient_step))[0]) == len(WINDOW_SIZES)
+
+
+def uninterrupted(layout, n, variant='plain'):
+  batches, _ = micro_batches()
+  run = LAYOUTS[layout](n, variant)
+  return run, train(run, run.params, run.state, batches)
+
+
+def host_state(run, train_state):
+  """Host copies of parameters and state, bit for bit (the window's
+  shares as rows)."""
+  params, state = train_state
+  with _mesh_context(run):
+    return run.host(params), harness.fetch(tokacc.to_checkpoint(state))
+
+
+SAME_N_FAST = ('explicit_ddp', 'shard_map')
+
+
+@pytest.mark.parametrize(
+  'layout',
+  [
+    layout
+    if layout in SAME_N_FAST
+    else pytest.param(layout, marks=pytest.mark.slow)
+    for layout in LAYOUTS
+  ],
+)
+def test_resumed_on_as_many_devices_is_bit_identical(tmp_path, layout):
+  """Through the same flow (checkpoint_target, from_checkpoint), on as many
+  devices each device gets its own share back: bit for bit."""
+  _skip_unsupported(layout, 4)
+  batches, _ = micro_batches()
+  with warnings.catch_warnings():
+    warnings.filterwarnings('ignore', 'token_weighted_multistep: gradients')
+    run, expected = uninterrupted(layout, 4, 'compensated_skip')
+    params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
+    assert 0 < int(np.ravel(np.asarray(state.mini_step))[0]) < K
+    save(tmp_path / 'ckpt', (run.unstack(params), state))
+    second = LAYOUTS[layout](4, 'compensated_skip')
+    params, state = restore(tmp_path / 'ckpt', second)
+    resumed = train(second, second.stack(params), state, batches[MID_WINDOW:])
+  chex.assert_trees_all_equal(
+    host_state(second, resumed), host_state(run, expected)
+  )
+
+
+def _saved_mid_window(tmp_path, layout='explicit_ddp', n=4, variant='plain'):
+  """A checkpoint of ``layout`` on ``n`` devices, mid-window."""
+  _skip_unsupported(layout, n)
+  batches, _ = micro_batches()
+  run = LAYOUTS[layout](n, variant)
+  params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
+  save(tmp_path / 'ckpt', (run.unstack(params), state))
+  return tmp_path / 'ckpt'
+
+
+@pytest.mark.parametrize('layout', ['explicit_ddp', 'shard_map'])
+def test_orbax_strict_false_padding_or_truncation_is_refused(tmp_path, layout):
+  """Orbax's hint on a shape mismatch (``strict=False``) pads or truncates
+  the window's rows to a target of another number of devices: 4 -> 2 lost
+  half of the window's shares, silently, before 0.6. Refused, naming both
+  device counts and the fix."""
+  path = _saved_mid_window(tmp_path, layout)
+  for n in (2, 8):  # truncated, padded
+    run = LAYOUTS[layout](n, 'plain')
+    like = (run.params, run.state)
+    with _mesh_context(run):
+      target = jax.tree.map(
+        ocp.utils.to_shape_dtype_struct, tokacc.to_checkpoint(like)
+      )
+      restored = ocp.StandardCheckpointer().restore(path, target, strict=False)
+      with pytest.raises(
+        ValueError, match=rf'shares of 4 device.*{n} rows.*checkpoint_target'
+      ):
+        tokacc.from_checkpoint(restored, like)
+
+
+def test_another_configuration_is_refused(tmp_path):
+  """A checkpoint of another accumulator dtype, compensation or inner
+  optimizer is refused by checkpoint_target, naming what differs, before
+  orbax would cast or drop what it reads."""
+  path = _saved_mid_window(tmp_path, 'shard_map')
+  mesh = _mesh(2)
+  params = jax.tree.map(
+    lambda x: harness.put(x, NamedSharding(mesh, P())), harness.init_params()
+  )
+  metadata = ocp.StandardCheckpointer().metadata(path)
+  others = {
+    r'grad_sums/\w+ was saved as float32.*bfloat16': dict(
+      accumulator_dtype=jnp.bfloat16
+    ),
+    'acc_compensation': dict(compensated=True),
+  }
+  for match, options in others.items():
+    tx = tokacc.token_weighted_multistep(sgd(), K, axis_name='data', **options)
+    like = (params, tokacc.init_sharded(tx, params, mesh, axis_name='data'))
+    with pytest.raises(ValueError, match=f'checkpoint_target.*{match}'):
+      tokacc.checkpoint_target(like, metadata)
+  tx = tokacc.token_weighted_multistep(optax.adam(0.1), K, axis_name='data')
+  like = (params, tokacc.init_sharded(tx, params, mesh, axis_name='data'))
+  with pytest.raises(ValueError, match='another optimizer'):
+    tokacc.checkpoint_target(like, metadata)
+
+
+def test_from_checkpoint_refuses_another_dtype():
+  """Without orbax (a pickled tree), the dtypes are checked by
+  from_checkpoint itself."""
+  tx = make_tx()
+  params = jax.tree.map(jnp.asarray, harness.init_params())
+  saved = tokacc.to_checkpoint(tx.init(params))
+  other = tokacc.token_weighted_multistep(
+    sgd(), K, accumulator_dtype=jnp.bfloat16
+  )
+  with pytest.raises(ValueError, match=r'grad_sums/\w+ was saved as float32'):
+    tokacc.from_checkpoint(saved, other.init(params))
+
+
+def test_an_invalid_window_stays_invalid(tmp_path):
+  """A window whose count is invalid on one device (negative: -1 in its
+  slot) is dropped after a resume on 2 devices, as it is on 4: the merged
+  count is invalid too."""
+  batches, _ = micro_batches()
+  batches = [dict(b) for b in batches]
+  mask = batches[K + 1]['mask'].copy()
+  mask[2 * harness.SEQS, 0] = -harness.LOCAL_TOKENS - 1  # device 2: < 0
+  batches[K + 1]['mask'] = mask
+  results = []
+  for resumed_on in (None, 2):
+    run = LAYOUTS['shard_map'](4, 'plain')
+    params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
+    if resumed_on is not None:
+      assert harness.fetch(state.acc_tokens)[2] == -1
+      save(tmp_path / 'ckpt', (params, state))
+      run = LAYOUTS['shard_map'](resumed_on, 'plain')
+      params, state = restore(tmp_path / 'ckpt', run)
+      assert harness.fetch(state.acc_tokens).tolist() == [-1, 0]
+    params, state = train(run, params, state, batches[MID_WINDOW:])
+    results.append((run.host(params), int(state.dropped_windows)))
+  assert [dropped for _, dropped in results] == [1, 1]
+  expected = reference()
+  chex.assert_trees_all_close(
+    results[1][0], results[0][0], rtol=0, atol=expected.atol
+  )
+
+
+def test_skip_states_merge_as_explicit_sharding_keeps_them(tmp_path):
+  """A skip state is this device's last decision: merged, its booleans
+  are any device's and its numbers their sum, on every device."""
+  batches, _ = micro_batches()
+  batches = [dict(b) for b in batches]
+  x = batches[MID_WINDOW - 1]['x'].copy()
+  x[harness.SEQS, 0, 0] = np.nan  # device 1 rejects the last micro-batch
+  batches[MID_WINDOW - 1]['x'] = x
+  run = LAYOUTS['shard_map'](4, 'compensated_skip')
+  params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
+  skipped = harness.fetch(state.skip_state)
+  assert skipped['should_skip'].tolist() == [False, True, False, False]
+  save(tmp_path / 'ckpt', (params, state))
+  second = LAYOUTS['shard_map'](2, 'compensated_skip')
+  _, state = restore(tmp_path / 'ckpt', second)
+  merged = harness.fetch(state.skip_state)
+  assert merged['should_skip'].tolist() == [True, True]
+  total = int(np.sum(skipped['num_not_finite']))
+  assert total >= 1 and merged['num_not_finite'].tolist() == [total] * 2
+
+
+_ONE_DEVICE_CHILD = """
+import sys
+import jax
+jax.config.update('jax_platforms', 'cpu')
+jax.config.update('jax_num_cpu_devices', 1)
+import test_checkpoint_anywhere
+test_checkpoint_anywhere.finish_on_one_device(*sys.argv[1:])
+"""
+
+
+def finish_on_one_device(path, out):
+  """In a process with one device, as a user evaluating a checkpoint:
+  loads the parameters and state of a 4-device checkpoint into plain
+  arrays, finishes training, and saves the parameters to ``out``."""
+  assert jax.device_count() == 1
+  run = LAYOUTS['gspmd'](1, 'plain')
+  params, state = restore(path, run)
+  assert int(state.mini_step) == MID_WINDOW - K
+  batches, _ = micro_batches()
+  params, state = train(run, params, state, batches[MID_WINDOW:])
+  np.savez(out, **run.host(params))
+
+
+@pytest.mark.slow  # starts a Python process
+@pytest.mark.parametrize('layout', ['explicit_ddp', 'shard_map', 'zero1'])
+def test_a_one_device_process_loads_any_checkpoint(tmp_path, layout):
+  path = _saved_mid_window(tmp_path, layout)
+  out = tmp_path / 'params.npz'
+  result = subprocess.run(
+    [sys.executable, '-c', _ONE_DEVICE_CHILD, str(path), str(out)],
+    capture_output=True,
+    text=True,
+    env=helpers.subprocess_env(),
+    timeout=240,  # about 10 s on a quiet 2-core machine: a hang guard
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  expected = reference()
+  chex.assert_trees_all_close(
+    dict(np.load(out)),
+    jax.tree.map(np.asarray, expected.params),
+    rtol=0,
+    atol=expected.atol,
+  )
+
+
+def as_saved_by_0_5(tree):
+  """What 0.5's ``to_checkpoint`` saved: every unreduced leaf as its rows
+  of partial sums (this function is still the leaf rule of 0.6), the state
+  otherwise as it is, and no record of the rows."""
+  return jax.tree.map(_shares.leaf_rows, tree)
+
+
+@pytest.mark.parametrize('layout', ['explicit_ddp', 'shard_map'])
+def test_a_checkpoint_of_0_5_resumes_on_its_own_devices(tmp_path, layout):
+  """Restored on as many devices through the documented flow: bit for bit;
+  on another number: refused, saying how to convert it."""
+  _skip_unsupported(layout, 4)
+  batches, _ = micro_batches()
+  run, expected = uninterrupted(layout, 4)
+  params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
+  with _mesh_context(run):
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / 'ckpt', as_saved_by_0_5((params, state)))
+    checkpointer.wait_until_finished()
+  second = LAYOUTS[layout](4, 'plain')
+  params, state = restore(tmp_path / 'ckpt', second)
+  resumed = train(second, params, state, batches[MID_WINDOW:])
+  chex.assert_trees_all_equal(
+    host_state(second, resumed), host_state(run, expected)
+  )
+  other = LAYOUTS[layout](2, 'plain')
+  with pytest.raises(ValueError, match=r'0\.5 with the window of 4 .* onto 2'):
+    restore(tmp_path / 'ckpt', other)
+
+
+def test_a_state_restored_for_another_k_closes_its_window_at_that_k(tmp_path):
+  """``k`` is not part of the state (as in ``optax.MultiSteps``): the open
+  window of a state restored into a transform of another
+  ``every_k_schedule`` closes once ``mini_step`` reaches the new ``k``, as
+  a schedule that changes ``k`` closes it: here after 3 micro-steps (2
+  before the checkpoint, 1 after) where the new ``k`` is 2."""
+  batches, _ = micro_batches()
+  run = LAYOUTS['gspmd'](1, 'plain')
+  params, state = train(run, run.params, run.state, batches[: K + 2])
+  save(tmp_path / 'ckpt', (params, state))
+  tx = tokacc.token_weighted_multistep(sgd(), 2)
+  like = (run.params, tx.init(run.params))
+  checkpointer = ocp.StandardCheckpointer()
+  target = tokacc.checkpoint_target(
+    like, checkpointer.metadata(tmp_path / 'ckpt')
+  )
+  params, state = tokacc.from_checkpoint(
+    checkpointer.restore(tmp_path / 'ckpt', target), like
+  )
+  step = test_explicit.make_step(tx)
+  params, state = step(params, state, batches[K + 2], jnp.asarray(False))
+  assert int(state.gradient_step) == 2 and int(state.mini_step) == 0

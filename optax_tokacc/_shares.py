@@ -1,0 +1,298 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The window's per-device shares, as rows of ordinary arrays.
+
+An open window is held per device: a slot per device under ``axis_name``
+(``pmap`` stacks every field, ``shard_map`` the per-device ones), partial
+sums typed *unreduced* under explicit sharding, the whole window on one
+device or under ``jax.jit`` over global arrays. Every device's share is a
+share of a sum (``_manual.Manual.share``), so the shares of any number of
+devices merge by summing. :func:`save_state` lays a state's shares out as
+rows (a :class:`~optax_tokacc.SavedState`); :func:`put_back` returns each
+row to its device, on as many devices; :func:`merged` sums the rows into
+the window's totals and gives them to the first device of another layout.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_tokacc import _compensated
+from optax_tokacc import _explicit
+from optax_tokacc import _state
+from optax_tokacc import _tokens
+
+PER_DEVICE = _state.PER_DEVICE_FIELDS
+# How a state holds its per-device fields (see :func:`layout_of`).
+_PMAP, _SLOTS, _TYPED = 'pmap', 'slots', 'typed'
+
+
+def layout_of(state: Any) -> str:
+  """How ``state`` (arrays or their shapes) holds its per-device fields:
+  ``pmap`` (every leaf stacked per device, with the slot of ``shard_map``
+  inside), ``slots`` (``shard_map`` with ``axis_name``: a leading axis of
+  one slot per device), or ``typed`` (each leaf whole, or partial sums
+  typed unreduced: explicit sharding, one device, ``jax.jit`` over global
+  arrays)."""
+  if jnp.ndim(state.mini_step) == 1:
+    return _PMAP
+  return _SLOTS if jnp.ndim(state.acc_tokens) == 1 else _TYPED
+
+
+def per_device(state: Any) -> dict[str, Any]:
+  return {name: getattr(state, name) for name in PER_DEVICE}
+
+
+def leading(x: Any) -> int:
+  return int(jnp.shape(x)[0])
+
+
+def leaf_rows(x: Any) -> Any:
+  """An unreduced ``x`` of shape ``s`` as its devices' partial sums,
+  ``(n, *s)`` split over the axes it is unreduced over (no data moves);
+  a reduced ``x`` typed replicated; any other ``x`` as it is."""
+  axes = _explicit.unreduced(x)
+  if not axes:
+    return _explicit.without_reduced(x)
+  lead = tuple(a for a in _explicit.mesh_of(x).axis_names if a in axes)
+  out = jax.P(lead, *_explicit.partitions(_explicit.spec(x)))
+  return _explicit.local(lambda v: v[None], (x,), out)
+
+
+def _one_row(x: Any) -> Any:
+  """A whole ``x`` as one row (its unreduced axes of one device reduced,
+  its reduced types replicated: ordinary arrays)."""
+  (x,) = _explicit.reduce_trivial(x)
+  return jnp.expand_dims(_explicit.without_reduced(x), 0)
+
+
+def _shares(x: Any) -> Any:
+  """A per-device leaf of a ``typed`` state as rows of shares: its partial
+  sums where typed unreduced, else itself as one row."""
+  return leaf_rows(x) if _explicit.unreduced(x) else _one_row(x)
+
+
+def save_state(state: Any) -> _state.SavedState:
+  """``state`` as :func:`optax_tokacc.to_checkpoint` saves it."""
+  layout = layout_of(state)
+  if layout == _PMAP:  # every device holds every field: one copy, rows
+    whole = jax.tree.map(lambda x: x[0], state)
+    saved = whole._replace(**jax.tree.map(lambda x: x[:, 0], per_device(state)))
+  elif layout == _SLOTS:
+    saved = state
+  else:
+    shares = jax.tree.map(_shares, per_device(state))
+    saved = jax.tree.map(leaf_rows, state)._replace(**shares)
+  counts = [leading(x) for x in jax.tree.leaves(per_device(saved))]
+  return _state.SavedState(saved, jnp.asarray(counts, jnp.int32))
+
+
+def row_counts(state: Any) -> list[int]:
+  """The rows :func:`save_state` gives each per-device leaf of
+  ``state`` (arrays or their shapes, ``like``'s)."""
+  layout = layout_of(state)
+  leaves = jax.tree.leaves(per_device(state))
+  if layout != _TYPED:
+    return [leading(x) for x in leaves]
+  mesh_sizes = lambda x: dict(getattr(_explicit.mesh_of(x), 'shape', {}))  # noqa: E731
+  return [
+    int(np.prod([mesh_sizes(x)[a] for a in _explicit.unreduced(x)]))
+    for x in leaves
+  ]
+
+
+def put_back(state: Any, ref: Any) -> Any:
+  """Each device's share where it was saved, typed like ``ref``."""
+  layout = layout_of(ref)
+  rows = per_device(state)
+  if layout == _PMAP:
+    shares = _placed(jax.tree.map(lambda x: x[:, None], rows), per_device(ref))
+  elif layout == _SLOTS:
+    shares = _placed(rows, per_device(ref))
+  else:
+    shares = jax.tree.map(_from_shares, rows, per_device(ref))
+  return _whole_fields(state, ref)._replace(**shares)
+
+
+def _whole_fields(state: Any, ref: Any) -> Any:
+  """``state`` with its fields other than the per-device ones laid out
+  like ``ref``'s (the per-device ones left as they are)."""
+  layout = layout_of(ref)
+  fields = {}
+  for name in state._fields:
+    value, like = getattr(state, name), getattr(ref, name)
+    if name in PER_DEVICE:
+      continue
+    if layout == _PMAP:
+      count = leading(ref.mini_step)
+      value = jax.tree.map(lambda x: _stacked(x, count), value)  # noqa: B023
+    if layout == _TYPED:
+      fields[name] = jax.tree.map(restore_leaf, value, like)
+    else:
+      fields[name] = _placed(value, like)
+  return state._replace(**fields)
+
+
+def merged(state: Any, ref: Any) -> Any:
+  """The window of ``state``'s rows (the shares of another number of
+  devices) merged into its totals, held by the first device of ``ref``'s
+  layout."""
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+    raise ValueError(
+      'from_checkpoint merges a window saved on another number of devices '
+      'eagerly: call it outside jax.jit.'
+    )
+  rows = jax.tree.map(_gathered, per_device(state))
+  totals = _window_totals(rows, at_boundary=int(state.mini_step) == 0)
+  layout = layout_of(ref)
+  shares = {
+    name: jax.tree.map(
+      functools.partial(_spread, layout, everywhere=name == 'skip_state'),
+      totals[name],
+      getattr(ref, name),
+    )
+    for name in PER_DEVICE
+  }
+  return _whole_fields(state, ref)._replace(**shares)
+
+
+def _gathered(x: Any) -> Any:
+  """``x`` with its row axis whole on each of its devices (its other
+  dimensions split as they are): the rows' sums then need no collective."""
+  sharding = getattr(x, 'sharding', None)
+  if not isinstance(sharding, jax.NamedSharding):
+    return x
+  spec = _explicit.partitions(sharding.spec)
+  if not spec or spec[0] is None:
+    return x
+  return jax.device_put(
+    x, jax.NamedSharding(sharding.mesh, jax.P(None, *spec[1:]))
+  )
+
+
+def _window_totals(rows: dict[str, Any], at_boundary: bool) -> dict[str, Any]:
+  """The window's totals from the rows of its devices' shares: gradient
+  sums with their compensation (none at a window boundary, where the
+  buffers are scratch), the count (invalid if any share is), the loss, and
+  the skip state (any device's booleans, the sum of its numbers)."""
+  grads, errors = rows['grad_sums'], rows['acc_compensation']
+  compensated = bool(jax.tree.leaves(errors))
+  if at_boundary:
+    zeros = lambda x: jnp.zeros_like(x[0])  # noqa: E731
+    grad_totals, error_totals = jax.tree.map(zeros, (grads, errors))
+  elif compensated:
+    merged = jax.tree.map(_compensated.merge_rows, grads, errors)
+    structure = jax.tree.structure(grads)
+    grad_totals, error_totals = jax.tree.transpose(structure, None, merged)
+  else:
+    grad_totals = jax.tree.map(
+      lambda g: _compensated.merge_rows(g, None)[0], grads
+    )
+    error_totals = errors
+  counts = rows['acc_tokens']
+  tokens = functools.reduce(
+    _tokens.add, [counts[i] for i in range(leading(counts))]
+  )
+  return {
+    'grad_sums': grad_totals,
+    'acc_compensation': error_totals,
+    'acc_tokens': tokens,
+    'acc_loss': jnp.sum(rows['acc_loss'], axis=0),
+    'skip_state': jax.tree.map(_combined, rows['skip_state']),
+  }
+
+
+def _combined(rows: jax.Array) -> jax.Array:
+  """A skip state's rows as one: any device's booleans, the sum of their
+  numbers (as explicit sharding keeps it)."""
+  if jnp.result_type(rows) == jnp.bool_:
+    return jnp.any(rows, axis=0)
+  return jnp.sum(rows, axis=0, dtype=jnp.result_type(rows))
+
+
+def _spread(layout: str, total: jax.Array, ref: Any, everywhere: bool) -> Any:
+  """A window's ``total`` in ``ref``'s layout: on its first device (zeros
+  on the others), or on every device (``everywhere``)."""
+  if layout == _TYPED:
+    if _explicit.unreduced(ref) and not everywhere:
+      return _on_first_device(total, ref)
+    return _placed(total, ref)
+  shape = jnp.shape(ref)  # (devices, [1,] *total's shape)
+  first = (0,) * (len(shape) - jnp.ndim(total))
+
+  def build(t):
+    if everywhere:
+      return jnp.broadcast_to(t, shape)
+    return jnp.zeros(shape, t.dtype).at[first].set(t)
+
+  sharding = getattr(ref, 'sharding', None)
+  if isinstance(sharding, jax.NamedSharding):  # built on the devices
+    return jax.jit(build, out_shardings=sharding)(total)
+  return _placed(build(total), ref)
+
+
+def _on_first_device(total: jax.Array, ref: Any) -> jax.Array:
+  """``total`` typed like ``ref`` (unreduced): held by the first device
+  along the axes ``ref`` is unreduced over, zeros on the others."""
+  axes = sorted(_explicit.unreduced(ref))
+  total = _explicit.to_type(total, _explicit.spec(ref, unreduced=False))
+
+  def first(v):
+    index = sum(jax.lax.axis_index(a) for a in axes)  # 0 on the first only
+    return jnp.where(index == 0, v, jnp.zeros_like(v))
+
+  return _explicit.local(first, (total,), _explicit.spec(ref))
+
+
+def _from_shares(rows: Any, ref: Any) -> Any:
+  """The inverse of :func:`_shares` on as many devices."""
+  if _explicit.unreduced(ref):
+    return restore_leaf(rows, ref)
+  return _placed(rows[0], ref)
+
+
+def _stacked(x: Any, count: int) -> jax.Array:
+  """``x`` stacked ``count`` times, as ``pmap`` holds a replicated value."""
+  return jnp.broadcast_to(x, (count, *jnp.shape(x)))
+
+
+def _placed(tree: Any, like: Any) -> Any:
+  """``tree`` typed like ``like`` and on its devices (where ``like`` holds
+  arrays or shapes with a sharding, and no partial sums)."""
+
+  def place(x, ref):
+    x = _explicit.like(x, ref)
+    sharding = getattr(ref, 'sharding', None)
+    if sharding is None or _explicit.reduced(ref) or _explicit.unreduced(ref):
+      return x
+    return jax.device_put(x, sharding)
+
+  return jax.tree.map(place, tree, like)
+
+
+def restore_leaf(x: Any, ref: Any) -> Any:
+  """A leaf that :func:`leaf_rows` saved, typed like ``ref`` again."""
+  if not _explicit.unreduced(ref):
+    return _explicit.like(x, ref)
+  if jnp.shape(x) != jax.eval_shape(leaf_rows, ref).shape:
+    raise ValueError(
+      f'from_checkpoint: a leaf of shape {jnp.shape(x)} does not hold the '
+      f'partial sums of {jax.typeof(ref)}: like must be the tree given to '
+      'to_checkpoint.'
+    )
+  return _explicit.local(lambda v: v[0], (x,), _explicit.spec(ref))
