@@ -33,6 +33,7 @@ from optax_tokacc import _compensated
 from optax_tokacc import _explicit
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
+from optax_tokacc import _window
 from optax_tokacc._window import Closed
 from optax_tokacc._window import Window
 from optax_tokacc._window import reset_if
@@ -66,10 +67,15 @@ class _Sums(NamedTuple):
   squares: dict
 
 
-def _open(window: Window) -> Closed:
+def _open(config, window: Window) -> Closed:
   """What a call that leaves the window open gives: nothing emitted."""
-  zeros = [jnp.zeros([], x.dtype) for x in (window.acc_tokens, window.acc_loss)]
-  return Closed(jnp.asarray(False), jnp.asarray(True), *zeros)
+  return Closed(
+    emitted=jnp.asarray(False),
+    valid=jnp.asarray(True),
+    tokens=jnp.zeros([], window.acc_tokens.dtype),
+    mean_loss=jnp.zeros([], window.acc_loss.dtype),
+    norms=_window.nan_norms(config, window.grad_sums),
+  )
 
 
 def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
@@ -80,8 +86,14 @@ def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
   total, valid = _tokens.from_parts(parts, config.token_dtype)
   divisor = jnp.maximum(total, 1)
   mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
-  closed = Closed(jnp.logical_and(valid, total > 0), valid, total, mean_loss)
-  squares = place.squares(sums) if config.norms else {}
+  closed = Closed(
+    emitted=jnp.logical_and(valid, total > 0),
+    valid=valid,
+    tokens=total,
+    mean_loss=mean_loss,
+    norms=_window.nan_norms(config, sums),
+  )
+  squares = place.squares(sums, config.leaf_norms) if config.norms else {}
   return _Sums(sums, divisor, mean_loss, squares), closed
 
 
@@ -107,17 +119,32 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
     mean_grads, plain_inner, place.for_inner(params), **extra.args, **value
   )
   new_inner = optax.tree.cast_like(new_inner, opt_state)
-  norms = jnp.full(2, jnp.nan, jnp.float32)
+  norms = _window.nan_norms(config, grads)
   if config.norms:
-    # What inner got (its sums' norm over their count), and gave.
-    per_token = jnp.stack([1 / summed.divisor.astype(jnp.float32), 1.0])
-    norms = place.norms(summed.squares, updates) * per_token
+    norms = _norms(config, place, grads, summed, updates)
   if emitted is not None:
     updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
     new_inner = optax.tree.where(emitted, new_inner, plain_inner)
   if params is not None:
     updates = place.like(updates, params)
   return updates, place.like(new_inner, opt_state), norms
+
+
+def _norms(config, place, grads, summed: _Sums, updates) -> _window.WindowNorms:
+  """What ``inner`` got (the window's sums' norms over their count) and
+  gave: the global norms, and each leaf's where ``config`` asks."""
+  found = place.norms(summed.sums, summed.squares, updates, config.leaf_norms)
+  per_token = jnp.stack([1 / summed.divisor.astype(jnp.float32), 1.0])
+  totals = found.totals * per_token
+  norms = _window.WindowNorms(grad_norm=totals[0], update_norm=totals[1])
+  if not config.leaf_norms:
+    return norms
+  structure = jax.tree.structure(grads)
+  grad_leaves, update_leaves = found.leaves
+  return norms._replace(
+    grad_norms=structure.unflatten([n * per_token[0] for n in grad_leaves]),
+    update_norms=structure.unflatten(update_leaves),
+  )
 
 
 def close_now(config, place, grads, window, inner_state, params, extra):
@@ -127,7 +154,7 @@ def close_now(config, place, grads, window, inner_state, params, extra):
   _, step = _inner(config, place, grads, inner_state, params, extra)
   summed, closed = _reduce(config, place, window)
   updates, new_inner, norms = step(summed, inner_state, params, closed.emitted)
-  closed = Closed(*closed[:4], *norms)
+  closed = closed._replace(norms=norms)
   return Closing(updates, reset_if(place, True, window), new_inner, closed)
 
 
@@ -136,7 +163,8 @@ def keep_open(config, place, grads, window, inner_state, params, extra):
   updates shaped like ``inner``'s (see :func:`_zeros`, ``fold``), and
   no ``inner`` work."""
   shapes, _ = _inner(config, place, grads, inner_state, params, extra)
-  return Closing(_zeros(shapes, fold=True), window, inner_state, _open(window))
+  closed = _open(config, window)
+  return Closing(_zeros(shapes, fold=True), window, inner_state, closed)
 
 
 def close_if(config, place, close, grads, window, inner_state, params, extra):
@@ -170,8 +198,9 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     return hold(updates, grad_sums), new_inner, norms
 
   def no_step(grad_sums, summed, inner_state, params):
-    del summed, params
-    return hold(None, grad_sums), inner_state, jnp.full(2, jnp.nan, 'float32')
+    del params
+    norms = _window.nan_norms(config, summed.sums)
+    return hold(None, grad_sums), inner_state, norms
 
   def closing(window, inner_state, params):
     """Closes the window on the device, inside the outer ``cond``. A window
@@ -182,11 +211,11 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     summed, closed = _reduce(config, place, window)
     ops = (window.grad_sums, summed, inner_state, params)
     held, new_inner, norms = place.cond(closed.emitted, step, no_step, *ops)
-    return held, new_inner, Closed(*closed[:4], *norms)
+    return held, new_inner, closed._replace(norms=norms)
 
   def accumulating(window, inner_state, params):
     del params
-    return hold(None, window.grad_sums), inner_state, _open(window)
+    return hold(None, window.grad_sums), inner_state, _open(config, window)
 
   ops = (window, inner_state, params)
   held, inner_state, closed = place.cond(close, closing, accumulating, *ops)
@@ -217,7 +246,7 @@ def _inner(config, place, grads, inner_state, params, extra):
     step = functools.partial(_step, config, place, grads, extra)
     try:
       sums = place.reduced_types(grads)  # unused values: for their types
-      summed = _Sums(sums, *scalars, place.squares(sums))
+      summed = _Sums(sums, *scalars, place.squares(sums, config.leaf_norms))
       return jax.eval_shape(step, summed, inner_state, params)[0], step
     except Exception as e:
       _raise(e, place.refusal(e))

@@ -129,18 +129,27 @@ class Manual(_placement.Single):
 
     return lax.cond(pred, matched(true_fn), matched(false_fn), *ops)
 
-  def squares(self, tree):
-    """Each leaf's squares summed over its shard, per set of manual axes
-    it varies over (is split over; none without variance tracking, where
-    every leaf is whole)."""
-    varying = varying_axes if self.tracked else lambda x: ()
-    over = [varying(x) for x in jax.tree.leaves(tree)]
-    return _placement.local_squares(tree, over)
+  def _split_axes(self, leaves):
+    """Per leaf, the manual axes it varies over (is split over; none
+    without variance tracking, where every leaf is whole)."""
+    if not self.tracked:
+      return [frozenset()] * len(leaves)
+    return [varying_axes(x) for x in leaves]
 
-  def norms(self, grad_squares, updates):
-    """One ``psum`` of both norms' squares per set of axes (already in a
+  def squares(self, tree, per_leaf=False):
+    """Each leaf's squares summed over its shard, per set of manual axes
+    it is split over (already in a manual region)."""
+    over = self._split_axes(jax.tree.leaves(tree))
+    return _placement.local_squares(tree, over, per_leaf)
+
+  def norms(self, grads, grad_squares, updates, per_leaf=False):
+    """One ``psum`` of both trees' squares per set of axes (already in a
     manual region)."""
-    return _placement.global_norms(grad_squares, self.squares(updates))
+    overs = tuple(
+      self._split_axes(jax.tree.leaves(tree)) for tree in (grads, updates)
+    )
+    squares = (grad_squares, self.squares(updates, per_leaf))
+    return _placement.global_norms(*squares, overs=overs)
 
 
 def as_tuple(axis_name: AxisName) -> tuple[str, ...]:

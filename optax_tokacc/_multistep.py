@@ -49,7 +49,7 @@ def token_weighted_multistep(
   should_skip_update_fn: Optional[optax.ShouldSkipUpdateFunction] = None,
   token_dtype: Optional[jax.typing.DTypeLike] = None,
   tokens_per_update: Optional[int] = None,
-  window_norms: bool = True,
+  window_norms: Union[bool, str] = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates token-summed gradients; one exact update every k steps.
 
@@ -123,7 +123,10 @@ def token_weighted_multistep(
       norms' scalar collectives where the gradient is split: a host-closed
       step (``close=True``), which XLA cannot fuse the norms into, costs
       up to 1.12x the hand-written ideal's window with them (CPU,
-      ``docs/performance.md``).
+      ``docs/performance.md``). ``'per_leaf'``: each leaf's norms too
+      (``window_metrics(state).grad_norms``, ``.update_norms``: trees like
+      the parameters), from the same squares and in the same collective
+      (a vector of one entry per leaf where the gradient is split).
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose ``update(grads, state,
@@ -155,6 +158,7 @@ def token_weighted_multistep(
   """
   _validation.check_options(inner, should_skip_update_fn, loss_reduction)
   _validation.axis_name(axis_name)
+  norms, leaf_norms = _validation.window_norms(window_norms)
   config = _validation.Config(
     inner=optax.with_extra_args_support(inner),
     schedule=_validation.schedule(every_k_schedule),
@@ -165,7 +169,8 @@ def token_weighted_multistep(
     should_skip_update_fn=should_skip_update_fn,
     token_dtype=_validation.dtype(token_dtype, 'token_dtype'),
     tokens_per_update=_validation.tokens_per_update(tokens_per_update),
-    norms=_validation.flag(window_norms, 'window_norms'),
+    norms=norms,
+    leaf_norms=leaf_norms,
   )
   return optax.GradientTransformationExtraArgs(
     functools.partial(_init, config), functools.partial(_update, config)
@@ -195,6 +200,8 @@ def _init(
   def zeros(dtype_of):
     return jax.tree.map(lambda p: place.gradient_zeros(p, dtype_of(p)), params)
 
+  nan_norms = _window.nan_norms(config, params)  # no window yet
+  grad_norm, update_norm = _window.stored_norms(nan_norms)
   state = _state.TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
@@ -207,8 +214,8 @@ def _init(
     emitted=jnp.zeros([], jnp.bool_),
     acc_compensation=zeros(config.acc_dtype) if config.compensated else (),
     dropped_windows=jnp.zeros([], jnp.int32),
-    last_grad_norm=jnp.full([], jnp.nan, jnp.float32),
-    last_update_norm=jnp.full([], jnp.nan, jnp.float32),
+    last_grad_norm=grad_norm,
+    last_update_norm=update_norm,
   )
   if config.should_skip_update_fn is not None:
     grads = zeros(jnp.result_type)
@@ -280,6 +287,7 @@ def _next_state(state, mini_step, close, closing, skip_state):
   parameter-sized buffers are restarted by its next micro-step)."""
   closed, emitted = closing.closed, closing.closed.emitted
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
+  grad_norm, update_norm = _window.stored_norms(closed.norms)
   return _state.TokenWeightedMultiStepState(
     # grad_sums, acc_compensation, acc_tokens, acc_loss
     **closing.window._asdict(),
@@ -288,9 +296,9 @@ def _next_state(state, mini_step, close, closing, skip_state):
     inner_state=closing.inner_state,
     last_loss=jnp.where(emitted, closed.mean_loss, state.last_loss),
     last_tokens=jnp.where(emitted, closed.tokens, state.last_tokens),
-    last_grad_norm=jnp.where(emitted, closed.grad_norm, state.last_grad_norm),
-    last_update_norm=jnp.where(
-      emitted, closed.update_norm, state.last_update_norm
+    last_grad_norm=optax.tree.where(emitted, grad_norm, state.last_grad_norm),
+    last_update_norm=optax.tree.where(
+      emitted, update_norm, state.last_update_norm
     ),
     skip_state=skip_state,
     emitted=emitted,

@@ -28,6 +28,7 @@ top of ``init`` and ``update`` (``_multistep.placement``):
 """
 
 from collections.abc import Callable
+import functools
 import sys
 from typing import Any, NamedTuple, Optional
 import warnings
@@ -160,54 +161,100 @@ class Single:
   #: outputs may differ in type.
   cond = staticmethod(jax.lax.cond)
 
-  def squares(self, tree: Any) -> dict:
-    """``tree``'s squares summed on each device's share
-    (:func:`local_squares`): partial sums typed unreduced over the axes a
-    leaf's type splits it over, so that :meth:`norms` sums them in one
-    collective (whole values where no type says so: the compiler sums a
-    leaf it split, in a scalar all-reduce of its own)."""
-    leaves = jax.tree.leaves(tree)
+  def _split_axes(self, leaves: list) -> list[frozenset]:
+    """Per leaf, the mesh axes over which :meth:`squares` leaves its sum of
+    squares split, for :meth:`norms` to sum: those its type splits it over
+    (none where no type says so, or on jax < 0.10, which cannot type the
+    partial sums unreduced: there the compiler sums a leaf it split, in a
+    scalar all-reduce of its own)."""
     over = [_explicit.sharded(x) for x in leaves]
     mesh = next(map(_explicit.mesh_of, leaves), None)
+    deferred = [_explicit.deferred(a, mesh) for a in over]
+    if self.on_shares or _explicit.SUPPORTED and any(deferred):
+      return over
+    return [frozenset()] * len(over)
+
+  def squares(self, tree: Any, per_leaf: bool = False) -> dict:
+    """``tree``'s squares summed on each device's share
+    (:func:`local_squares`, each leaf's too where ``per_leaf``): partial
+    sums typed unreduced over the axes :meth:`_split_axes` gives, so that
+    :meth:`norms` sums them in one collective."""
+    leaves = jax.tree.leaves(tree)
+    over = self._split_axes(leaves)
+    if not (self.on_shares or any(over)):
+      return local_squares(tree, over, per_leaf)
+    mesh = next(map(_explicit.mesh_of, leaves), None)
     split = {tuple(sorted(a)): _explicit.deferred(a, mesh) for a in over}
-    # (jax < 0.10 cannot type them unreduced: there the compiler sums them)
-    if not (self.on_shares or _explicit.SUPPORTED and any(split.values())):
-      return local_squares(tree, [()] * len(over))
     specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
-    return _explicit.local(lambda t: local_squares(t, over), (tree,), specs)
+    squares = functools.partial(local_squares, over=over, per_leaf=per_leaf)
+    return _explicit.local(squares, (tree,), specs)
 
-  def norms(self, grad_squares: dict, updates: Any) -> jax.Array:
-    """The global L2 norms of a tree given by its :meth:`squares` and of
-    ``updates``, a float32 vector, from each device's share of the squares:
-    one ``psum`` of both per set of mesh axes they are split over (none in
-    data parallelism)."""
-    squares = (grad_squares, self.squares(updates))
+  def norms(
+    self, grads: Any, grad_squares: dict, updates: Any, per_leaf: bool = False
+  ) -> 'Norms':
+    """The L2 norms of ``grads``, given by its :meth:`squares`, and of
+    ``updates``, from each device's share of the squares: one ``psum`` of
+    all of them per set of mesh axes they are split over (none in data
+    parallelism); each leaf's too where ``per_leaf``."""
+    squares = (grad_squares, self.squares(updates, per_leaf))
+    overs = tuple(
+      self._split_axes(jax.tree.leaves(tree)) for tree in (grads, updates)
+    )
+    norms = functools.partial(global_norms, overs=overs)
     if any(axes for s in squares for axes in s):  # split: in a manual region
-      return _explicit.local(global_norms, squares, jax.P())
-    vector = jax.ShapeDtypeStruct([len(squares)], jnp.float32)
-    return self.per_device(global_norms, squares, vector)
+      return _explicit.local(norms, squares, jax.P())
+    return self.per_device(norms, squares, jax.eval_shape(norms, *squares))
 
 
-def local_squares(tree: Any, over: list) -> dict:
-  """``{axes: s}``: the squares of ``tree``'s leaves (in float32 or wider)
-  summed on this device, one float32 scalar ``s`` per set of mesh axes in
-  ``over`` (one entry per leaf: the axes its sum is split over)."""
-  sums = {}
+class Norms(NamedTuple):
+  """L2 norms of two trees (a window's gradient and its update): ``totals``
+  a float32 vector of the two, and, where asked, ``leaves``: per tree, the
+  norm of each of its leaves (lists of float32 scalars, in leaf order)."""
+
+  totals: jax.Array
+  leaves: tuple = ((), ())
+
+
+def local_squares(tree: Any, over: list, per_leaf: bool = False) -> dict:
+  """``{axes: v}``: per set of mesh axes in ``over`` (one entry per leaf:
+  the axes its sum is split over), a float32 vector ``v``: the squares of
+  ``tree``'s leaves split over them (in float32 or wider) summed on this
+  device, then, where ``per_leaf``, each such leaf's."""
+  sums, each = {}, {}
   for x, axes in zip(jax.tree.leaves(tree), over):
     axes = tuple(sorted(axes))
     wide = jnp.abs(x).astype(jnp.promote_types(x.dtype, jnp.float32))
     square = jnp.sum(wide * wide).astype(jnp.float32)
     sums[axes] = sums[axes] + square if axes in sums else square
-  return sums
+    each.setdefault(axes, []).append(square)
+  return {
+    axes: jnp.stack([total, *(each[axes] if per_leaf else ())])
+    for axes, total in sums.items()
+  }
 
 
-def global_norms(*squares: dict) -> jax.Array:
-  """The L2 norms of trees given by their :func:`local_squares` (float32):
-  for each set of axes, the trees' squares stacked and summed over those
-  axes by ``lax.psum`` (in a manual region): one collective per set."""
-  total = jnp.zeros(len(squares), jnp.float32)
+def global_norms(*squares: dict, overs: tuple) -> Norms:
+  """The L2 norms of trees given by their :func:`local_squares` and the
+  axes of their leaves (``overs``): for each set of axes, all the trees'
+  squares in one vector, summed over those axes by ``lax.psum`` (in a
+  manual region): one collective per set."""
+  totals = [jnp.zeros([], jnp.float32) for _ in squares]
+  leaves = [[None] * len(over) for over in overs]
   for axes in sorted({a for s in squares for a in s}):
-    some = next(s[axes] for s in squares if axes in s)
-    vector = jnp.stack([s.get(axes, jnp.zeros_like(some)) for s in squares])
-    total = total + (jax.lax.psum(vector, axes) if axes else vector)
-  return jnp.sqrt(total)
+    parts = [s.get(axes) for s in squares]
+    vector = jnp.concatenate([part for part in parts if part is not None])
+    summed = jax.lax.psum(vector, axes) if axes else vector
+    start = 0
+    for tree, part in enumerate(parts):
+      if part is None:
+        continue
+      chunk, start = summed[start : start + len(part)], start + len(part)
+      totals[tree] = totals[tree] + chunk[0]
+      mine = [i for i, a in enumerate(overs[tree]) if tuple(sorted(a)) == axes]
+      for leaf, square in zip(mine, chunk[1:]):
+        leaves[tree][leaf] = jnp.sqrt(square)
+  per_leaf = all(leaf is not None for tree in leaves for leaf in tree)
+  return Norms(
+    jnp.sqrt(jnp.stack(totals)),
+    tuple(map(tuple, leaves)) if per_leaf else ((), ()),
+  )

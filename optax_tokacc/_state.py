@@ -82,6 +82,9 @@ class TokenWeightedMultiStepState(NamedTuple):
     last_grad_norm: global L2 norm of the last emitted window's token-mean
       gradient (what ``inner`` received), float32; NaN before the first.
     last_update_norm: global L2 norm of its emitted update, likewise.
+      With ``window_norms='per_leaf'`` each of these two fields is the pair
+      of that norm and a tree like the parameters of each leaf's norm
+      (float32 scalars, NaN before the first window).
   """
 
   mini_step: jax.typing.ArrayLike
@@ -96,8 +99,8 @@ class TokenWeightedMultiStepState(NamedTuple):
   emitted: jax.typing.ArrayLike = np.bool_(False)
   acc_compensation: optax.Updates = ()
   dropped_windows: jax.typing.ArrayLike = np.int32(0)
-  last_grad_norm: jax.typing.ArrayLike = np.float32(np.nan)
-  last_update_norm: jax.typing.ArrayLike = np.float32(np.nan)
+  last_grad_norm: Any = np.float32(np.nan)
+  last_update_norm: Any = np.float32(np.nan)
 
   @property
   def acc_grads(self) -> optax.Updates:
@@ -285,6 +288,10 @@ class WindowMetrics(NamedTuple):
   tokens: jax.Array  # counted tokens, over all devices
   grad_norm: jax.Array  # global L2 norm of the token-mean gradient
   update_norm: jax.Array  # global L2 norm of the emitted update
+  # With window_norms='per_leaf': each leaf's norms, trees like the
+  # parameters (None otherwise).
+  grad_norms: Any = None
+  update_norms: Any = None
 
 
 def window_metrics(opt_state: optax.OptState) -> WindowMetrics:
@@ -309,14 +316,18 @@ def window_metrics(opt_state: optax.OptState) -> WindowMetrics:
   all-reduce to the update's without copying the buffer. The
   gradient's norm is that of the window's sums, in the accumulator's
   precision, over its token count. With ``window_norms=False`` the norms
-  stay NaN and cost nothing.
+  stay NaN and cost nothing. With ``window_norms='per_leaf'``,
+  ``grad_norms`` and ``update_norms`` hold each leaf's norms, trees like the
+  parameters (the per-layer statistics trainers log), from the same squares
+  and in the same collectives as the global norms (where the gradient is
+  split, their vector holds one more entry per leaf); ``None`` otherwise.
 
   Args:
     opt_state: the state of :func:`token_weighted_multistep`, or of a
       transformation containing it (e.g. ``optax.chain``).
 
   Returns:
-    A :class:`WindowMetrics` of scalars.
+    A :class:`WindowMetrics` of scalars (and, per leaf, trees of scalars).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -335,8 +346,25 @@ def window_metrics(opt_state: optax.OptState) -> WindowMetrics:
     2.0 4 2.5 1.25
   """
   state = find_state(opt_state)
-  fields = ('last_loss', 'last_tokens', 'last_grad_norm', 'last_update_norm')
-  return WindowMetrics(*(jnp.asarray(getattr(state, f)) for f in fields))
+  grad_norm, grad_norms = _norms(state.last_grad_norm)
+  update_norm, update_norms = _norms(state.last_update_norm)
+  return WindowMetrics(
+    loss=jnp.asarray(state.last_loss),
+    tokens=jnp.asarray(state.last_tokens),
+    grad_norm=grad_norm,
+    update_norm=update_norm,
+    grad_norms=grad_norms,
+    update_norms=update_norms,
+  )
+
+
+def _norms(field: Any) -> tuple[jax.Array, Any]:
+  """A state's norm field as the global norm and each leaf's (None where
+  the transform computes no per-leaf norms)."""
+  if isinstance(field, tuple):  # window_norms='per_leaf'
+    total, leaves = field
+    return jnp.asarray(total), jax.tree.map(jnp.asarray, leaves)
+  return jnp.asarray(field), None
 
 
 def apply_if_updated(

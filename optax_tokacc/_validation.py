@@ -50,8 +50,10 @@ class Config:
   token_dtype: jnp.dtype
   # Close a window once it holds this many counted tokens (all devices).
   tokens_per_update: Optional[int] = None
-  # Whether the closing step computes the window's two norms.
+  # Whether the closing step computes the window's two norms, and (then)
+  # each leaf's (window_norms='per_leaf').
   norms: bool = True
+  leaf_norms: bool = False
 
   def acc_dtype(self, leaf: Any) -> jnp.dtype:
     """The accumulator dtype of a leaf: configured, or at least float32."""
@@ -250,6 +252,13 @@ def state_matches(config: Config, grads: Any, state: Any, params: Any) -> None:
       f'state has compensated={compensated}, unlike this transform: restore '
       f'into its tx.init(params), or build it with compensated={compensated}.'
     )
+  per_leaf = isinstance(state.last_grad_norm, tuple)
+  if acc_leaves and per_leaf != config.leaf_norms:
+    saved = "'per_leaf'" if per_leaf else 'True or False'
+    raise TypeError(
+      f'state has window_norms={saved}, unlike this transform: restore into '
+      f'its tx.init(params), or build it with window_norms={saved}.'
+    )
   for name in ('acc_tokens', 'last_tokens', 'acc_loss', 'last_loss'):
     dtype = config.loss_dtype if 'loss' in name else config.token_dtype
     _state_dtype(name, getattr(state, name), dtype)
@@ -313,6 +322,17 @@ def call_skip_fn(
   fix = ' Reduce it, e.g. with jnp.any(...).'
   _scalar(skip, f'{name}[0]', 'a boolean scalar', (jnp.bool_, jnp.number), fix)
   return jnp.asarray(skip, jnp.bool_), skip_state
+
+
+def window_norms(value: Any) -> tuple[bool, bool]:
+  """``window_norms`` (True, False or ``'per_leaf'``) as the two flags of
+  :class:`Config`: the global norms, and each leaf's too."""
+  if isinstance(value, str) and value == 'per_leaf':
+    return True, True
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value), False
+  kinds = "True, False or 'per_leaf'"
+  raise _refuse('window_norms', kinds, repr(value), _STATIC)
 
 
 def axis_name(value: Any) -> None:

@@ -23,11 +23,10 @@ placement's (``_placement``); nothing here asks which parallel mode it runs
 in.
 """
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from optax_tokacc import _compensated
@@ -53,6 +52,37 @@ class MicroBatch(NamedTuple):
   keep: Optional[jax.Array]
 
 
+class WindowNorms(NamedTuple):
+  """The window's norms (``window_norms``), float32: the global L2 norm of
+  its token-mean gradient and of the emitted update, and where asked
+  (``window_norms='per_leaf'``) each leaf's, trees like the gradients
+  (``()`` otherwise)."""
+
+  grad_norm: jax.Array
+  update_norm: jax.Array
+  grad_norms: Any = ()
+  update_norms: Any = ()
+
+
+def stored_norms(norms: WindowNorms) -> tuple[Any, Any]:
+  """The state's ``last_grad_norm`` and ``last_update_norm`` for
+  ``norms``: the global norms, each paired with its leaves' tree where
+  there is one."""
+  if isinstance(norms.grad_norms, tuple) and not norms.grad_norms:
+    return norms.grad_norm, norms.update_norm
+  return (
+    (norms.grad_norm, norms.grad_norms),
+    (norms.update_norm, norms.update_norms),
+  )
+
+
+def nan_norms(config, grads: optax.Updates) -> WindowNorms:
+  """The norms of no window: NaN, in the trees ``config`` asks for."""
+  nan = jnp.full([], jnp.nan, jnp.float32)
+  leaves = jax.tree.map(lambda _: nan, grads) if config.leaf_norms else ()
+  return WindowNorms(nan, nan, leaves, leaves)
+
+
 class Closed(NamedTuple):
   """What closing the window gave (all False or zero on a micro-step)."""
 
@@ -60,9 +90,7 @@ class Closed(NamedTuple):
   valid: jax.Array  # whether the window's count was valid
   tokens: jax.Array  # the window's counted tokens, over all devices
   mean_loss: jax.Array  # its token-mean loss
-  # the global norms of its token-mean gradient and of the emitted update
-  grad_norm: jax.Array = np.float32(np.nan)
-  update_norm: jax.Array = np.float32(np.nan)
+  norms: WindowNorms  # NaN where none were computed
 
 
 def micro_batch(config, place, grads, num_tokens, loss, keep) -> MicroBatch:

@@ -136,7 +136,7 @@ CONSTRUCTOR_CASES = [
     'window_norms_str',
     {'window_norms': 'no'},
     TypeError,
-    r"window_norms must be True or False; got 'no'",
+    r"window_norms must be True, False or 'per_leaf'; got 'no'",
   ),
   (
     'skip_fn_not_callable',

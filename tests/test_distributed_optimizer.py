@@ -157,9 +157,10 @@ LAYOUTS = {
 }
 
 
-def make_run(layout='ddp'):
+def make_run(layout='ddp', **options):
+  """``(mesh, tx, step)``; ``options`` go to the transform."""
   mesh = LAYOUTS[layout].mesh()
-  tx = tokacc.token_weighted_multistep(inner(), K)
+  tx = tokacc.token_weighted_multistep(inner(), K, **options)
 
   @functools.partial(jax.jit, static_argnames='close')
   def step(params, state, batch, close=None):

@@ -589,12 +589,16 @@ def test_window_loss_is_nan_until_known(framework):
 
 
 @pytest.mark.parametrize('framework', ['linen', 'nnx'])
-def test_window_metrics(framework):
+@pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
+def test_window_metrics(framework, window_norms):
   """NaN before the first window, then the window's token-mean gradient's
-  norm and SGD's update norm (0.1 of it), as computed here; the bound: one
+  norm and SGD's update norm (0.1 of it), as computed here, and with
+  ``window_norms='per_leaf'`` each leaf's (issue 41); the bound: one
   rounding per summed term (two micro-batches, the division, the P
   squares), relative to the norm."""
-  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2)
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(0.1), 2, window_norms=window_norms
+  )
   feeds = micro_batches([True] * 2)
   if framework == 'linen':
     state = tokacc_flax.TrainState.create(apply_fn=None, params=INITIAL, tx=tx)
@@ -610,15 +614,28 @@ def test_window_metrics(framework):
       nnx_feed(model, opt, grads, num_tokens)
     metrics = opt.window_metrics
   tokens = sum(n for _, n in feeds)
-  mean = [
-    sum(g[k].astype(np.float64) for g, _ in feeds) / tokens for k in INITIAL
-  ]
-  norm = np.sqrt(sum(np.sum(m**2) for m in mean))
+  mean = {
+    k: sum(g[k].astype(np.float64) for g, _ in feeds) / tokens for k in INITIAL
+  }
+  norm = np.sqrt(sum(np.sum(m**2) for m in mean.values()))
   size = sum(np.size(v) for v in INITIAL.values())
   rtol = (size + 8) * np.finfo(np.float32).eps
   assert int(metrics.tokens) == tokens
   np.testing.assert_allclose(metrics.grad_norm, norm, rtol=rtol)
   np.testing.assert_allclose(metrics.update_norm, 0.1 * norm, rtol=rtol)
+  if window_norms != 'per_leaf':
+    assert metrics.grad_norms is None and metrics.update_norms is None
+    return
+  leaves = jax.tree.leaves_with_path(metrics.grad_norms)
+  assert len(leaves) == len(INITIAL)
+  for path, value in leaves:
+    key = path[0].key  # the parameter's name (nnx: then its Variable's value)
+    leaf_norm = np.sqrt(np.sum(mean[key] ** 2))
+    np.testing.assert_allclose(value, leaf_norm, rtol=rtol)
+    update = jax.tree.leaves(metrics.update_norms)  # same order
+    np.testing.assert_allclose(
+      update[[p for p, _ in leaves].index(path)], 0.1 * leaf_norm, rtol=rtol
+    )
 
 
 def test_nnx_emit_now_is_forwarded():

@@ -115,6 +115,10 @@ def reference(
         update_norm=u,
         grad_atol=grad_error + 2 * (size + 2) * U * g,
         update_atol=lr * trace_error + 2 * (size + 2) * U * u,
+        # Each leaf's: its difference is at most the whole tree's (and its
+        # own summation of fewer squares rounds less than the tree's).
+        grad_norms=jax.tree.map(lambda x: float(optax.tree.norm(x)), grads),
+        update_norms=jax.tree.map(lambda x: float(optax.tree.norm(x)), updates),
       )
     )
   return out
@@ -122,20 +126,28 @@ def reference(
 
 def assert_metrics(records, windows, lr=harness.LEARNING_RATE, **kwargs):
   """``records``: per window, the parameters before it (host values) and
-  ``window_metrics`` after it."""
+  ``window_metrics`` after it; with ``window_norms='per_leaf'`` each
+  leaf's norms too."""
   params_before = [p for p, _ in records]
-  for (_, got), want in zip(
+  for (_, metrics), want in zip(
     records, reference(windows, params_before, lr, **kwargs)
   ):
-    got = jax.tree.map(float, tuple(got))
-    assert got[1] == want['tokens']
-    np.testing.assert_allclose(got[0], want['loss'], rtol=want['loss_rtol'])
+    assert float(metrics.tokens) == want['tokens']
     np.testing.assert_allclose(
-      got[2], want['grad_norm'], atol=want['grad_atol']
+      float(metrics.loss), want['loss'], rtol=want['loss_rtol']
     )
-    np.testing.assert_allclose(
-      got[3], want['update_norm'], atol=want['update_atol']
-    )
+    for name in ('grad', 'update'):
+      atol = want[f'{name}_atol']
+      got = float(getattr(metrics, f'{name}_norm'))
+      np.testing.assert_allclose(got, want[f'{name}_norm'], atol=atol)
+      leaves = getattr(metrics, f'{name}_norms')
+      if leaves is None:  # not asked for
+        continue
+      for leaf, value in leaves.items():
+        expected = want[f'{name}_norms'][leaf]
+        np.testing.assert_allclose(
+          float(value), expected, atol=atol, err_msg=leaf
+        )
 
 
 def plain_host(x):
@@ -184,8 +196,10 @@ def single_step(tx):
   return step
 
 
-def run_single(windows, host_closes):
-  tx = tokacc.token_weighted_multistep(momentum_sgd(), K)
+def run_single(windows, host_closes, window_norms=True):
+  tx = tokacc.token_weighted_multistep(
+    momentum_sgd(), K, window_norms=window_norms
+  )
   params = jax.tree.map(jnp.asarray, harness.init_params())
   state = tx.init(params)
   step = single_step(tx)
@@ -203,9 +217,11 @@ def run_single(windows, host_closes):
   return records
 
 
-def run_shard_map(windows):
+def run_shard_map(windows, window_norms=True):
   mesh = jax.make_mesh((4,), ('data',), (AUTO,), devices=jax.devices()[:4])
-  tx = tokacc.token_weighted_multistep(momentum_sgd(), K, axis_name='data')
+  tx = tokacc.token_weighted_multistep(
+    momentum_sgd(), K, axis_name='data', window_norms=window_norms
+  )
   params = harness.init_params()
   state = harness.shard_map_state(tx, params, mesh, 'data')
   params = jax.tree.map(
@@ -225,9 +241,11 @@ def run_shard_map(windows):
   return records
 
 
-def run_gspmd_fsdp(windows):
+def run_gspmd_fsdp(windows, window_norms=True):
   mesh = jax.make_mesh((4,), ('fsdp',), (AUTO,), devices=jax.devices()[:4])
-  tx = tokacc.token_weighted_multistep(momentum_sgd(), K)
+  tx = tokacc.token_weighted_multistep(
+    momentum_sgd(), K, window_norms=window_norms
+  )
   on_step, records = recorder(windows)
   harness.train_sharded_jit(
     tx, harness.init_params(), windows, mesh, 'fsdp', on_step=on_step
@@ -235,8 +253,10 @@ def run_gspmd_fsdp(windows):
   return records
 
 
-def run_explicit(windows, layout):
-  tx = tokacc.token_weighted_multistep(momentum_sgd(), K)
+def run_explicit(windows, layout, window_norms=True):
+  tx = tokacc.token_weighted_multistep(
+    momentum_sgd(), K, window_norms=window_norms
+  )
   on_step, records = recorder(windows)
   make_mesh, specs = test_explicit.LAYOUTS[layout]
   with jax.set_mesh(make_mesh()):
@@ -253,17 +273,22 @@ def run_explicit(windows, layout):
   ['single', 'single_host', 'shard_map', 'gspmd_fsdp']
   + [pytest.param(p, marks=needs_explicit) for p in EXPLICIT],
 )
-def test_equal_full_batch(placement):
+@pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
+def test_equal_full_batch(placement, window_norms):
+  """The global norms, and with ``window_norms='per_leaf'`` each leaf's
+  (issue 41), against full batch."""
   windows = harness.make_windows(WINDOW_SIZES, 4)
   if placement.startswith('single'):
-    records = run_single(windows, placement == 'single_host')
+    records = run_single(windows, placement == 'single_host', window_norms)
   elif placement == 'shard_map':
-    records = run_shard_map(windows)
+    records = run_shard_map(windows, window_norms)
   elif placement == 'gspmd_fsdp':
-    records = run_gspmd_fsdp(windows)
+    records = run_gspmd_fsdp(windows, window_norms)
   else:
-    records = run_explicit(windows, placement)
+    records = run_explicit(windows, placement, window_norms)
   assert len(records) == len(windows)
+  per_leaf = [metrics.grad_norms is not None for _, metrics in records]
+  assert per_leaf == [window_norms == 'per_leaf'] * len(windows)
   assert_metrics(records, windows)
 
 
@@ -289,13 +314,14 @@ def test_explicit_fsdp_on_every_jax(monkeypatch):
 
 
 @needs_explicit
+@pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
 @pytest.mark.parametrize('host_closes', [False, True])
 @pytest.mark.parametrize('layout', sorted(zero1.LAYOUTS))
-def test_zero1_equals_full_batch(layout, host_closes):
+def test_zero1_equals_full_batch(layout, host_closes, window_norms):
   """ZeRO-1: the norms of the shards summed over the devices (clip, then
   momentum SGD at 0.5, as ``test_distributed_optimizer``)."""
   windows = zero1.make_windows()
-  mesh, tx, step = zero1.make_run(layout)
+  mesh, tx, step = zero1.make_run(layout, window_norms=window_norms)
   on_step, records = recorder(windows)
   with jax.set_mesh(mesh):
     params, place = zero1.placed(mesh, layout)
@@ -551,6 +577,63 @@ def test_closing_collectives():
 
 def sgd():
   return momentum_sgd()
+
+
+def _closing_sites(layout, window_norms):
+  """The closing branch's collective sites of one compiled step: the
+  explicit layouts of ``test_explicit`` (FSDP typed sharded, the compiler
+  reducing the gradients), or ZeRO-1 (``zero1_*``)."""
+  if not layout.startswith('zero1_'):
+    spelling = 'replicated' if layout == 'fsdp' else 'unreduced'
+    return test_explicit.compiled_sites(
+      layout, spelling, sgd(), window_norms=window_norms
+    )[1]
+  layout = layout.removeprefix('zero1_')
+  mesh, tx, step = zero1.make_run(layout, window_norms=window_norms)
+  with jax.set_mesh(mesh):
+    params, place = zero1.placed(mesh, layout)
+    state = zero1.init_state(tx, params, mesh, layout)
+    batch = place(zero1.make_windows()[0][0])
+    text = step.lower(params, state, batch).compile().as_text()
+  return [
+    site for site, path in hlo.collective_sites(hlo.parse_hlo(text)) if path
+  ]
+
+
+@needs_explicit
+@pytest.mark.parametrize(
+  'layout', ['ddp', 'fsdp', 'hsdp', 'zero1_ddp', 'zero1_hsdp']
+)
+def test_per_leaf_norms_cost_no_collective_more(layout):
+  """``window_norms='per_leaf'`` (issue 41) sums each leaf's squares in the
+  collective the global norms already use: as many collectives at the
+  close as with the global norms only, the norms' all-reduce a vector of
+  one more entry per leaf of the gradient and of the update (none where
+  the gradient is whole: DDP)."""
+  global_only = _closing_sites(layout, True)
+  per_leaf = _closing_sites(layout, 'per_leaf')
+  assert len(per_leaf) == len(global_only)
+  widened = [
+    (a.shapes, b.shapes)
+    for a, b in zip(global_only, per_leaf)
+    if a.shapes != b.shapes
+  ]
+  for before, after in widened:  # the norms' vector: 2 entries, then 2 + 2L
+    ((dtype, (entries,)),), ((dtype_after, (entries_after,)),) = before, after
+    assert dtype == dtype_after == 'f32' and entries_after > entries
+  assert len(widened) == (0 if layout == 'ddp' else 1)
+
+
+def test_window_norms_is_checked():
+  with pytest.raises(
+    TypeError, match="window_norms must be True, False or 'per_leaf'"
+  ):
+    tokacc.token_weighted_multistep(sgd(), K, window_norms='per_layer')
+  params = {'w': jnp.ones(3)}
+  state = tokacc.token_weighted_multistep(sgd(), K).init(params)
+  tx = tokacc.token_weighted_multistep(sgd(), K, window_norms='per_leaf')
+  with pytest.raises(TypeError, match='state has window_norms=True or False'):
+    tx.update({'w': jnp.ones(3)}, state, params, num_tokens=1)
 
 
 def test_without_window_norms_they_stay_nan_and_cost_nothing():
