@@ -26,7 +26,9 @@ holds the Flax train states.
 
 from optax import skip_not_finite
 
-from optax_tokacc._checkpoint import SavedState
+from optax_tokacc._base import SavedState
+from optax_tokacc._base import TokenWeightedMultiStepState
+from optax_tokacc._base import WindowMetrics
 from optax_tokacc._checkpoint import checkpoint_target
 from optax_tokacc._checkpoint import from_checkpoint
 from optax_tokacc._checkpoint import to_checkpoint
@@ -37,8 +39,6 @@ from optax_tokacc._multistep import token_weighted_multistep
 from optax_tokacc._sharding import init_sharded
 from optax_tokacc._sharding import state_partition_specs
 from optax_tokacc._sharding import state_shardings
-from optax_tokacc._state import TokenWeightedMultiStepState
-from optax_tokacc._state import WindowMetrics
 from optax_tokacc._state import apply_if_updated
 from optax_tokacc._state import find_state
 from optax_tokacc._state import has_updated

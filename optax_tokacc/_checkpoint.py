@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_tokacc import _base
 from optax_tokacc import _explicit
 from optax_tokacc import _shares
 from optax_tokacc import _state
-from optax_tokacc._state import SavedState
 
 
 def _on_its_mesh(tree: Any) -> Any:
@@ -53,7 +53,7 @@ def _on_its_mesh(tree: Any) -> Any:
 
 
 def _is_saved(x: Any) -> bool:
-  return isinstance(x, SavedState)
+  return isinstance(x, _base.SavedState)
 
 
 def to_checkpoint(tree: Any) -> Any:
@@ -335,7 +335,7 @@ def _restore_0_5(saved: Any, ref: Any) -> Any:
   return jax.tree.map(_shares.restore_leaf, saved, ref)
 
 
-def _restore_state(saved: SavedState, ref: Any) -> Any:
+def _restore_state(saved: _base.SavedState, ref: Any) -> Any:
   """``saved`` (a :class:`SavedState`) laid out like the state ``ref``."""
   state = saved.state
   _check_like(state, ref)

@@ -29,13 +29,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_tokacc import _base
 from optax_tokacc import _compensated
 from optax_tokacc import _explicit
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
 from optax_tokacc import _window
-from optax_tokacc._window import Closed
-from optax_tokacc._window import Window
 from optax_tokacc._window import reset_if
 
 
@@ -43,9 +42,9 @@ class Closing(NamedTuple):
   """What a call gives back once the window is closed or left open."""
 
   updates: optax.Updates
-  window: Window
+  window: _base.Window
   inner_state: optax.OptState
-  closed: 'Closed'
+  closed: _base.Closed
 
 
 class Extra(NamedTuple):
@@ -67,9 +66,9 @@ class _Sums(NamedTuple):
   squares: dict
 
 
-def _open(config, window: Window) -> Closed:
+def _open(config, window: _base.Window) -> _base.Closed:
   """What a call that leaves the window open gives: nothing emitted."""
-  return Closed(
+  return _base.Closed(
     emitted=jnp.asarray(False),
     valid=jnp.asarray(True),
     tokens=jnp.zeros([], window.acc_tokens.dtype),
@@ -78,7 +77,7 @@ def _open(config, window: Window) -> Closed:
   )
 
 
-def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
+def _reduce(config, place, window: _base.Window) -> tuple[_Sums, _base.Closed]:
   """The window summed over the devices (its one reduction), and what
   closing it gives."""
   sums = _compensated.window_sums(window, config.compensated)
@@ -86,7 +85,7 @@ def _reduce(config, place, window: Window) -> tuple[_Sums, Closed]:
   total, valid = _tokens.from_parts(parts, config.token_dtype)
   divisor = jnp.maximum(total, 1)
   mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
-  closed = Closed(
+  closed = _base.Closed(
     emitted=jnp.logical_and(valid, total > 0),
     valid=valid,
     tokens=total,
@@ -130,13 +129,13 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
   return updates, place.like(new_inner, opt_state), norms
 
 
-def _norms(config, place, grads, summed: _Sums, updates) -> _window.WindowNorms:
+def _norms(config, place, grads, summed: _Sums, updates) -> _base.WindowNorms:
   """What ``inner`` got (the window's sums' norms over their count) and
   gave: the global norms, and each leaf's where ``config`` asks."""
   found = place.norms(summed.sums, summed.squares, updates, config.leaf_norms)
   per_token = jnp.stack([1 / summed.divisor.astype(jnp.float32), 1.0])
   totals = found.totals * per_token
-  norms = _window.WindowNorms(grad_norm=totals[0], update_norm=totals[1])
+  norms = _base.WindowNorms(grad_norm=totals[0], update_norm=totals[1])
   if not config.leaf_norms:
     return norms
   structure = jax.tree.structure(grads)

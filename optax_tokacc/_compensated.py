@@ -88,7 +88,7 @@ def accumulate(
 
 
 def window_sums(window, compensated: bool) -> optax.Updates:
-  """The window's sums (``_window.Window``): with compensation, ``total +
+  """The window's sums (``_base.Window``): with compensation, ``total +
   error`` in >= float32."""
   if not compensated:
     return window.grad_sums

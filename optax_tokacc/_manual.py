@@ -27,19 +27,18 @@ track variance, and everything is summed over all of ``axis_name``.
 """
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import optax
 
+from optax_tokacc import _base
 from optax_tokacc import _placement
 from optax_tokacc import _state
 from optax_tokacc import _tokens
 from optax_tokacc._compat import varying_axes
-
-AxisName = Union[str, tuple[str, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +55,7 @@ class Manual(_placement.Single):
   def of(cls, config, params, grads, num_tokens) -> 'Manual':
     """The placement of ``update`` (of ``init`` without ``grads``): checks
     that the window can be summed exactly, or raises at trace time."""
-    axes = as_tuple(config.axis_name)
+    axes = _base.axis_names(config.axis_name)
     if grads is None:
       return cls(axes)
     # every axis bound (else NameError); whether JAX tracks which values
@@ -112,7 +111,7 @@ class Manual(_placement.Single):
     scalars = (_tokens.to_parts(acc_tokens), acc_loss)
     leaves = [lax.psum(x, over) for x, over in zip(leaves, self.grad_axes)]
     parts, loss = lax.psum(scalars, self._over(acc_tokens))
-    return _placement.Reduced(treedef.unflatten(leaves), parts, loss)
+    return _base.Reduced(treedef.unflatten(leaves), parts, loss)
 
   def can_hold(self, acc, update):
     return not varying_axes(acc) and super().can_hold(acc, update)
@@ -150,10 +149,6 @@ class Manual(_placement.Single):
     )
     squares = (grad_squares, self.squares(updates, per_leaf))
     return _placement.global_norms(*squares, overs=overs)
-
-
-def as_tuple(axis_name: AxisName) -> tuple[str, ...]:
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def make_varying(x: jax.Array, axes: frozenset) -> jax.Array:

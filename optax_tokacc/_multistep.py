@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_tokacc import _base
 from optax_tokacc import _closing
 from optax_tokacc import _explicit
 from optax_tokacc import _manual
 from optax_tokacc import _partial_sums
 from optax_tokacc import _placement
-from optax_tokacc import _state
 from optax_tokacc import _validation
 from optax_tokacc import _window
 from optax_tokacc import _zero1
@@ -42,7 +42,7 @@ def token_weighted_multistep(
   inner: optax.GradientTransformation,
   every_k_schedule: Union[int, optax.Schedule],
   *,
-  axis_name: Optional[_manual.AxisName] = None,
+  axis_name: Optional[_base.AxisName] = None,
   loss_reduction: str = 'sum',
   accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
   compensated: bool = False,
@@ -159,7 +159,7 @@ def token_weighted_multistep(
   _validation.check_options(inner, should_skip_update_fn, loss_reduction)
   _validation.axis_name(axis_name)
   norms, leaf_norms = _validation.window_norms(window_norms)
-  config = _validation.Config(
+  config = _base.Config(
     inner=optax.with_extra_args_support(inner),
     schedule=_validation.schedule(every_k_schedule),
     axis_name=axis_name,
@@ -192,8 +192,8 @@ def placement(config, params, state=None, grads=None, num_tokens=None):
 
 
 def _init(
-  config: _validation.Config, /, params: optax.Params
-) -> _state.TokenWeightedMultiStepState:
+  config: _base.Config, /, params: optax.Params
+) -> _base.TokenWeightedMultiStepState:
   _explicit.check_supported(params, 'Parameters')
   place = placement(config, params)
 
@@ -202,7 +202,7 @@ def _init(
 
   nan_norms = _window.nan_norms(config, params)  # no window yet
   grad_norm, update_norm = _window.stored_norms(nan_norms)
-  state = _state.TokenWeightedMultiStepState(
+  state = _base.TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
     grad_sums=zeros(config.acc_dtype),
@@ -234,10 +234,10 @@ def _judge(config, place, grads, gradient_step, params):
 
 
 def _update(
-  config: _validation.Config,
+  config: _base.Config,
   /,
   updates: optax.Updates,
-  state: _state.TokenWeightedMultiStepState,
+  state: _base.TokenWeightedMultiStepState,
   params: Optional[optax.Params] = None,
   *,
   num_tokens: Optional[jax.typing.ArrayLike] = None,
@@ -245,7 +245,7 @@ def _update(
   emit_now: Union[bool, jax.typing.ArrayLike] = False,
   close: Optional[bool] = None,
   **extra_args: Any,
-) -> tuple[optax.Updates, _state.TokenWeightedMultiStepState]:
+) -> tuple[optax.Updates, _base.TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory)."""
   _validation.state_type(state)
   _validation.tree(updates, params, 'the parameters')
@@ -262,7 +262,7 @@ def _update(
 
   keep, skip_state = _judge(config, place, grads, state.gradient_step, params)
   micro = _window.micro_batch(config, place, grads, num_tokens, loss, keep)
-  window = _window.Window(*(getattr(state, f) for f in _window.Window._fields))
+  window = _base.Window(*(getattr(state, f) for f in _base.Window._fields))
   restart = state.mini_step == 0
   window = _window.add(config, place, window, micro, restart, close is not None)
   mini_step = optax.safe_increment(state.mini_step)
@@ -288,7 +288,7 @@ def _next_state(state, mini_step, close, closing, skip_state):
   closed, emitted = closing.closed, closing.closed.emitted
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
   grad_norm, update_norm = _window.stored_norms(closed.norms)
-  return _state.TokenWeightedMultiStepState(
+  return _base.TokenWeightedMultiStepState(
     # grad_sums, acc_compensation, acc_tokens, acc_loss
     **closing.window._asdict(),
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),

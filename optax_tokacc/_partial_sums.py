@@ -33,6 +33,7 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
+from optax_tokacc import _base
 from optax_tokacc import _explicit
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
@@ -133,11 +134,11 @@ class PartialSums(_placement.Single):
           over = tuple(a for a in over if a not in jax.tree.leaves(target.axes))
         out.append(lax.psum(leaf, over) if over else leaf)
       parts, loss = lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
-      return _placement.Reduced(treedef.unflatten(out), parts, loss)
+      return _base.Reduced(treedef.unflatten(out), parts, loss)
 
     specs = [
       _explicit.spec(x, unreduced=False) or jax.P() if t is None else t.spec
       for x, t in zip(leaves, targets)
     ]
-    out_specs = _placement.Reduced(treedef.unflatten(specs), jax.P(), jax.P())
+    out_specs = _base.Reduced(treedef.unflatten(specs), jax.P(), jax.P())
     return _explicit.local(reduce, (leaves, acc_tokens, acc_loss), out_specs)

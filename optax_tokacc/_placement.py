@@ -30,12 +30,13 @@ top of ``init`` and ``update`` (``_multistep.placement``):
 from collections.abc import Callable
 import functools
 import sys
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 import warnings
 
 import jax
 import jax.numpy as jnp
 
+from optax_tokacc import _base
 from optax_tokacc import _explicit
 from optax_tokacc import _tokens
 from optax_tokacc import _validation
@@ -50,14 +51,6 @@ def warn(message: str) -> None:
   while frame.f_globals.get('__name__', '').split('.')[0] in _LIBRARIES:
     frame, level = frame.f_back, level + 1
   warnings.warn(f'token_weighted_multistep: {message}', stacklevel=level)
-
-
-class Reduced(NamedTuple):
-  """The window summed over the devices: what its one reduction gives."""
-
-  sums: Any  # the gradients' sums (a tree)
-  token_parts: jax.Array  # the count as exact parts (``_tokens.to_parts``)
-  loss: jax.Array  # the token-summed loss
 
 
 class Single:
@@ -140,10 +133,10 @@ class Single:
 
   def reduce(
     self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
-  ) -> Reduced:
+  ) -> _base.Reduced:
     """The window's one reduction: its sums, its count as exact parts
     (``_tokens.to_parts``) and its loss, summed over the devices."""
-    return Reduced(sums, _tokens.to_parts(acc_tokens), acc_loss)
+    return _base.Reduced(sums, _tokens.to_parts(acc_tokens), acc_loss)
 
   #: A tree in the types that optax's nonlinear updates take (reduced types
   #: dropped, free).
@@ -191,7 +184,7 @@ class Single:
 
   def norms(
     self, grads: Any, grad_squares: dict, updates: Any, per_leaf: bool = False
-  ) -> 'Norms':
+  ) -> _base.Norms:
     """The L2 norms of ``grads``, given by its :meth:`squares`, and of
     ``updates``, from each device's share of the squares: one ``psum`` of
     all of them per set of mesh axes they are split over (none in data
@@ -204,15 +197,6 @@ class Single:
     if any(axes for s in squares for axes in s):  # split: in a manual region
       return _explicit.local(norms, squares, jax.P())
     return self.per_device(norms, squares, jax.eval_shape(norms, *squares))
-
-
-class Norms(NamedTuple):
-  """L2 norms of two trees (a window's gradient and its update): ``totals``
-  a float32 vector of the two, and, where asked, ``leaves``: per tree, the
-  norm of each of its leaves (lists of float32 scalars, in leaf order)."""
-
-  totals: jax.Array
-  leaves: tuple = ((), ())
 
 
 def local_squares(tree: Any, over: list, per_leaf: bool = False) -> dict:
@@ -233,7 +217,7 @@ def local_squares(tree: Any, over: list, per_leaf: bool = False) -> dict:
   }
 
 
-def global_norms(*squares: dict, overs: tuple) -> Norms:
+def global_norms(*squares: dict, overs: tuple) -> _base.Norms:
   """The L2 norms of trees given by their :func:`local_squares` and the
   axes of their leaves (``overs``): for each set of axes, all the trees'
   squares in one vector, summed over those axes by ``lax.psum`` (in a
@@ -254,7 +238,7 @@ def global_norms(*squares: dict, overs: tuple) -> Norms:
       for leaf, square in zip(mine, chunk[1:]):
         leaves[tree][leaf] = jnp.sqrt(square)
   per_leaf = all(leaf is not None for tree in leaves for leaf in tree)
-  return Norms(
+  return _base.Norms(
     jnp.sqrt(jnp.stack(totals)),
     tuple(map(tuple, leaves)) if per_leaf else ((), ()),
   )

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_tokacc import _base
 from optax_tokacc import _explicit
-from optax_tokacc import _manual
 from optax_tokacc import _state
 from optax_tokacc import _zero1
 
@@ -45,7 +45,7 @@ def _layout(axis_name: Any, specs: list) -> tuple:
   every axis some parameter is reduced over; partial sums over one device
   are the sum."""
   if axis_name is not None:
-    axes = _manual.as_tuple(axis_name)
+    axes = _base.axis_names(axis_name)
 
     def slot(spec):
       split = jax.tree.leaves(_explicit.partitions(spec))
@@ -83,7 +83,7 @@ def state_partition_specs(
   params: optax.Params,
   *,
   param_specs: Optional[Any] = None,
-  axis_name: Optional[_manual.AxisName] = None,
+  axis_name: Optional[_base.AxisName] = None,
   manual_axes: Optional[Any] = None,
   shard_optimizer_over: Optional[Any] = None,
   mesh: Optional[jax.sharding.Mesh] = None,
@@ -136,8 +136,8 @@ def state_partition_specs(
   specs = _specs(tx, params, param_specs, axis_name, shard_optimizer_over, mesh)
   if manual_axes is None:
     return specs
-  kept = set(_manual.as_tuple(manual_axes))  # the other axes are dropped
-  if axis_name is not None and not set(_manual.as_tuple(axis_name)) <= kept:
+  kept = set(_base.axis_names(manual_axes))  # the other axes are dropped
+  if axis_name is not None and not set(_base.axis_names(axis_name)) <= kept:
     raise ValueError(
       f'axis_name={axis_name!r} must be among the manual axes of shard_map '
       f'(manual_axes={manual_axes!r}): the transform sums over manual axes.'
@@ -174,7 +174,7 @@ def _specs(tx, params, param_specs, axis_name, shard_over, mesh) -> Any:
     if not _state.is_state(node):
       return node
     # skip_state's scalars: replicated, or slots
-    return _state.map_per_device(gradient, node)._replace(
+    return _base.map_per_device(gradient, node)._replace(
       acc_tokens=scalar, acc_loss=scalar, inner_state=zero_node.inner_state
     )
 
@@ -192,7 +192,7 @@ def state_shardings(
   mesh: jax.sharding.Mesh,
   *,
   param_specs: Optional[Any] = None,
-  axis_name: Optional[_manual.AxisName] = None,
+  axis_name: Optional[_base.AxisName] = None,
   shard_optimizer_over: Optional[Any] = None,
 ) -> Any:
   """:func:`state_partition_specs` as ``NamedSharding``'s on ``mesh``.
@@ -234,7 +234,7 @@ def init_sharded(
   mesh: jax.sharding.Mesh,
   *,
   param_specs: Optional[Any] = None,
-  axis_name: Optional[_manual.AxisName] = None,
+  axis_name: Optional[_base.AxisName] = None,
   shard_optimizer_over: Optional[Any] = None,
 ) -> optax.OptState:
   """``tx.init(params)`` laid out on ``mesh`` (global arrays).

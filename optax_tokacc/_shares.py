@@ -32,12 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_tokacc import _base
 from optax_tokacc import _compensated
 from optax_tokacc import _explicit
-from optax_tokacc import _state
 from optax_tokacc import _tokens
 
-PER_DEVICE = _state.PER_DEVICE_FIELDS
+PER_DEVICE = _base.PER_DEVICE_FIELDS
 # How a state holds its per-device fields (see :func:`layout_of`).
 _PMAP, _SLOTS, _TYPED = 'pmap', 'slots', 'typed'
 
@@ -87,7 +87,7 @@ def _shares(x: Any) -> Any:
   return leaf_rows(x) if _explicit.unreduced(x) else _one_row(x)
 
 
-def save_state(state: Any) -> _state.SavedState:
+def save_state(state: Any) -> _base.SavedState:
   """``state`` as :func:`optax_tokacc.to_checkpoint` saves it."""
   layout = layout_of(state)
   if layout == _PMAP:  # every device holds every field: one copy, rows
@@ -99,7 +99,7 @@ def save_state(state: Any) -> _state.SavedState:
     shares = jax.tree.map(_shares, per_device(state))
     saved = jax.tree.map(leaf_rows, state)._replace(**shares)
   counts = [leading(x) for x in jax.tree.leaves(per_device(saved))]
-  return _state.SavedState(saved, jnp.asarray(counts, jnp.int32))
+  return _base.SavedState(saved, jnp.asarray(counts, jnp.int32))
 
 
 def row_counts(state: Any) -> list[int]:

@@ -20,51 +20,20 @@ the token rules in ``_tokens``.
 """
 
 from collections.abc import Callable
-import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_tokacc import _base
 from optax_tokacc import _explicit
 
 _REDUCTIONS = ('sum', 'mean')
 _REAL = (jnp.integer, jnp.floating)  # The dtypes of a real scalar.
 # The fix for a static argument that optax.inject_hyperparams made an array.
 _STATIC = ' With optax.inject_hyperparams, list it in static_args.'
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-  """The transform's configuration, checked and canonicalized."""
-
-  inner: optax.GradientTransformationExtraArgs
-  schedule: Callable[[jax.Array], Any]
-  axis_name: Optional[Union[str, tuple[str, ...]]]
-  mean_loss: bool
-  accumulator_dtype: Optional[jnp.dtype]
-  compensated: bool
-  should_skip_update_fn: Optional[Callable]
-  token_dtype: jnp.dtype
-  # Close a window once it holds this many counted tokens (all devices).
-  tokens_per_update: Optional[int] = None
-  # Whether the closing step computes the window's two norms, and (then)
-  # each leaf's (window_norms='per_leaf').
-  norms: bool = True
-  leaf_norms: bool = False
-
-  def acc_dtype(self, leaf: Any) -> jnp.dtype:
-    """The accumulator dtype of a leaf: configured, or at least float32."""
-    if self.accumulator_dtype is not None:
-      return self.accumulator_dtype
-    return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
-
-  @property
-  def loss_dtype(self) -> jnp.dtype:
-    """float64 under ``jax_enable_x64``, float32 otherwise."""
-    return jax.dtypes.canonicalize_dtype(jnp.float64)
 
 
 def _refuse(
@@ -119,20 +88,13 @@ def schedule(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
   if callable(every_k_schedule):
     return every_k_schedule
   if isinstance(every_k_schedule, jax.Array):  # From inject_hyperparams.
-    check_k(every_k_schedule)
+    _base.check_k(every_k_schedule)
     if isinstance(every_k_schedule, jax.core.Tracer):
       return lambda step: every_k_schedule
     every_k_schedule = int(every_k_schedule)
   kinds = 'an int >= 1 or a function of the step, e.g. every_k_schedule=4'
   k = positive_int(every_k_schedule, 'every_k_schedule', kinds)
   return lambda step: k
-
-
-def check_k(k: Any) -> None:
-  """``every_k_schedule``'s value must be an integer scalar."""
-  fix = ' Round a floating schedule, e.g. jnp.round(k).astype(jnp.int32).'
-  name = 'every_k_schedule(gradient_step)'
-  _scalar(k, name, 'an integer scalar', (jnp.integer,), fix, TypeError)
 
 
 def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
@@ -234,7 +196,9 @@ def tree(grads: Any, reference: Any, what: str) -> None:
     )
 
 
-def state_matches(config: Config, grads: Any, state: Any, params: Any) -> None:
+def state_matches(
+  config: _base.Config, grads: Any, state: Any, params: Any
+) -> None:
   """Refuses a state made (or restored) for another configuration, or for
   gradients of another tree, shape, dtype or (explicit sharding) type.
 
@@ -326,7 +290,7 @@ def call_skip_fn(
 
 def window_norms(value: Any) -> tuple[bool, bool]:
   """``window_norms`` (True, False or ``'per_leaf'``) as the two flags of
-  :class:`Config`: the global norms, and each leaf's too."""
+  :class:`~optax_tokacc._base.Config`: the global norms, and each leaf's too."""
   if isinstance(value, str) and value == 'per_leaf':
     return True, True
   if isinstance(value, (bool, np.bool_)):

@@ -23,48 +23,18 @@ placement's (``_placement``); nothing here asks which parallel mode it runs
 in.
 """
 
-from typing import Any, NamedTuple, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from optax_tokacc import _base
 from optax_tokacc import _compensated
 from optax_tokacc import _tokens
-from optax_tokacc import _validation
 
 
-class Window(NamedTuple):
-  """The window's sums so far, this device's share (see the state)."""
-
-  grad_sums: optax.Updates
-  acc_compensation: optax.Updates
-  acc_tokens: jax.Array
-  acc_loss: jax.Array
-
-
-class MicroBatch(NamedTuple):
-  """What one micro-step brings: ``keep`` None means always kept."""
-
-  grads: optax.Updates
-  count: jax.Array
-  loss: jax.Array  # summed over its tokens
-  keep: Optional[jax.Array]
-
-
-class WindowNorms(NamedTuple):
-  """The window's norms (``window_norms``), float32: the global L2 norm of
-  its token-mean gradient and of the emitted update, and where asked
-  (``window_norms='per_leaf'``) each leaf's, trees like the gradients
-  (``()`` otherwise)."""
-
-  grad_norm: jax.Array
-  update_norm: jax.Array
-  grad_norms: Any = ()
-  update_norms: Any = ()
-
-
-def stored_norms(norms: WindowNorms) -> tuple[Any, Any]:
+def stored_norms(norms: _base.WindowNorms) -> tuple[Any, Any]:
   """The state's ``last_grad_norm`` and ``last_update_norm`` for
   ``norms``: the global norms, each paired with its leaves' tree where
   there is one."""
@@ -76,24 +46,16 @@ def stored_norms(norms: WindowNorms) -> tuple[Any, Any]:
   )
 
 
-def nan_norms(config, grads: optax.Updates) -> WindowNorms:
+def nan_norms(config, grads: optax.Updates) -> _base.WindowNorms:
   """The norms of no window: NaN, in the trees ``config`` asks for."""
   nan = jnp.full([], jnp.nan, jnp.float32)
   leaves = jax.tree.map(lambda _: nan, grads) if config.leaf_norms else ()
-  return WindowNorms(nan, nan, leaves, leaves)
+  return _base.WindowNorms(nan, nan, leaves, leaves)
 
 
-class Closed(NamedTuple):
-  """What closing the window gave (all False or zero on a micro-step)."""
-
-  emitted: jax.Array  # whether inner ran: a valid window with tokens
-  valid: jax.Array  # whether the window's count was valid
-  tokens: jax.Array  # the window's counted tokens, over all devices
-  mean_loss: jax.Array  # its token-mean loss
-  norms: WindowNorms  # NaN where none were computed
-
-
-def micro_batch(config, place, grads, num_tokens, loss, keep) -> MicroBatch:
+def micro_batch(
+  config, place, grads, num_tokens, loss, keep
+) -> _base.MicroBatch:
   """The micro-batch as the window adds it. Under a mean loss the gradient
   (in :func:`add`) and the loss are scaled by the count they are the mean
   over, validated now; otherwise the count is validated on each device's
@@ -104,11 +66,11 @@ def micro_batch(config, place, grads, num_tokens, loss, keep) -> MicroBatch:
   if config.mean_loss:
     count = _tokens.as_count(place.whole(count), config.token_dtype)
     loss = place.scale(loss, count.astype(loss.dtype))
-  return MicroBatch(place.gradient_shares(grads), count, loss, keep)
+  return _base.MicroBatch(place.gradient_shares(grads), count, loss, keep)
 
 
-def add(config, place, window, micro, restart, select=False) -> Window:
-  """The window with the micro-batch (a :class:`MicroBatch`) added;
+def add(config, place, window, micro, restart, select=False) -> _base.Window:
+  """The window with the micro-batch (a :class:`~optax_tokacc._base.MicroBatch`) added;
   ``restart`` starts a window (in a ``cond``, or a select where the program
   has no conditional). Contributions are selected, never multiplied by
   zero."""
@@ -136,7 +98,7 @@ def add(config, place, window, micro, restart, select=False) -> Window:
   else:
     grad_sums, acc_compensation = accumulate(*args)
   acc_tokens, acc_loss = _add_scalars(config, place, window, micro, adds)
-  return Window(grad_sums, acc_compensation, acc_tokens, acc_loss)
+  return _base.Window(grad_sums, acc_compensation, acc_tokens, acc_loss)
 
 
 def _add_scalars(config, place, window, micro, adds):
@@ -160,7 +122,7 @@ def _add_scalars(config, place, window, micro, adds):
 def should_close(config, place, gradient_step, mini_step, acc_tokens, emit_now):
   """Whether this call closes the window: the same on every device."""
   k = config.schedule(gradient_step)
-  _validation.check_k(k)
+  _base.check_k(k)
   close = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
   if config.tokens_per_update is not None:
     close |= window_tokens(place, acc_tokens) >= config.tokens_per_update
@@ -179,7 +141,7 @@ def window_tokens(place, acc_tokens) -> jax.Array:
   return jnp.where(fits, total, jnp.asarray(top, acc_tokens.dtype))
 
 
-def reset_if(place, close, window: Window) -> Window:
+def reset_if(place, close, window: _base.Window) -> _base.Window:
   """The window's count and loss zeroed if ``close``, on each device's
   share (a select on partial sums would make the compiler reduce them)."""
 

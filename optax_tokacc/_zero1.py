@@ -36,8 +36,8 @@ from typing import Any, NamedTuple, Optional
 import jax
 import optax
 
+from optax_tokacc import _base
 from optax_tokacc import _explicit
-from optax_tokacc import _manual
 from optax_tokacc import _partial_sums
 
 
@@ -51,7 +51,7 @@ def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
       f'shard_optimizer_over={shard_over!r} needs explicit sharding, not '
       f'axis_name={axis_name!r}: leave it None and type the parameters reduced.'
     )
-  axes = _manual.as_tuple(shard_over)
+  axes = _base.axis_names(shard_over)
   mesh = _mesh(params) if mesh is None else mesh
   specs = jax.tree.leaves(param_specs)
   split = jax.tree.leaves([_explicit.partitions(s) for s in specs])
