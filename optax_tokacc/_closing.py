@@ -32,8 +32,8 @@ import optax
 from optax_tokacc import _base
 from optax_tokacc import _compensated
 from optax_tokacc import _explicit
+from optax_tokacc import _inputs
 from optax_tokacc import _tokens
-from optax_tokacc import _validation
 from optax_tokacc import _window
 from optax_tokacc._window import reset_if
 
@@ -255,7 +255,7 @@ def _inner(config, place, grads, inner_state, params, extra):
   except TypeError as e:
     if extra.with_loss and "unexpected keyword argument 'value'" in str(e):
       return shapes(extra._replace(with_loss=False))
-    _raise(e, None if extra.with_loss else _validation.needs_value_error(e))
+    _raise(e, None if extra.with_loss else _inputs.needs_value_error(e))
 
 
 def _raise(error: Exception, ours: Optional[Exception]) -> NoReturn:

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_tokacc import _config
 from optax_tokacc import _explicit
-from optax_tokacc import _validation
 
 Batch = Any
 TokenLossFn = Callable[[optax.Params, Batch], tuple[jax.Array, jax.Array]]
@@ -109,7 +109,7 @@ def microbatched_value_and_grad(
     Array(64., dtype=float32)
   """
   kinds = 'a Python int >= 1 (examples per micro-batch)'
-  size = _validation.positive_int(microbatch_size, 'microbatch_size', kinds)
+  size = _config.positive_int(microbatch_size, 'microbatch_size', kinds)
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
   def microbatched_fn(params, batch):

@@ -29,11 +29,13 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _closing
+from optax_tokacc import _config
 from optax_tokacc import _explicit
+from optax_tokacc import _inputs
 from optax_tokacc import _manual
 from optax_tokacc import _partial_sums
 from optax_tokacc import _placement
-from optax_tokacc import _validation
+from optax_tokacc import _state_checks
 from optax_tokacc import _window
 from optax_tokacc import _zero1
 
@@ -156,21 +158,17 @@ def token_weighted_multistep(
     Hugging Face, `Fixing gradient accumulation
     <https://huggingface.co/blog/gradient_accumulation>`_, 2024.
   """
-  _validation.check_options(inner, should_skip_update_fn, loss_reduction)
-  _validation.axis_name(axis_name)
-  norms, leaf_norms = _validation.window_norms(window_norms)
-  config = _base.Config(
-    inner=optax.with_extra_args_support(inner),
-    schedule=_validation.schedule(every_k_schedule),
-    axis_name=axis_name,
-    mean_loss=loss_reduction == 'mean',
-    accumulator_dtype=_validation.dtype(accumulator_dtype, 'accumulator_dtype'),
-    compensated=_validation.flag(compensated, 'compensated'),
-    should_skip_update_fn=should_skip_update_fn,
-    token_dtype=_validation.dtype(token_dtype, 'token_dtype'),
-    tokens_per_update=_validation.tokens_per_update(tokens_per_update),
-    norms=norms,
-    leaf_norms=leaf_norms,
+  config = _config.make(
+    inner,
+    every_k_schedule,
+    axis_name,
+    loss_reduction,
+    accumulator_dtype,
+    compensated,
+    should_skip_update_fn,
+    token_dtype,
+    tokens_per_update,
+    window_norms,
   )
   return optax.GradientTransformationExtraArgs(
     functools.partial(_init, config), functools.partial(_update, config)
@@ -247,18 +245,18 @@ def _update(
   **extra_args: Any,
 ) -> tuple[optax.Updates, _base.TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory)."""
-  _validation.state_type(state)
-  _validation.tree(updates, params, 'the parameters')
+  _inputs.state_type(state)
+  _inputs.tree(updates, params, 'the parameters')
   _explicit.check_supported(updates, 'Gradients')
   grads, num_tokens, loss = _explicit.reduce_trivial(updates, num_tokens, loss)
-  _validation.num_tokens(num_tokens, config.token_dtype)
+  _inputs.num_tokens(num_tokens, config.token_dtype)
   place = placement(config, params, state, grads, num_tokens)
   state = place.enter(state)
-  _validation.state_matches(config, grads, state, params)
-  _validation.loss(loss)
-  emit_now = _validation.emit_now(emit_now)
-  _validation.close(close, emit_now, config.tokens_per_update)
-  _validation.extra_args(extra_args)
+  _state_checks.state_matches(config, grads, state, params)
+  _inputs.loss(loss)
+  emit_now = _inputs.emit_now(emit_now)
+  _inputs.close(close, emit_now, config.tokens_per_update)
+  _inputs.extra_args(extra_args)
 
   keep, skip_state = _judge(config, place, grads, state.gradient_step, params)
   micro = _window.micro_batch(config, place, grads, num_tokens, loss, keep)

@@ -37,7 +37,6 @@ from optax_tokacc import _base
 from optax_tokacc import _explicit
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
-from optax_tokacc import _validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +100,7 @@ class PartialSums(_placement.Single):
     axes = tuple(sorted(self.axes))
 
     def decide(*args):  # summed in one psum, bools as any device's
-      decision = _validation.call_skip_fn(skip_fn, *args)
+      decision = _placement.call_skip_fn(skip_fn, *args)
       summed = lax.psum(decision, axes)  # bools summed as int32
       return jax.tree.map(
         lambda s, x: s > 0 if x.dtype == jnp.bool_ else s, summed, decision

@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 
 from optax_tokacc import _base
+from optax_tokacc import _errors
 from optax_tokacc import _explicit
 from optax_tokacc import _tokens
-from optax_tokacc import _validation
 
 _LIBRARIES = ('optax_tokacc', 'optax', 'flax')  # frames warn() skips
 
@@ -51,6 +51,23 @@ def warn(message: str) -> None:
   while frame.f_globals.get('__name__', '').split('.')[0] in _LIBRARIES:
     frame, level = frame.f_back, level + 1
   warnings.warn(f'token_weighted_multistep: {message}', stacklevel=level)
+
+
+def call_skip_fn(
+  should_skip_update_fn: Callable, grads: Any, gradient_step: Any, params: Any
+) -> tuple[jax.Array, Any]:
+  """Calls ``should_skip_update_fn`` and checks what it returns."""
+  result = should_skip_update_fn(grads, gradient_step, params)
+  name = 'should_skip_update_fn(grads, step, params)'
+  if not (isinstance(result, tuple) and len(result) == 2):
+    kinds = 'a pair (should_skip, skip_state), as optax.skip_not_finite gives'
+    raise _errors.refuse(name, kinds, type(result).__name__)
+  skip, skip_state = result
+  fix = ' Reduce it, e.g. with jnp.any(...).'
+  _errors.check_scalar(
+    skip, f'{name}[0]', 'a boolean scalar', (jnp.bool_, jnp.number), fix
+  )
+  return jnp.asarray(skip, jnp.bool_), skip_state
 
 
 class Single:
@@ -121,7 +138,7 @@ class Single:
 
   #: ``(skip_fn, grads, step, params)``: ``skip_fn``'s decision on the
   #: micro-batch, and its skip state.
-  judge = staticmethod(_validation.call_skip_fn)
+  judge = staticmethod(call_skip_fn)
 
   def total(self, fn: Callable, x: jax.Array) -> jax.Array:
     """``fn`` of each device's share of ``x``, summed over the devices."""

@@ -121,8 +121,7 @@ def _add_scalars(config, place, window, micro, adds):
 
 def should_close(config, place, gradient_step, mini_step, acc_tokens, emit_now):
   """Whether this call closes the window: the same on every device."""
-  k = config.schedule(gradient_step)
-  _base.check_k(k)
+  k = config.window_size(gradient_step)
   close = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
   if config.tokens_per_update is not None:
     close |= window_tokens(place, acc_tokens) >= config.tokens_per_update

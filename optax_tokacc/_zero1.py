@@ -120,7 +120,7 @@ class DistributedOptimizer(_partial_sums.PartialSums):
     targets = _targets(inner, inner_state, grads, place.axes)
     if all(t is None for t in targets):
       return place
-    # the window's sums are typed like the gradients (_validation.state_matches)
+    # the window's sums are typed like the gradients (_state_checks.state_matches)
     leaves = jax.tree.leaves(grads)
     return cls(place.axes, place.mesh, tuple(map(_scattered, leaves, targets)))
 

@@ -1,0 +1,167 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The constructor's arguments, checked and made a :class:`~optax_tokacc._base.Config`.
+
+Each check raises one error that names the argument and echoes the bad
+value (``_errors``), when ``token_weighted_multistep`` is called.
+"""
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_tokacc import _base
+from optax_tokacc import _errors
+
+
+def make(
+  inner: Any,
+  every_k_schedule: Any,
+  axis_name: Any,
+  loss_reduction: Any,
+  accumulator_dtype: Any,
+  compensated: Any,
+  should_skip_update_fn: Any,
+  token_dtype: Any,
+  tokens_per_update: Any,
+  window_norms: Any,
+) -> _base.Config:
+  """The configuration of ``token_weighted_multistep``'s arguments, each
+  checked and canonicalized."""
+  check_options(inner, should_skip_update_fn, loss_reduction)
+  check_axis_name(axis_name)
+  norms, leaf_norms = parse_window_norms(window_norms)
+  return _base.Config(
+    inner=optax.with_extra_args_support(inner),
+    schedule=schedule(every_k_schedule),
+    axis_name=axis_name,
+    mean_loss=loss_reduction == 'mean',
+    accumulator_dtype=dtype(accumulator_dtype, 'accumulator_dtype'),
+    compensated=flag(compensated, 'compensated'),
+    should_skip_update_fn=should_skip_update_fn,
+    token_dtype=dtype(token_dtype, 'token_dtype'),
+    tokens_per_update=check_tokens_per_update(tokens_per_update),
+    norms=norms,
+    leaf_norms=leaf_norms,
+  )
+
+
+_REDUCTIONS = ('sum', 'mean')
+
+
+def check_options(
+  inner: Any, should_skip_update_fn: Any, loss_reduction: Any
+) -> None:
+  """Checks the constructor's non-dtype arguments (bools: :func:`flag`)."""
+  if not isinstance(inner, optax.GradientTransformation):
+    kinds = 'an optax.GradientTransformation such as optax.adam(1e-3)'
+    raise _errors.refuse('inner', kinds, repr(inner))
+  if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+    kinds = 'None or a function such as tokacc.skip_not_finite'
+    raise _errors.refuse(
+      'should_skip_update_fn', kinds, repr(should_skip_update_fn)
+    )
+  if loss_reduction not in _REDUCTIONS:
+    kinds = f'one of {_REDUCTIONS}'
+    raise _errors.refuse(
+      'loss_reduction', kinds, repr(loss_reduction), '', ValueError
+    )
+
+
+def flag(value: Any, name: str) -> bool:
+  """``name``'s ``value``, a Python or NumPy bool, as a Python bool."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise _errors.refuse(
+      name, 'True or False', repr(value), _errors.STATIC_ARG_FIX
+    )
+  return bool(value)
+
+
+def positive_int(value: Any, name: str, kinds: str) -> int:
+  """``value``, a Python or NumPy int >= 1 (not a bool), as an int.
+
+  ``kinds`` says what ``name`` must be, for the error.
+  """
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise _errors.refuse(name, kinds, _errors.typed(value))
+  if value < 1:
+    raise _errors.refuse(name, '>= 1', f'{name}={value}', error=ValueError)
+  return int(value)
+
+
+def schedule(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
+  """``every_k_schedule`` checked and made a function of the step."""
+  if callable(every_k_schedule):
+    return every_k_schedule
+  if isinstance(every_k_schedule, jax.Array):  # From inject_hyperparams.
+    _base.check_k(every_k_schedule)
+    if isinstance(every_k_schedule, jax.core.Tracer):
+      return lambda step: every_k_schedule
+    every_k_schedule = int(every_k_schedule)
+  kinds = 'an int >= 1 or a function of the step, e.g. every_k_schedule=4'
+  k = positive_int(every_k_schedule, 'every_k_schedule', kinds)
+  return lambda step: k
+
+
+def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
+  """``accumulator_dtype`` (a floating dtype; None stays None: the
+  gradient's, at least float32) or ``token_dtype`` (int32, the default for
+  exact counts, or a floating dtype), checked and canonicalized."""
+  counts = name == 'token_dtype'
+  if value is None:
+    return jnp.dtype(jnp.int32) if counts else None
+  kinds = 'a floating dtype, or None for the gradient dtype (at least float32)'
+  kinds = 'int32 or a floating dtype' if counts else kinds
+  try:
+    found = jnp.dtype(value)
+  except TypeError as e:
+    raise _errors.refuse(
+      name, kinds, repr(value), _errors.STATIC_ARG_FIX
+    ) from e
+  if not (jnp.issubdtype(found, jnp.floating) or counts and found == jnp.int32):
+    raise _errors.refuse(name, kinds, found)
+  return jax.dtypes.canonicalize_dtype(found)
+
+
+def parse_window_norms(value: Any) -> tuple[bool, bool]:
+  """``window_norms`` (True, False or ``'per_leaf'``) as the two flags of
+  :class:`~optax_tokacc._base.Config`: the global norms, and each leaf's too."""
+  if isinstance(value, str) and value == 'per_leaf':
+    return True, True
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value), False
+  kinds = "True, False or 'per_leaf'"
+  raise _errors.refuse(
+    'window_norms', kinds, repr(value), _errors.STATIC_ARG_FIX
+  )
+
+
+def check_axis_name(value: Any) -> None:
+  """``axis_name`` must be None, a str or a tuple of str."""
+  names = (value,) if isinstance(value, str) else value
+  strs = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
+  if value is not None and not (strs and names):
+    raise _errors.refuse('axis_name', 'a str or a tuple of str', repr(value))
+
+
+def check_tokens_per_update(value: Any) -> Optional[int]:
+  """``tokens_per_update``: None, or a Python int >= 1."""
+  if value is None:
+    return None
+  return positive_int(value, 'tokens_per_update', 'None or an int >= 1')

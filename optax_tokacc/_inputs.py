@@ -1,0 +1,136 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The arguments of ``tx.update``, checked at trace time.
+
+Each check raises one error that names the argument and echoes the bad
+value (``_errors``); what cannot be known at trace time (a traced count)
+is handled by the token rules of ``_tokens``.
+"""
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_tokacc import _errors
+
+_REAL = (jnp.integer, jnp.floating)  # The dtypes of a real scalar.
+
+
+def num_tokens(value: Any, dtype: jnp.dtype) -> None:
+  """Checks ``num_tokens`` at trace time (kind, shape, concrete range)."""
+  if value is None:
+    raise TypeError(
+      'num_tokens is required: tx.update(grads, state, params, num_tokens=n).'
+    )
+  kinds = "a real scalar (this device's counted tokens of this micro-batch)"
+  fix = ' Sum a mask: num_tokens=mask.sum().'
+  _errors.check_scalar(value, 'num_tokens', kinds, _REAL, fix)
+  if isinstance(value, jax.core.Tracer):
+    return
+  count = np.asarray(value).item()
+  got = f'num_tokens={count}'
+  if not 0 <= count < np.inf:  # Also NaN.
+    raise _errors.refuse(
+      'num_tokens', 'a finite count >= 0', got, error=ValueError
+    )
+  integer = jnp.issubdtype(dtype, jnp.integer)
+  if integer and (count != int(count) or count > jnp.iinfo(dtype).max):
+    kinds = f'a whole number that fits the {dtype} token counter'
+    fix = ' For fractional counts, set token_dtype=jnp.float32.'
+    raise _errors.refuse('num_tokens', kinds, got, fix, ValueError)
+
+
+def emit_now(value: Any) -> Optional[jax.Array]:
+  """``emit_now`` as a boolean scalar, or None when statically False."""
+  if isinstance(value, (bool, np.bool_)) and not value:
+    return None
+  _errors.check_scalar(value, 'emit_now', 'a boolean scalar', (jnp.bool_,))
+  return jnp.asarray(value, jnp.bool_)
+
+
+def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
+  """``close``: None (the device decides), or a Python bool (the host)."""
+  if value is None:
+    return
+  if not isinstance(value, bool):  # Also a traced value.
+    kinds = 'None or a Python bool, not traced (on the device, pass emit_now)'
+    raise _errors.refuse('close', kinds, f'close={value!r}')
+  if tokens_per_update is not None or emit_now is not None:
+    other = f'tokens_per_update={tokens_per_update}'
+    other = 'emit_now' if tokens_per_update is None else other
+    raise ValueError(f'close={value} and {other} both decide when: drop one.')
+
+
+def loss(value: Any) -> None:
+  """Checks ``loss``: None, or a real scalar."""
+  if value is not None:
+    _errors.check_scalar(
+      value, 'loss', "a real scalar (this micro-batch's loss)", _REAL
+    )
+
+
+def state_type(state: Any) -> None:
+  """``state`` must be the transform's own state."""
+  if type(state).__name__ != 'TokenWeightedMultiStepState':
+    kinds = 'the TokenWeightedMultiStepState of tx.init'
+    fix = " With optax.chain, pass the chain's state."
+    raise _errors.refuse('state', kinds, type(state).__name__, fix)
+
+
+def tree(grads: Any, reference: Any, what: str) -> None:
+  """``grads`` must have the tree structure of ``reference`` (None: any)."""
+  expected = jax.tree.structure(reference)
+  if reference is not None and jax.tree.structure(grads) != expected:
+    raise ValueError(
+      f'The gradient tree does not match {what}: got '
+      f'{jax.tree.structure(grads)}, expected {expected}.'
+    )
+
+
+# Extra arguments that re-evaluate the objective at other parameters.
+_OBJECTIVE_FNS = ('value_fn', 'grad_fn', 'obj_fn')
+
+
+def extra_args(extra: dict[str, Any]) -> None:
+  """Refuses extra args that describe the last micro-batch only.
+
+  ``value`` is the window's token-mean loss, computed by the transform from
+  ``loss``. A function of the parameters (``value_fn``, ``grad_fn``,
+  ``obj_fn``, any callable) would let ``inner`` re-evaluate an objective,
+  but a window of micro-batches has none to re-evaluate.
+  """
+  if 'value' in extra:
+    raise TypeError('tx.update got value=...: pass the loss as loss= instead.')
+  for name, arg in extra.items():
+    if name in _OBJECTIVE_FNS or callable(arg):
+      raise TypeError(
+        f'tx.update got {name}={arg!r}, a function that re-evaluates the '
+        'objective; a window has none. Use e.g. optax.lbfgs('
+        'linesearch=None) or optax.contrib.sam(..., opaque_mode=False).'
+      )
+
+
+def needs_value_error(error: TypeError) -> Optional[TypeError]:
+  """Our error for ``inner`` asking for ``value`` (or an objective function)
+  when ``loss`` was not passed; None for an unrelated ``TypeError``."""
+  message = str(error)
+  if 'value' not in message and not any(n in message for n in _OBJECTIVE_FNS):
+    return None
+  return TypeError(
+    "inner needs value=: pass the micro-batch's loss as loss= to tx.update "
+    f'(inner raised: {message}).'
+  )
