@@ -81,7 +81,9 @@ def _reduce(config, place, window: _base.Window) -> tuple[_Sums, _base.Closed]:
   """The window summed over the devices (its one reduction), and what
   closing it gives."""
   sums = _compensated.window_sums(window, config.compensated)
-  sums, parts, loss_sum = place.reduce(sums, window.acc_tokens, window.acc_loss)
+  sums, parts, loss_sum = place.reduce_window(
+    sums, window.acc_tokens, window.acc_loss
+  )
   total, valid = _tokens.from_parts(parts, config.token_dtype)
   divisor = jnp.maximum(total, 1)
   mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
@@ -113,9 +115,9 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
 
   value = {'value': summed.mean_loss} if extra.with_loss else {}
   mean_grads = optax.tree.cast_like(jax.tree.map(mean, summed.sums), grads)
-  plain_inner = place.for_inner(opt_state)
+  plain_inner = place.inner_types(opt_state)
   updates, new_inner = config.inner.update(
-    mean_grads, plain_inner, place.for_inner(params), **extra.args, **value
+    mean_grads, plain_inner, place.inner_types(params), **extra.args, **value
   )
   new_inner = optax.tree.cast_like(new_inner, opt_state)
   norms = _window.nan_norms(config, grads)
@@ -125,8 +127,8 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
     updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
     new_inner = optax.tree.where(emitted, new_inner, plain_inner)
   if params is not None:
-    updates = place.like(updates, params)
-  return updates, place.like(new_inner, opt_state), norms
+    updates = place.typed_like(updates, params)
+  return updates, place.typed_like(new_inner, opt_state), norms
 
 
 def _norms(config, place, grads, summed: _Sums, updates) -> _base.WindowNorms:
@@ -190,7 +192,7 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     if updates is None:
       return grad_sums
     held = optax.tree.cast_like(updates, grad_sums)
-    return jax.tree.map(place.same_values, held, grad_sums)
+    return jax.tree.map(place.retype_same_values, held, grad_sums)
 
   def step(grad_sums, summed, inner_state, params):
     updates, new_inner, norms = inner_step(summed, inner_state, params)
@@ -226,7 +228,9 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     """The update from the buffer that held it: -0.0 unless emitted (the
     buffer holds the window's sums on a micro-step), typed and cast like
     ``inner``'s. The value picked is the same on every device."""
-    return place.per_device(_or_zeros, (h, closed.emitted), s).astype(s.dtype)
+    return place.on_each_device(_or_zeros, (h, closed.emitted), s).astype(
+      s.dtype
+    )
 
   updates = jax.tree.map(release, held, shapes)
   return Closing(updates, window._replace(grad_sums=held), inner_state, closed)
@@ -248,7 +252,7 @@ def _inner(config, place, grads, inner_state, params, extra):
       summed = _Sums(sums, *scalars, place.squares(sums, config.leaf_norms))
       return jax.eval_shape(step, summed, inner_state, params)[0], step
     except Exception as e:
-      _raise(e, place.refusal(e))
+      _raise(e, place.refusal_of(e))
 
   try:
     return shapes(extra)
@@ -271,7 +275,7 @@ def _holds_exactly(place, grad_sums: optax.Updates, updates: Any) -> bool:
 
   def holds(a, u):
     dtype_holds = jnp.promote_types(a.dtype, u.dtype) == a.dtype
-    return a.shape == u.shape and dtype_holds and place.can_hold(a, u)
+    return a.shape == u.shape and dtype_holds and place.buffer_holds(a, u)
 
   same_tree = jax.tree.structure(grad_sums) == jax.tree.structure(updates)
   return same_tree and jax.tree.all(jax.tree.map(holds, grad_sums, updates))

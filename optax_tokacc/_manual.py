@@ -15,7 +15,7 @@
 """The placement under ``pmap`` and ``shard_map`` with ``axis_name``.
 
 Each device holds its share of the window; the state's per-device fields
-carry a leading slot axis (``_state.with_device_slot``). A value that
+carry a leading slot axis (``Manual.local_state``). A value that
 arrives the same on every device of some data axes (already summed: the
 gradient of a parameter not marked varying, a count the caller summed) is
 held by the first device along them (:meth:`Manual.share`), so that every
@@ -26,8 +26,9 @@ summing them. Under ``pmap`` or ``shard_map(check_vma=False)`` JAX does not
 track variance, and everything is summed over all of ``axis_name``.
 """
 
+from collections.abc import Callable
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, final
 
 import jax
 from jax import lax
@@ -35,24 +36,29 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
+from optax_tokacc import _explicit
 from optax_tokacc import _placement
-from optax_tokacc import _state
 from optax_tokacc import _tokens
 from optax_tokacc._compat import varying_axes
 
 
+@final
 @dataclasses.dataclass(frozen=True)
-class Manual(_placement.Single):
+class Manual(_placement.Placement):
   """Shares held per device, summed with collectives over ``axes``."""
 
   axes: tuple[str, ...]
   tracked: bool = False  # whether JAX tracks what varies (check_vma)
   grad_axes: tuple = ()  # per gradient leaf, the axes to sum it over
 
-  advances_rejected = True
-
   @classmethod
-  def of(cls, config, params, grads, num_tokens) -> 'Manual':
+  def of(
+    cls,
+    config: _base.Config,
+    params: Optional[optax.Params],
+    grads: Optional[optax.Updates],
+    num_tokens: Any,
+  ) -> 'Manual':
     """The placement of ``update`` (of ``init`` without ``grads``): checks
     that the window can be summed exactly, or raises at trace time."""
     axes = _base.axis_names(config.axis_name)
@@ -76,22 +82,29 @@ class Manual(_placement.Single):
     over = grad_sum_axes(num_tokens, grads, param_axes, axes, config.mean_loss)
     return cls(axes, tracked, over)
 
-  enter = staticmethod(_state.without_device_slot)
-  leave = staticmethod(_state.with_device_slot)
+  def rejected_micro_batch_advances(self) -> bool:
+    return True  # devices may decide differently: they close together
 
-  def _over(self, x: Any) -> tuple[str, ...]:
-    """The axes to sum a per-device value over: those it varies over."""
-    varying = varying_axes(x) if self.tracked else self.axes
-    return tuple(a for a in self.axes if a in varying)
+  def local_state(self, state: _base.TokenWeightedMultiStepState) -> Any:
+    """This device's share: the per-device fields without their slot axis
+    (a leading axis of length 1, so that the global state stacks the
+    devices' shares and ``shard_map`` / ``pmap`` need no written layout)."""
+    for name in _base.PER_DEVICE_FIELDS:
+      for leaf in jax.tree.leaves(getattr(state, name)):
+        if jnp.shape(leaf)[:1] != (1,):
+          raise ValueError(
+            f'state.{name} needs a leading device-slot axis of length 1; got '
+            f'{jnp.shape(leaf)}: use tokacc.init_sharded or jax.pmap(tx.init).'
+          )
+    return _base.map_per_device(lambda x: x[0], state)
 
-  def total(self, fn, x):
-    return lax.psum(fn(x), self._over(x))  # no axes: fn(x) itself
+  def global_state(self, state: Any) -> _base.TokenWeightedMultiStepState:
+    return _base.map_per_device(lambda x: jnp.asarray(x)[None], state)
 
-  def any(self, flag):
-    over = self._over(flag)
-    return lax.pmax(flag.astype('int32'), over) > 0 if over else flag
+  def scalar_zeros(self, dtype: Any) -> jax.Array:
+    return jnp.zeros([], dtype)
 
-  def share(self, x):
+  def share_of(self, x: jax.Array) -> jax.Array:
     """``x`` as this device's share: where it is the same on every device
     of some data axes (already summed there), held by the first device
     along them, zeros elsewhere (a select: no data moves)."""
@@ -101,10 +114,37 @@ class Manual(_placement.Single):
     first = jnp.all(jnp.stack([lax.axis_index(a) == 0 for a in same]))
     return jnp.where(first, x, jnp.zeros_like(x))
 
-  def gradient_shares(self, grads):
-    return jax.tree.map(self.share, grads)
+  def gradient_shares(self, grads: Any) -> Any:
+    return jax.tree.map(self.share_of, grads)
 
-  def reduce(self, sums, acc_tokens, acc_loss):
+  def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
+    return grad * factor
+
+  def on_each_device(self, fn: Callable, args: tuple, like: Any) -> Any:
+    return jax.tree.map(self.retype_same_values, fn(*args), like)
+
+  def skip_decision(
+    self, skip_fn: Callable, grads: Any, gradient_step: Any, params: Any
+  ) -> tuple[jax.Array, Any]:
+    return _placement.call_skip_fn(skip_fn, grads, gradient_step, params)
+
+  def _over(self, x: Any) -> tuple[str, ...]:
+    """The axes to sum a per-device value over: those it varies over."""
+    varying = varying_axes(x) if self.tracked else self.axes
+    return tuple(a for a in self.axes if a in varying)
+
+  def sum_over_devices(self, fn: Callable, x: jax.Array) -> jax.Array:
+    return lax.psum(fn(x), self._over(x))  # no axes: fn(x) itself
+
+  def on_any_device(self, flag: jax.Array) -> jax.Array:
+    over = self._over(flag)
+    if not over:
+      return flag
+    return lax.pmax(flag.astype('int32'), over) > 0
+
+  def reduce_window(
+    self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
+  ) -> _base.Reduced:
     """Each value summed over its axes; XLA combines the all-reduces (in
     data parallelism, a single all-reduce per window)."""
     leaves, treedef = jax.tree.flatten(sums)
@@ -113,10 +153,24 @@ class Manual(_placement.Single):
     parts, loss = lax.psum(scalars, self._over(acc_tokens))
     return _base.Reduced(treedef.unflatten(leaves), parts, loss)
 
-  def can_hold(self, acc, update):
-    return not varying_axes(acc) and super().can_hold(acc, update)
+  def reduced_types(self, grads: Any) -> Any:
+    return jax.tree.map(self.summed_now, grads)
 
-  def cond(self, pred, true_fn, false_fn, *ops):
+  def refusal_of(self, error: Exception) -> Optional[Exception]:
+    del error
+    return None
+
+  def typed_like(self, tree: Any, reference: Any) -> Any:
+    return _explicit.like(tree, reference)
+
+  def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
+    """Where the accumulator is invariant over the manual axes (a
+    gradient's share varies: its buffer cannot hold an invariant update)."""
+    return not varying_axes(acc) and _explicit.same_layout(acc, update)
+
+  def cond(
+    self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops: Any
+  ) -> Any:
     """``lax.cond`` whose branches may differ in the axes their outputs
     vary over: each output is marked varying over the union of what the
     two branches give, as ``lax.cond`` requires."""
@@ -128,20 +182,22 @@ class Manual(_placement.Single):
 
     return lax.cond(pred, matched(true_fn), matched(false_fn), *ops)
 
-  def _split_axes(self, leaves):
+  def _split_axes(self, leaves: list) -> list[frozenset]:
     """Per leaf, the manual axes it varies over (is split over; none
     without variance tracking, where every leaf is whole)."""
     if not self.tracked:
       return [frozenset()] * len(leaves)
     return [varying_axes(x) for x in leaves]
 
-  def squares(self, tree, per_leaf=False):
+  def squares(self, tree: Any, per_leaf: bool = False) -> dict:
     """Each leaf's squares summed over its shard, per set of manual axes
     it is split over (already in a manual region)."""
     over = self._split_axes(jax.tree.leaves(tree))
     return _placement.local_squares(tree, over, per_leaf)
 
-  def norms(self, grads, grad_squares, updates, per_leaf=False):
+  def norms(
+    self, grads: Any, grad_squares: dict, updates: Any, per_leaf: bool = False
+  ) -> _base.Norms:
     """One ``psum`` of both trees' squares per set of axes (already in a
     manual region)."""
     overs = tuple(

@@ -35,9 +35,9 @@ from optax_tokacc import _inputs
 from optax_tokacc import _manual
 from optax_tokacc import _partial_sums
 from optax_tokacc import _placement
+from optax_tokacc import _single
 from optax_tokacc import _state_checks
 from optax_tokacc import _window
-from optax_tokacc import _zero1
 
 
 def token_weighted_multistep(
@@ -175,18 +175,25 @@ def token_weighted_multistep(
   )
 
 
-def placement(config, params, state=None, grads=None, num_tokens=None):
+def placement(
+  config: _base.Config,
+  params: Optional[optax.Params],
+  state: Optional[_base.TokenWeightedMultiStepState] = None,
+  grads: Optional[optax.Updates] = None,
+  num_tokens: Optional[jax.typing.ArrayLike] = None,
+) -> _placement.Placement:
   """The placement of this trace (``_placement``): from ``axis_name``, and
-  the types of the parameters (``init``) or of the state's window."""
+  the types of the parameters (``init``, without ``state``) or of the
+  state's window."""
   if config.axis_name is not None:
     return _manual.Manual.of(config, params, grads, num_tokens)
-  axes, inner_state = _explicit.data_axes(params), None  # init: no state yet
-  if state is not None:
-    axes, inner_state = _explicit.unreduced(state.acc_tokens), state.inner_state
+  if state is None:  # init
+    axes = _explicit.data_axes(params)
+  else:
+    axes = _explicit.unreduced(state.acc_tokens)
   if not axes:
-    return _placement.Single()
-  place = _partial_sums.PartialSums.of(axes, params, state)
-  return _zero1.DistributedOptimizer.of(place, config.inner, inner_state, grads)
+    return _single.Single()
+  return _partial_sums.PartialSums.of(config, axes, params, state, grads)
 
 
 def _init(
@@ -219,7 +226,7 @@ def _init(
     grads = zeros(jnp.result_type)
     _, skip_state = _judge(config, place, grads, state.gradient_step, params)
     state = state._replace(skip_state=skip_state)
-  return place.leave(state)
+  return place.global_state(state)
 
 
 def _judge(config, place, grads, gradient_step, params):
@@ -227,7 +234,7 @@ def _judge(config, place, grads, gradient_step, params):
   skip_fn = config.should_skip_update_fn
   if skip_fn is None:
     return None, ()
-  skip, skip_state = place.judge(skip_fn, grads, gradient_step, params)
+  skip, skip_state = place.skip_decision(skip_fn, grads, gradient_step, params)
   return jnp.logical_not(skip), skip_state
 
 
@@ -251,7 +258,7 @@ def _update(
   grads, num_tokens, loss = _explicit.reduce_trivial(updates, num_tokens, loss)
   _inputs.num_tokens(num_tokens, config.token_dtype)
   place = placement(config, params, state, grads, num_tokens)
-  state = place.enter(state)
+  state = place.local_state(state)
   _state_checks.state_matches(config, grads, state, params)
   _inputs.loss(loss)
   emit_now = _inputs.emit_now(emit_now)
@@ -264,7 +271,7 @@ def _update(
   restart = state.mini_step == 0
   window = _window.add(config, place, window, micro, restart, close is not None)
   mini_step = optax.safe_increment(state.mini_step)
-  if keep is not None and not place.advances_rejected:
+  if keep is not None and not place.rejected_micro_batch_advances():
     mini_step = jnp.where(keep, mini_step, state.mini_step)
   extra = _closing.Extra(extra_args, loss is not None)
   args = (grads, window, state.inner_state, params, extra)
@@ -277,7 +284,7 @@ def _update(
     host = _closing.close_now if close else _closing.keep_open
     closing = host(config, place, *args)
   new_state = _next_state(state, mini_step, close, closing, skip_state)
-  return closing.updates, place.leave(new_state)
+  return closing.updates, place.global_state(new_state)
 
 
 def _next_state(state, mini_step, close, closing, skip_state):

@@ -25,8 +25,9 @@ device's share in a fully manual ``shard_map`` (``_explicit.local``), which
 moves no data.
 """
 
+from collections.abc import Callable
 import dataclasses
-from typing import Any
+from typing import Any, Optional, final
 
 import jax
 from jax import lax
@@ -35,59 +36,91 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _explicit
+from optax_tokacc import _optimizer_shards
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
 
 
+@final
 @dataclasses.dataclass(frozen=True)
-class PartialSums(_placement.Single):
+class PartialSums(_placement.Placement):
   """Shares typed unreduced over ``axes``; one reduction per window.
 
-  ``targets``: per gradient leaf, where the window's reduction scatters it
-  (the distributed optimizer's ``_zero1.Target``), or None where it is
-  summed whole; empty: every leaf summed whole.
+  ``targets``: per gradient leaf, the shards of ``inner``'s state its
+  window is reduce-scattered into (``_optimizer_shards.ShardTarget``), or
+  None where it is summed whole; empty: every leaf summed whole.
   """
 
   axes: frozenset
   mesh: Any
   targets: tuple = ()
-  on_shares = True
 
   @classmethod
-  def of(cls, axes, params, state) -> 'PartialSums':
-    reduced = filter(_explicit.reduced, jax.tree.leaves(params))
-    like = next(reduced) if state is None else state.acc_tokens
-    return cls(axes, _explicit.mesh_of(like))
+  def of(
+    cls,
+    config: _base.Config,
+    axes: frozenset,
+    params: Optional[optax.Params],
+    state: Optional[_base.TokenWeightedMultiStepState] = None,
+    grads: Optional[optax.Updates] = None,
+  ) -> 'PartialSums':
+    """The placement of ``init`` (from the parameters' types) or of
+    ``update`` (from the state's, and the shards of ``inner``'s state)."""
+    if state is None:
+      mesh = _explicit.mesh_of(
+        next(filter(_explicit.reduced, jax.tree.leaves(params)))
+      )
+      return cls(axes, mesh)
+    targets = _optimizer_shards.shard_targets(
+      config.inner, state.inner_state, grads, axes
+    )
+    return cls(axes, _explicit.mesh_of(state.acc_tokens), targets)
 
-  def scalar_zeros(self, dtype):
+  def rejected_micro_batch_advances(self) -> bool:
+    return False  # the decision is every device's (skip_decision)
+
+  def local_state(self, state: _base.TokenWeightedMultiStepState) -> Any:
+    return state  # the shares are the partial sums of the state's types
+
+  def global_state(self, state: Any) -> _base.TokenWeightedMultiStepState:
+    return state
+
+  def scalar_zeros(self, dtype: Any) -> jax.Array:
     spec = jax.P(unreduced=self.axes)
     return _explicit.unreduced_zeros([], dtype, self.mesh, spec)
 
-  def share(self, x):
+  def share_of(self, x: jax.Array) -> jax.Array:
     """A replicated value is put on one device; one unreduced over other
     axes is summed there."""
     if _explicit.unreduced(x):
       return _explicit.to_type(x, jax.P(unreduced=self.axes))
     return _explicit.on_one_device(x, self.axes, self.mesh)
 
-  def scale(self, grad, factor):
+  def gradient_shares(self, grads: Any) -> Any:
+    return grads  # partial sums typed unreduced, or whole
+
+  def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
     """An unreduced gradient takes ``factor`` typed reduced (the product is
     then linear in it)."""
     axes = _explicit.unreduced(grad)
-    factor = _explicit.to_type(factor, jax.P(reduced=axes)) if axes else factor
+    if axes:
+      factor = _explicit.to_type(factor, jax.P(reduced=axes))
     return grad * factor
 
-  def per_device(self, fn, args, like):
+  def on_each_device(self, fn: Callable, args: tuple, like: Any) -> Any:
     return _explicit.local(fn, args, _explicit.specs(like))
 
-  def judge(self, skip_fn, grads, step, params):
+  def skip_decision(
+    self, skip_fn: Callable, grads: Any, gradient_step: Any, params: Any
+  ) -> tuple[jax.Array, Any]:
     """Gradients kept as partial sums are judged on every device's share
     and rejected everywhere if any device rejects them: a scalar
     all-reduce per micro-step. That is exact for ``skip_not_finite`` (a sum
     is not finite when a partial sum is not); any other function sees the
     reduced gradients, at the cost of their all-reduce per micro-step."""
+    call = _placement.call_skip_fn
     if not any(map(_explicit.unreduced, jax.tree.leaves(grads))):
-      return super().judge(skip_fn, grads, step, params)
+      return call(skip_fn, grads, gradient_step, params)
     params = _explicit.without_reduced(params)
     if skip_fn is not optax.skip_not_finite:
       _placement.warn(
@@ -96,23 +129,28 @@ class PartialSums(_placement.Single):
         'tokacc.skip_not_finite decides on partial sums.'
       )
       grads = jax.tree.map(_explicit.reduce_now, grads)
-      return super().judge(skip_fn, grads, step, params)
+      return call(skip_fn, grads, gradient_step, params)
     axes = tuple(sorted(self.axes))
 
     def decide(*args):  # summed in one psum, bools as any device's
-      decision = _placement.call_skip_fn(skip_fn, *args)
+      decision = call(skip_fn, *args)
       summed = lax.psum(decision, axes)  # bools summed as int32
       return jax.tree.map(
         lambda s, x: s > 0 if x.dtype == jnp.bool_ else s, summed, decision
       )
 
-    return _explicit.local(decide, (grads, step, params), jax.P())
+    return _explicit.local(decide, (grads, gradient_step, params), jax.P())
 
-  def total(self, fn, x):
+  def sum_over_devices(self, fn: Callable, x: jax.Array) -> jax.Array:
     axes = tuple(sorted(self.axes))
     return _explicit.local(lambda v: lax.psum(fn(v), axes), (x,), jax.P())
 
-  def reduce(self, sums, acc_tokens, acc_loss):
+  def on_any_device(self, flag: jax.Array) -> jax.Array:
+    return flag  # a value of jax.jit's program, the same everywhere
+
+  def reduce_window(
+    self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
+  ) -> _base.Reduced:
     """On each device's share, each leaf summed over the axes it is
     unreduced over (reduce-scattered into its target, if any: the rest of
     its axes summed after), and the scalars in one ``psum``: one
@@ -135,9 +173,65 @@ class PartialSums(_placement.Single):
       parts, loss = lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
       return _base.Reduced(treedef.unflatten(out), parts, loss)
 
-    specs = [
-      _explicit.spec(x, unreduced=False) or jax.P() if t is None else t.spec
-      for x, t in zip(leaves, targets)
-    ]
+    specs = [_reduced_spec(x, t) for x, t in zip(leaves, targets)]
     out_specs = _base.Reduced(treedef.unflatten(specs), jax.P(), jax.P())
     return _explicit.local(reduce, (leaves, acc_tokens, acc_loss), out_specs)
+
+  def reduced_types(self, grads: Any) -> Any:
+    """Whole where summed whole, else the shards of the target."""
+    leaves, treedef = jax.tree.flatten(grads)
+    targets = self.targets or (None,) * len(leaves)
+    return treedef.unflatten(
+      self.summed_now(x)
+      if t is None
+      else jax.reshard(self.summed_now(x), t.spec)
+      for x, t in zip(leaves, targets)
+    )
+
+  def refusal_of(self, error: Exception) -> Optional[Exception]:
+    """``inner`` failing on the shards of its state (a sharding error)."""
+    if not self.targets or 'shard' not in str(error).lower():
+      return None
+    return ValueError(
+      'inner cannot run on the shards of its state (shard_optimizer_over): it'
+      ' needs whole gradients, as the orthogonalization of optax.contrib.muon'
+      f' does. Leave shard_optimizer_over out. (inner raised: {error})'
+    )
+
+  def typed_like(self, tree: Any, reference: Any) -> Any:
+    """Shards all-gathered where ``reference`` is whole (the updates of
+    ``inner``'s shards), then typed like it."""
+
+    def gather(x, ref):
+      split_here = _explicit.sharded(x) & self.axes
+      if not split_here or _explicit.sharded(ref) & self.axes:
+        return x
+      return jax.reshard(x, jax.P(*_explicit.partitions(_explicit.spec(ref))))
+
+    return _explicit.like(jax.tree.map(gather, tree, reference), reference)
+
+  def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
+    return _explicit.same_layout(acc, update)  # typed: split alike
+
+  def cond(
+    self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops: Any
+  ) -> Any:
+    return lax.cond(pred, true_fn, false_fn, *ops)
+
+  def squares(self, tree: Any, per_leaf: bool = False) -> dict:
+    return _placement.typed_squares(tree, per_leaf, on_shares=True)
+
+  def norms(
+    self, grads: Any, grad_squares: dict, updates: Any, per_leaf: bool = False
+  ) -> _base.Norms:
+    return _placement.typed_norms(
+      self, grads, grad_squares, updates, per_leaf, on_shares=True
+    )
+
+
+def _reduced_spec(leaf: Any, target: Any) -> jax.P:
+  """The spec of a window's sums once reduced: the target's shards, else
+  the leaf's own spec without its unreduced axes."""
+  if target is not None:
+    return target.spec
+  return _explicit.spec(leaf, unreduced=False) or jax.P()

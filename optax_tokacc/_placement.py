@@ -12,21 +12,29 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Where the window's sums live and how they are reduced: one strategy.
+"""Where the window's sums live and how they are reduced: the interface.
 
-The window algebra (``_window``) is written once and calls only the small
-interface of :class:`Single`; a placement is chosen once per trace, at the
-top of ``init`` and ``update`` (``_multistep.placement``):
+The window algebra (``_window``) and the closing (``_closing``) are
+written once and call only the methods of :class:`Placement`. A placement
+is chosen once per trace, at the top of ``init`` and ``update``
+(``_multistep.placement``), and never asked which it is:
 
-- :class:`Single`: one device, or global arrays under ``jax.jit`` (the
-  compiler reduces the gradients before they arrive): every value is whole.
+- ``_single.Single``: one device, or global arrays under ``jax.jit`` (the
+  compiler reduces the gradients before they arrive): every value whole.
 - ``_manual.Manual``: ``pmap`` / ``shard_map`` with ``axis_name``: each
-  device holds its share, summed with collectives when the window closes.
+  device holds its share in a slot, summed with collectives at the close.
 - ``_partial_sums.PartialSums``: explicit sharding under ``jax.jit``
-  (parameters typed reduced): the shares are typed unreduced, and what is
-  not linear runs on each device's share in a manual region.
+  (parameters typed reduced): the shares typed unreduced, what is not
+  linear run on each device's share in a manual region, and the window
+  reduce-scattered into the optimizer's shards where ``shard_optimizer_over``
+  shards them.
+
+Each concrete placement is final; the interface's methods that no
+placement changes are written here once. A new layout is a new placement,
+not an edit of the algebra.
 """
 
+import abc
 from collections.abc import Callable
 import functools
 import sys
@@ -39,9 +47,141 @@ import jax.numpy as jnp
 from optax_tokacc import _base
 from optax_tokacc import _errors
 from optax_tokacc import _explicit
-from optax_tokacc import _tokens
 
 _LIBRARIES = ('optax_tokacc', 'optax', 'flax')  # frames warn() skips
+
+
+class Placement(abc.ABC):
+  """Where a window's sums live and how they are reduced.
+
+  The state the algebra reads holds this device's share of the window
+  (:meth:`local_state`); a micro-batch's values are added as shares
+  (:meth:`share_of`, :meth:`gradient_shares`); what is not linear runs on
+  each device's share (:meth:`on_each_device`); the window is summed over
+  the devices once, when it closes (:meth:`reduce_window`), and
+  ``inner``'s updates are typed like the parameters again
+  (:meth:`typed_like`).
+  """
+
+  @abc.abstractmethod
+  def rejected_micro_batch_advances(self) -> bool:
+    """Whether a micro-batch that ``should_skip_update_fn`` rejects still
+    counts as a micro-step: where devices may decide differently, so that
+    they close their windows together."""
+
+  @abc.abstractmethod
+  def local_state(self, state: _base.TokenWeightedMultiStepState) -> Any:
+    """The state as the algebra reads it: this device's share."""
+
+  @abc.abstractmethod
+  def global_state(self, state: Any) -> _base.TokenWeightedMultiStepState:
+    """The inverse of :meth:`local_state`: the state as ``update``
+    returns it."""
+
+  @abc.abstractmethod
+  def scalar_zeros(self, dtype: Any) -> jax.Array:
+    """A zero count or loss of the window, typed as this placement holds
+    its shares."""
+
+  @abc.abstractmethod
+  def share_of(self, x: jax.Array) -> jax.Array:
+    """A micro-batch's count or loss as this device's share of it."""
+
+  @abc.abstractmethod
+  def gradient_shares(self, grads: Any) -> Any:
+    """A micro-batch's gradients as this device's shares of them."""
+
+  @abc.abstractmethod
+  def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
+    """``grad * factor`` for a scalar ``factor`` the same on every
+    device, in the types of ``grad``."""
+
+  @abc.abstractmethod
+  def on_each_device(self, fn: Callable, args: tuple, like: Any) -> Any:
+    """``fn(*args)`` on each device's share; its outputs are typed like
+    ``like`` (a tree of values, or of their shapes)."""
+
+  @abc.abstractmethod
+  def skip_decision(
+    self, skip_fn: Callable, grads: Any, gradient_step: Any, params: Any
+  ) -> tuple[jax.Array, Any]:
+    """``should_skip_update_fn``'s decision on the micro-batch, the same
+    on every device, and its skip state."""
+
+  @abc.abstractmethod
+  def sum_over_devices(self, fn: Callable, x: jax.Array) -> jax.Array:
+    """``fn`` of each device's share of ``x``, summed over the devices."""
+
+  @abc.abstractmethod
+  def on_any_device(self, flag: jax.Array) -> jax.Array:
+    """Whether ``flag`` is true on any device."""
+
+  @abc.abstractmethod
+  def reduce_window(
+    self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
+  ) -> _base.Reduced:
+    """The window's one reduction: its sums, its count as exact parts
+    (``_tokens.to_parts``) and its loss, summed over the devices."""
+
+  @abc.abstractmethod
+  def reduced_types(self, grads: Any) -> Any:
+    """Values typed as :meth:`reduce_window` types the window's sums (for
+    their types only: ``jax.eval_shape`` of ``inner``)."""
+
+  @abc.abstractmethod
+  def refusal_of(self, error: Exception) -> Optional[Exception]:
+    """Our error for ``inner`` failing to trace here (None: its own)."""
+
+  @abc.abstractmethod
+  def typed_like(self, tree: Any, reference: Any) -> Any:
+    """``tree``, whole values such as ``inner``'s updates, typed and
+    laid out like ``reference`` (the parameters, ``inner``'s state)."""
+
+  @abc.abstractmethod
+  def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
+    """Whether an accumulator leaf's buffer may hold an update's value (the
+    closing step writes the updates there: see ``_closing``)."""
+
+  @abc.abstractmethod
+  def cond(
+    self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops: Any
+  ) -> Any:
+    """``lax.cond``, where the two branches' outputs may differ in the
+    types this placement gives them."""
+
+  @abc.abstractmethod
+  def squares(self, tree: Any, per_leaf: bool = False) -> dict:
+    """``tree``'s squares summed on each device's share, for
+    :meth:`norms` (:func:`local_squares`)."""
+
+  @abc.abstractmethod
+  def norms(
+    self, grads: Any, grad_squares: dict, updates: Any, per_leaf: bool = False
+  ) -> _base.Norms:
+    """The L2 norms of ``grads``, given by its :meth:`squares`, and of
+    ``updates``, from each device's share of the squares: one ``psum``
+    of all of them per set of mesh axes they are split over; each leaf's
+    too where ``per_leaf``."""
+
+  # The members below are the same in every placement.
+
+  def gradient_zeros(self, param: Any, dtype: Any) -> jax.Array:
+    """The accumulator's zeros for ``param``'s gradient, typed like it."""
+    return _explicit.gradient_zeros(param, dtype)
+
+  def summed_now(self, x: Any) -> Any:
+    """``x`` summed over the devices that hold parts of it, now (a value
+    typed unreduced is reduced; any other is already whole)."""
+    return _explicit.reduce_now(x)
+
+  def retype_same_values(self, x: jax.Array, like: Any) -> jax.Array:
+    """``x``, held whole and alike on every device, typed like ``like``."""
+    return _explicit.retype_same_values(x, like)
+
+  def inner_types(self, tree: Any) -> Any:
+    """``tree`` in the types that optax's nonlinear updates take (reduced
+    types dropped, free)."""
+    return _explicit.without_reduced(tree)
 
 
 def warn(message: str) -> None:
@@ -70,150 +210,56 @@ def call_skip_fn(
   return jnp.asarray(skip, jnp.bool_), skip_state
 
 
-class Single:
-  """Every value is whole: nothing to reduce, no device to ask.
+def typed_split_axes(leaves: list, on_shares: bool) -> list[frozenset]:
+  """Per leaf, the mesh axes over which :func:`typed_squares` leaves its
+  sum of squares split: those its type splits it over, where its partial
+  sums are typed (``on_shares``: explicit partial sums; or any leaf's
+  type defers a reduction, on jax >= 0.10), else none: the compiler then
+  sums a leaf it split, in a scalar all-reduce of its own (jax < 0.10
+  cannot type the partial sums unreduced)."""
+  over = [_explicit.sharded(x) for x in leaves]
+  mesh = next(map(_explicit.mesh_of, leaves), None)
+  deferred = [_explicit.deferred(a, mesh) for a in over]
+  if on_shares or _explicit.SUPPORTED and any(deferred):
+    return over
+  return [frozenset()] * len(over)
 
-  The methods are the whole interface the window algebra calls; the other
-  placements override some of them. Values may still carry types of
-  sharding (global arrays on a mesh); they are kept as they come.
-  """
 
-  # Whether a rejected micro-batch still counts as a micro-step, so that
-  # devices that may decide differently close their windows together.
-  advances_rejected = False
-  # Whether the values' arithmetic must run on each device's share, as
-  # with partial sums (:meth:`squares`).
-  on_shares = False
+def typed_squares(tree: Any, per_leaf: bool, on_shares: bool) -> dict:
+  """``tree``'s squares summed on each device's share (:func:`local_squares`),
+  partial sums typed unreduced over the axes :func:`typed_split_axes` gives,
+  so that :func:`typed_norms` sums them in one collective."""
+  leaves = jax.tree.leaves(tree)
+  over = typed_split_axes(leaves, on_shares)
+  if not (on_shares or any(over)):
+    return local_squares(tree, over, per_leaf)
+  mesh = next(map(_explicit.mesh_of, leaves), None)
+  split = {tuple(sorted(a)): _explicit.deferred(a, mesh) for a in over}
+  specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
+  squares = functools.partial(local_squares, over=over, per_leaf=per_leaf)
+  return _explicit.local(squares, (tree,), specs)
 
-  def enter(self, state: Any) -> Any:
-    """The state as the algebra reads it (this device's share)."""
-    return state
 
-  #: ``(state)``: the inverse of :meth:`enter` (here, the state itself).
-  leave = enter
-
-  #: ``(param, dtype)``: the accumulator's zeros for ``param``'s gradient,
-  #: typed like it.
-  gradient_zeros = staticmethod(_explicit.gradient_zeros)
-
-  def scalar_zeros(self, dtype: Any) -> jax.Array:
-    """A zero count or loss of the window."""
-    return jnp.zeros([], dtype)
-
-  #: ``x`` summed over the devices that hold parts of it, now (a value
-  #: typed unreduced is reduced; any other is already whole).
-  whole = staticmethod(_explicit.reduce_now)
-
-  def reduced_types(self, grads: Any) -> Any:
-    """Values typed as :meth:`reduce` types the window's sums (for shapes
-    only: ``jax.eval_shape`` of ``inner``)."""
-    return jax.tree.map(self.whole, grads)
-
-  def refusal(self, error: Exception) -> Optional[Exception]:
-    """Our error for ``inner`` failing to trace here (None: its own)."""
-    del error
-    return None
-
-  #: ``(x)``: a micro-batch's count or loss as this device's share of it
-  #: (here, all of it).
-  share = whole
-
-  def gradient_shares(self, grads: Any) -> Any:
-    """A micro-batch's gradients as this device's shares of them (here,
-    as they come: whole, or partial sums typed unreduced)."""
-    return grads
-
-  #: ``(grad, factor)``: ``grad * factor`` for a scalar ``factor`` the same
-  #: on all devices.
-  scale = staticmethod(jnp.multiply)
-
-  def per_device(self, fn: Callable, args: tuple, like: Any) -> Any:
-    """``fn(*args)`` on each device's share; its outputs are typed like
-    ``like`` (a tree of values, or of their shapes)."""
-    return jax.tree.map(self.same_values, fn(*args), like)
-
-  #: ``(x, like)``: ``x``, held whole and alike on every device, typed like
-  #: ``like``.
-  same_values = staticmethod(_explicit.retype_same_values)
-
-  #: ``(skip_fn, grads, step, params)``: ``skip_fn``'s decision on the
-  #: micro-batch, and its skip state.
-  judge = staticmethod(call_skip_fn)
-
-  def total(self, fn: Callable, x: jax.Array) -> jax.Array:
-    """``fn`` of each device's share of ``x``, summed over the devices."""
-    return fn(x)
-
-  def any(self, flag: jax.Array) -> jax.Array:
-    """Whether ``flag`` is true on any device."""
-    return flag
-
-  def reduce(
-    self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
-  ) -> _base.Reduced:
-    """The window's one reduction: its sums, its count as exact parts
-    (``_tokens.to_parts``) and its loss, summed over the devices."""
-    return _base.Reduced(sums, _tokens.to_parts(acc_tokens), acc_loss)
-
-  #: A tree in the types that optax's nonlinear updates take (reduced types
-  #: dropped, free).
-  for_inner = staticmethod(_explicit.without_reduced)
-
-  #: ``(tree, reference)``: ``tree`` (whole values) typed like ``reference``
-  #: again.
-  like = staticmethod(_explicit.like)
-
-  #: ``(acc, update)``: whether an accumulator leaf's buffer may hold an
-  #: update's value: where typed, it splits its dimensions alike.
-  can_hold = staticmethod(_explicit.same_layout)
-
-  #: ``(pred, true_fn, false_fn, *ops)``: ``lax.cond``, where the branches'
-  #: outputs may differ in type.
-  cond = staticmethod(jax.lax.cond)
-
-  def _split_axes(self, leaves: list) -> list[frozenset]:
-    """Per leaf, the mesh axes over which :meth:`squares` leaves its sum of
-    squares split, for :meth:`norms` to sum: those its type splits it over
-    (none where no type says so, or on jax < 0.10, which cannot type the
-    partial sums unreduced: there the compiler sums a leaf it split, in a
-    scalar all-reduce of its own)."""
-    over = [_explicit.sharded(x) for x in leaves]
-    mesh = next(map(_explicit.mesh_of, leaves), None)
-    deferred = [_explicit.deferred(a, mesh) for a in over]
-    if self.on_shares or _explicit.SUPPORTED and any(deferred):
-      return over
-    return [frozenset()] * len(over)
-
-  def squares(self, tree: Any, per_leaf: bool = False) -> dict:
-    """``tree``'s squares summed on each device's share
-    (:func:`local_squares`, each leaf's too where ``per_leaf``): partial
-    sums typed unreduced over the axes :meth:`_split_axes` gives, so that
-    :meth:`norms` sums them in one collective."""
-    leaves = jax.tree.leaves(tree)
-    over = self._split_axes(leaves)
-    if not (self.on_shares or any(over)):
-      return local_squares(tree, over, per_leaf)
-    mesh = next(map(_explicit.mesh_of, leaves), None)
-    split = {tuple(sorted(a)): _explicit.deferred(a, mesh) for a in over}
-    specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
-    squares = functools.partial(local_squares, over=over, per_leaf=per_leaf)
-    return _explicit.local(squares, (tree,), specs)
-
-  def norms(
-    self, grads: Any, grad_squares: dict, updates: Any, per_leaf: bool = False
-  ) -> _base.Norms:
-    """The L2 norms of ``grads``, given by its :meth:`squares`, and of
-    ``updates``, from each device's share of the squares: one ``psum`` of
-    all of them per set of mesh axes they are split over (none in data
-    parallelism); each leaf's too where ``per_leaf``."""
-    squares = (grad_squares, self.squares(updates, per_leaf))
-    overs = tuple(
-      self._split_axes(jax.tree.leaves(tree)) for tree in (grads, updates)
-    )
-    norms = functools.partial(global_norms, overs=overs)
-    if any(axes for s in squares for axes in s):  # split: in a manual region
-      return _explicit.local(norms, squares, jax.P())
-    return self.per_device(norms, squares, jax.eval_shape(norms, *squares))
+def typed_norms(
+  place: Placement,
+  grads: Any,
+  grad_squares: dict,
+  updates: Any,
+  per_leaf: bool,
+  on_shares: bool,
+) -> _base.Norms:
+  """:meth:`Placement.norms` where types say what is split (one device,
+  ``jax.jit`` over global arrays, explicit partial sums)."""
+  squares = (grad_squares, typed_squares(updates, per_leaf, on_shares))
+  overs = tuple(
+    typed_split_axes(jax.tree.leaves(tree), on_shares)
+    for tree in (grads, updates)
+  )
+  norms = functools.partial(global_norms, overs=overs)
+  if any(axes for s in squares for axes in s):  # split: in a manual region
+    return _explicit.local(norms, squares, jax.P())
+  like = jax.eval_shape(norms, *squares)
+  return place.on_each_device(norms, squares, like)
 
 
 def local_squares(tree: Any, over: list, per_leaf: bool = False) -> dict:

@@ -30,8 +30,8 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _explicit
+from optax_tokacc import _optimizer_shards
 from optax_tokacc import _state
-from optax_tokacc import _zero1
 
 
 def _layout(axis_name: Any, specs: list) -> tuple:
@@ -69,12 +69,14 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
   replicated."""
 
   def follow(leaf, spec, param):
-    if _zero1.is_masked(leaf):
+    if _optimizer_shards.is_masked(leaf):
       return leaf
     shape, like = jnp.shape(leaf), jnp.shape(param)  # behind a slot axis?
     return spec if shape[len(shape) - len(like) :] == like else jax.P()
 
-  args = dict(transform_non_params=lambda _: jax.P(), is_leaf=_zero1.is_masked)
+  args = dict(
+    transform_non_params=lambda _: jax.P(), is_leaf=_optimizer_shards.is_masked
+  )
   return optax.tree_map_params(tx, follow, abstract, specs, params, **args)
 
 
@@ -161,7 +163,9 @@ def _specs(tx, params, param_specs, axis_name, shard_over, mesh) -> Any:
   abstract = jax.eval_shape(tx.init, params)
   specs = zero = _follow(tx, abstract, param_specs, params)
   if shard_over is not None:
-    split = _zero1.state_specs(params, param_specs, shard_over, axis_name, mesh)
+    split = _optimizer_shards.state_specs(
+      params, param_specs, shard_over, axis_name, mesh
+    )
     zero = _follow(tx, abstract, split, params)
     if _inner_states(zero) == _inner_states(specs):
       raise ValueError(

@@ -64,7 +64,7 @@ def micro_batch(
   # No loss: the window's is NaN.
   loss = jnp.asarray(jnp.nan if loss is None else loss, config.loss_dtype)
   if config.mean_loss:
-    count = _tokens.as_count(place.whole(count), config.token_dtype)
+    count = _tokens.as_count(place.summed_now(count), config.token_dtype)
     loss = place.scale(loss, count.astype(loss.dtype))
   return _base.MicroBatch(place.gradient_shares(grads), count, loss, keep)
 
@@ -94,7 +94,9 @@ def add(config, place, window, micro, restart, select=False) -> _base.Window:
   addends = jax.tree.map(addend, window.grad_sums, micro.grads)
   args = ((window.grad_sums, window.acc_compensation), addends, restart)
   if config.compensated or select:  # not linear: on each device's share
-    grad_sums, acc_compensation = place.per_device(accumulate, args, args[0])
+    grad_sums, acc_compensation = place.on_each_device(
+      accumulate, args, args[0]
+    )
   else:
     grad_sums, acc_compensation = accumulate(*args)
   acc_tokens, acc_loss = _add_scalars(config, place, window, micro, adds)
@@ -115,8 +117,13 @@ def _add_scalars(config, place, window, micro, adds):
     return _tokens.add(acc_tokens, count), acc_loss + loss
 
   args = (window.acc_tokens, window.acc_loss)
-  args += (place.share(micro.count), place.share(micro.loss), micro.keep, adds)
-  return place.per_device(add_shares, args, args[:2])
+  args += (
+    place.share_of(micro.count),
+    place.share_of(micro.loss),
+    micro.keep,
+    adds,
+  )
+  return place.on_each_device(add_shares, args, args[:2])
 
 
 def should_close(config, place, gradient_step, mini_step, acc_tokens, emit_now):
@@ -125,7 +132,7 @@ def should_close(config, place, gradient_step, mini_step, acc_tokens, emit_now):
   close = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
   if config.tokens_per_update is not None:
     close |= window_tokens(place, acc_tokens) >= config.tokens_per_update
-  return close if emit_now is None else close | place.any(emit_now)
+  return close if emit_now is None else close | place.on_any_device(emit_now)
 
 
 def window_tokens(place, acc_tokens) -> jax.Array:
@@ -133,7 +140,9 @@ def window_tokens(place, acc_tokens) -> jax.Array:
   ``tokens_per_update``; an invalid count counts 0, a total beyond the
   counter counts as its maximum). Where the window is split over devices,
   a scalar all-reduce on every micro-step."""
-  parts = place.total(lambda n: _tokens.to_parts(jnp.maximum(n, 0)), acc_tokens)
+  parts = place.sum_over_devices(
+    lambda n: _tokens.to_parts(jnp.maximum(n, 0)), acc_tokens
+  )
   total, fits = _tokens.from_parts(parts, acc_tokens.dtype)
   integer = jnp.issubdtype(acc_tokens.dtype, jnp.integer)
   top = (jnp.iinfo if integer else jnp.finfo)(acc_tokens.dtype).max
@@ -149,5 +158,5 @@ def reset_if(place, close, window: _base.Window) -> _base.Window:
 
   scalars = (window.acc_tokens, window.acc_loss)
   args = (scalars, jnp.asarray(close))
-  acc_tokens, acc_loss = place.per_device(reset, args, scalars)
+  acc_tokens, acc_loss = place.on_each_device(reset, args, scalars)
   return window._replace(acc_tokens=acc_tokens, acc_loss=acc_loss)

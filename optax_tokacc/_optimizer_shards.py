@@ -12,22 +12,18 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""The distributed-optimizer (ZeRO-1) placement: sharded optimizer state.
+"""The optimizer's state sharded over the data axes: the distributed-optimizer
+(ZeRO-1) layout of ``shard_optimizer_over``.
 
-Under explicit sharding, with parameters typed reduced over the data axes
-and ``inner``'s parameter-shaped state sharded over some of them
-(:func:`optax_tokacc.init_sharded` with ``shard_optimizer_over``), the
-window is kept as partial sums, as in DDP, and closed by one reduce-scatter
-straight into the optimizer's shards (``lax.psum_scatter`` on each device's
-share). ``inner`` runs on the shards, and its updates are all-gathered to
-the parameters' type. A window moves the bytes of one all-reduce, and each
-device holds 1/N of the optimizer state.
-
-The layout is chosen by :func:`state_specs` (``shard_optimizer_over`` of
-:func:`optax_tokacc.state_partition_specs`) and read back from the state's
-types, leaf by leaf: each gradient is scattered as the state of its
-parameter is sharded (optax's ``tree_map_params`` says which state belongs
-to which parameter), so moments resharded by hand are followed.
+Megatron calls this layout the distributed optimizer, and ZeRO its stage 1;
+the keyword says what it does: it shards ``inner``'s parameter-shaped state
+over data axes (:func:`state_specs`, for ``init_sharded`` and the layout
+helpers). The placement of explicit partial sums (``_partial_sums``) reads
+the layout back from the state's types, leaf by leaf
+(:func:`shard_targets`): each gradient's window is reduce-scattered into the
+shards of its parameter's state (optax's ``tree_map_params`` says which
+state belongs to which parameter), so moments resharded by hand are
+followed.
 """
 
 import math
@@ -38,7 +34,6 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _explicit
-from optax_tokacc import _partial_sums
 
 
 def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
@@ -95,7 +90,7 @@ def _mesh(params: Any) -> Any:
   return _explicit.mesh_of(placed[0]) if mesh.empty else mesh
 
 
-class Target(NamedTuple):
+class ShardTarget(NamedTuple):
   """Where a gradient's window goes: scattered on ``dim`` over ``axes``
   (an entry of a spec), into shards typed ``spec``."""
 
@@ -104,64 +99,37 @@ class Target(NamedTuple):
   spec: jax.P
 
 
-class DistributedOptimizer(_partial_sums.PartialSums):
-  """Partial sums, reduce-scattered into the shards of ``inner``'s state
-  when the window closes; ``targets``: per gradient leaf, a ``Target``, or
-  None where its parameter's state is whole or the gradient holds no
-  partial sums over the target's axes (all-reduced, or kept)."""
-
-  @classmethod
-  def of(cls, place, inner, inner_state, grads) -> Any:
-    """``place`` itself unless some of ``inner``'s state is sharded over
-    its data axes: the distributed-optimizer layout."""
-    states = jax.tree.leaves(inner_state)
-    if not any(_explicit.sharded(x) & place.axes for x in states):
-      return place
-    targets = _targets(inner, inner_state, grads, place.axes)
-    if all(t is None for t in targets):
-      return place
-    # the window's sums are typed like the gradients (_state_checks.state_matches)
-    leaves = jax.tree.leaves(grads)
-    return cls(place.axes, place.mesh, tuple(map(_scattered, leaves, targets)))
-
-  def reduced_types(self, grads):
-    leaves, treedef = jax.tree.flatten(grads)
-    return treedef.unflatten(
-      self.whole(x) if t is None else jax.reshard(self.whole(x), t.spec)
-      for x, t in zip(leaves, self.targets)
-    )
-
-  def refusal(self, error):
-    """``inner`` failing on the shards of its state (a sharding error)."""
-    if 'shard' not in str(error).lower():
-      return None
-    return ValueError(
-      'inner cannot run on the shards of its state (shard_optimizer_over): it'
-      ' needs whole gradients, as the orthogonalization of optax.contrib.muon'
-      f' does. Leave shard_optimizer_over out. (inner raised: {error})'
-    )
-
-  def like(self, tree, reference):
-    """Shards all-gathered where ``reference`` is whole, then typed like it."""
-
-    sharded, axes = _explicit.sharded, self.axes
-
-    def gather(x, ref):
-      if not sharded(x) & axes or sharded(ref) & axes:
-        return x
-      return jax.reshard(x, jax.P(*_explicit.partitions(_explicit.spec(ref))))
-
-    return _explicit.like(jax.tree.map(gather, tree, reference), reference)
+def shard_targets(
+  inner: optax.GradientTransformation,
+  inner_state: optax.OptState,
+  grads: optax.Updates,
+  axes: frozenset,
+) -> tuple:
+  """Per gradient leaf, the :class:`ShardTarget` of the shards of its
+  parameter's state that its window is reduce-scattered into, or None where
+  that state is whole or the gradient holds no partial sums over the
+  target's axes (all-reduced, or kept); ``()`` where none of ``inner``'s
+  state is sharded over ``axes``."""
+  states = jax.tree.leaves(inner_state)
+  if not any(_explicit.sharded(x) & axes for x in states):
+    return ()
+  targets = _targets(inner, inner_state, grads, axes)
+  if all(target is None for target in targets):
+    return ()
+  # the window's sums are typed like the gradients (_state_checks)
+  return tuple(map(_scattered, jax.tree.leaves(grads), targets))
 
 
-def _scattered(leaf: Any, target: Optional[Target]) -> Optional[Target]:
+def _scattered(
+  leaf: Any, target: Optional[ShardTarget]
+) -> Optional[ShardTarget]:
   """``target``, where ``leaf`` holds partial sums over its axes."""
   axes = set(jax.tree.leaves(target.axes)) if target else None
   return target if target and _explicit.unreduced(leaf) >= axes else None
 
 
 def _targets(inner, inner_state, grads, axes) -> tuple:
-  """Per gradient leaf, the ``Target`` its parameter's state gives."""
+  """Per gradient leaf, the ``ShardTarget`` its parameter's state gives."""
   leaves, treedef = jax.tree.flatten(grads)
   found = [set() for _ in leaves]
 
@@ -182,8 +150,8 @@ def is_masked(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
-def _target(grad: Any, specs: set, axes: frozenset) -> Optional[Target]:
-  """The one ``Target`` of ``grad`` its state's ``specs`` describe."""
+def _target(grad: Any, specs: set, axes: frozenset) -> Optional[ShardTarget]:
+  """The one ``ShardTarget`` of ``grad`` its state's ``specs`` describe."""
   if not specs:
     return None
   spec = min(specs, key=str)
@@ -193,7 +161,7 @@ def _target(grad: Any, specs: set, axes: frozenset) -> Optional[Target]:
   if len(specs) == 1 and len(changed) == 1:
     (dim,) = changed
     if grad_parts[dim] is None and set(jax.tree.leaves(parts[dim])) <= axes:
-      return Target(dim, parts[dim], spec)
+      return ShardTarget(dim, parts[dim], spec)
   raise ValueError(
     f'The optimizer state of a gradient typed {jax.typeof(grad)} is sharded '
     f'as {sorted(map(str, specs))}, not like the gradient with one dimension '
