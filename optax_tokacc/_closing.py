@@ -22,6 +22,7 @@ without a conditional (:func:`close_now`, :func:`keep_open`). Where the sums
 live and how they are reduced is the placement's (``_placement``).
 """
 
+from collections.abc import Callable
 import functools
 from typing import Any, NamedTuple, NoReturn, Optional
 
@@ -33,9 +34,9 @@ from optax_tokacc import _base
 from optax_tokacc import _compensated
 from optax_tokacc import _explicit
 from optax_tokacc import _inputs
+from optax_tokacc import _placement
 from optax_tokacc import _tokens
 from optax_tokacc import _window
-from optax_tokacc._window import reset_if
 
 
 class Closing(NamedTuple):
@@ -54,6 +55,17 @@ class Extra(NamedTuple):
   with_loss: bool  # whether it gets ``value=``, the window's loss
 
 
+class Context(NamedTuple):
+  """What closing a window (or keeping it open) reads beside the window and
+  ``inner``'s state: the same for every way to close it."""
+
+  config: _base.Config
+  place: _placement.Placement
+  grads: optax.Updates  # this micro-batch's: their tree and dtypes only
+  params: Optional[optax.Params]
+  extra: Extra
+
+
 class _Sums(NamedTuple):
   """The window summed over the devices: what ``inner``'s step reads."""
 
@@ -66,7 +78,15 @@ class _Sums(NamedTuple):
   squares: dict
 
 
-def _open(config, window: _base.Window) -> _base.Closed:
+class _Inner(NamedTuple):
+  """``inner`` as the closing runs it: the shapes, dtypes and types of its
+  updates, and its step (:func:`_step`, bound to its :class:`Context`)."""
+
+  shapes: Any
+  step: Callable
+
+
+def _open(config: _base.Config, window: _base.Window) -> _base.Closed:
   """What a call that leaves the window open gives: nothing emitted."""
   return _base.Closed(
     emitted=jnp.asarray(False),
@@ -77,11 +97,12 @@ def _open(config, window: _base.Window) -> _base.Closed:
   )
 
 
-def _reduce(config, place, window: _base.Window) -> tuple[_Sums, _base.Closed]:
+def _reduce(ctx: Context, window: _base.Window) -> tuple[_Sums, _base.Closed]:
   """The window summed over the devices (its one reduction), and what
   closing it gives."""
+  config = ctx.config
   sums = _compensated.window_sums(window, config.compensated)
-  sums, parts, loss_sum = place.reduce_window(
+  sums, parts, loss_sum = ctx.place.reduce_window(
     sums, window.acc_tokens, window.acc_loss
   )
   total, valid = _tokens.from_parts(parts, config.token_dtype)
@@ -94,35 +115,49 @@ def _reduce(config, place, window: _base.Window) -> tuple[_Sums, _base.Closed]:
     mean_loss=mean_loss,
     norms=_window.nan_norms(config, sums),
   )
-  squares = place.squares(sums, config.leaf_norms) if config.norms else {}
+  squares = {}
+  if config.norms:
+    squares = ctx.place.squares(sums, config.leaf_norms)
   return _Sums(sums, divisor, mean_loss, squares), closed
 
 
-def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
+def _step(
+  ctx: Context,
+  summed: _Sums,
+  opt_state: optax.OptState,
+  params: Optional[optax.Params],
+  emitted: Optional[jax.Array] = None,
+) -> tuple[optax.Updates, optax.OptState, _base.WindowNorms]:
   """``inner.update`` run once on the window's token-mean gradient, with
-  ``value=`` the window's token-mean loss where ``extra`` (an :class:`Extra`)
-  says so, its state's dtypes kept, in the types optax's nonlinear updates
-  take; the updates come typed like the parameters, so that
-  ``optax.apply_updates`` keeps their type. With ``emitted`` (a window
-  closed by the host), the updates are -0.0 and the state is kept unless
-  ``emitted``: selects, where the device uses a ``cond``."""
+  ``value=`` the window's token-mean loss where ``ctx.extra`` says so, its
+  state's dtypes kept, in the types optax's nonlinear updates take; the
+  updates come typed like the parameters, so that ``optax.apply_updates``
+  keeps their type. With ``emitted`` (a window closed by the host), the
+  updates are -0.0 and the state is kept unless ``emitted``: selects,
+  where the device uses a ``cond``."""
+  config, place = ctx.config, ctx.place
 
-  def mean(s):  # One reciprocal, multiplied: the same arithmetic in every
-    # program (XLA turns a division by a broadcast scalar into this in some
-    # programs only: host- and device-closed windows differed by a rounding).
+  def mean(s):
+    # One reciprocal, multiplied: the same arithmetic in every program (XLA
+    # turns a division by a broadcast scalar into this in some programs
+    # only: host- and device-closed windows differed by a rounding).
     wide = jnp.promote_types(s.dtype, jnp.float32)
     return s.astype(wide) * (1 / summed.divisor.astype(wide))
 
-  value = {'value': summed.mean_loss} if extra.with_loss else {}
-  mean_grads = optax.tree.cast_like(jax.tree.map(mean, summed.sums), grads)
+  value = {'value': summed.mean_loss} if ctx.extra.with_loss else {}
+  mean_grads = optax.tree.cast_like(jax.tree.map(mean, summed.sums), ctx.grads)
   plain_inner = place.inner_types(opt_state)
   updates, new_inner = config.inner.update(
-    mean_grads, plain_inner, place.inner_types(params), **extra.args, **value
+    mean_grads,
+    plain_inner,
+    place.inner_types(params),
+    **ctx.extra.args,
+    **value,
   )
   new_inner = optax.tree.cast_like(new_inner, opt_state)
-  norms = _window.nan_norms(config, grads)
+  norms = _window.nan_norms(config, ctx.grads)
   if config.norms:
-    norms = _norms(config, place, grads, summed, updates)
+    norms = _norms(ctx, summed, updates)
   if emitted is not None:
     updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
     new_inner = optax.tree.where(emitted, new_inner, plain_inner)
@@ -131,16 +166,19 @@ def _step(config, place, grads, extra, summed, opt_state, params, emitted=None):
   return updates, place.typed_like(new_inner, opt_state), norms
 
 
-def _norms(config, place, grads, summed: _Sums, updates) -> _base.WindowNorms:
+def _norms(
+  ctx: Context, summed: _Sums, updates: optax.Updates
+) -> _base.WindowNorms:
   """What ``inner`` got (the window's sums' norms over their count) and
-  gave: the global norms, and each leaf's where ``config`` asks."""
-  found = place.norms(summed.sums, summed.squares, updates, config.leaf_norms)
+  gave: the global norms, and each leaf's where the configuration asks."""
+  leaf_norms = ctx.config.leaf_norms
+  found = ctx.place.norms(summed.sums, summed.squares, updates, leaf_norms)
   per_token = jnp.stack([1 / summed.divisor.astype(jnp.float32), 1.0])
   totals = found.totals * per_token
   norms = _base.WindowNorms(grad_norm=totals[0], update_norm=totals[1])
-  if not config.leaf_norms:
+  if not leaf_norms:
     return norms
-  structure = jax.tree.structure(grads)
+  structure = jax.tree.structure(ctx.grads)
   grad_leaves, update_leaves = found.leaves
   return norms._replace(
     grad_norms=structure.unflatten([n * per_token[0] for n in grad_leaves]),
@@ -148,60 +186,70 @@ def _norms(config, place, grads, summed: _Sums, updates) -> _base.WindowNorms:
   )
 
 
-def close_now(config, place, grads, window, inner_state, params, extra):
+def close_now(
+  ctx: Context, window: _base.Window, inner_state: optax.OptState
+) -> Closing:
   """Closes the window without a conditional (the host decided: ``close=
   True``): the reduction sits in the program beside the backward pass.
   Returns a :class:`Closing`, as :func:`close_if`."""
-  _, step = _inner(config, place, grads, inner_state, params, extra)
-  summed, closed = _reduce(config, place, window)
-  updates, new_inner, norms = step(summed, inner_state, params, closed.emitted)
+  inner = _inner(ctx, inner_state)
+  summed, closed = _reduce(ctx, window)
+  updates, new_inner, norms = inner.step(
+    summed, inner_state, ctx.params, closed.emitted
+  )
   closed = closed._replace(norms=norms)
-  return Closing(updates, reset_if(place, True, window), new_inner, closed)
+  window = _window.reset_if(ctx.place, True, window)
+  return Closing(updates, window, new_inner, closed)
 
 
-def keep_open(config, place, grads, window, inner_state, params, extra):
+def keep_open(
+  ctx: Context, window: _base.Window, inner_state: optax.OptState
+) -> Closing:
   """The window left open (the host decided: ``close=False``): zero
   updates shaped like ``inner``'s (see :func:`_zeros`, ``fold``), and
   no ``inner`` work."""
-  shapes, _ = _inner(config, place, grads, inner_state, params, extra)
-  closed = _open(config, window)
+  shapes = _inner(ctx, inner_state).shapes
+  closed = _open(ctx.config, window)
   return Closing(_zeros(shapes, fold=True), window, inner_state, closed)
 
 
-def close_if(config, place, close, grads, window, inner_state, params, extra):
-  """Closes the window if ``close``, in one ``lax.cond``; ``extra`` is an
-  :class:`Extra`.
+def close_if(
+  ctx: Context,
+  close: jax.Array,
+  window: _base.Window,
+  inner_state: optax.OptState,
+) -> Closing:
+  """Closes the window if ``close``, in one ``lax.cond``.
 
   Returns a :class:`Closing`. The updates have the shapes and dtypes of
   ``inner``'s (``jax.eval_shape``, as in ``optax.MultiSteps``). Everything
   the branches read is an operand, never a closure: a buffer that reaches
-  the ``cond`` twice is copied on every micro-step.
+  the ``cond`` twice is copied on every micro-step. Where the accumulator's
+  buffer can hold the updates exactly (:func:`_holds_exactly`), the closing
+  branch writes them there (:func:`_held`) and the call reads them back
+  (:func:`_released`): a micro-step then writes no parameter-sized zeros
+  and copies nothing.
   """
-  shapes, inner_step = _inner(config, place, grads, inner_state, params, extra)
-  buffer = _holds_exactly(place, window.grad_sums, shapes)
-
-  def hold(updates, grad_sums):
-    """What the closing branch returns in place of the updates (None: no
-    updates): written into the accumulator's buffer where it can hold them
-    exactly (``buffer``), so that a micro-step writes no parameter-sized
-    zeros and copies nothing; fresh zeros otherwise. Where the buffer is
-    typed otherwise (partial sums), it holds the updates typed like
-    itself."""
-    if not buffer:
-      return _zeros(shapes) if updates is None else updates
-    if updates is None:
-      return grad_sums
-    held = optax.tree.cast_like(updates, grad_sums)
-    return jax.tree.map(place.retype_same_values, held, grad_sums)
+  config, place = ctx.config, ctx.place
+  inner = _inner(ctx, inner_state)
+  buffer = _holds_exactly(place, window.grad_sums, inner.shapes)
 
   def step(grad_sums, summed, inner_state, params):
-    updates, new_inner, norms = inner_step(summed, inner_state, params)
-    return hold(updates, grad_sums), new_inner, norms
+    updates, new_inner, norms = inner.step(summed, inner_state, params)
+    return (
+      _held(place, buffer, inner.shapes, updates, grad_sums),
+      new_inner,
+      norms,
+    )
 
   def no_step(grad_sums, summed, inner_state, params):
     del params
     norms = _window.nan_norms(config, summed.sums)
-    return hold(None, grad_sums), inner_state, norms
+    return (
+      _held(place, buffer, inner.shapes, None, grad_sums),
+      inner_state,
+      norms,
+    )
 
   def closing(window, inner_state, params):
     """Closes the window on the device, inside the outer ``cond``. A window
@@ -209,57 +257,90 @@ def close_if(config, place, close, grads, window, inner_state, params, extra):
     inner state: a nested ``cond``, since selecting between the new and the
     old inner state would keep both alive (temporaries the size of the
     inner state on every step)."""
-    summed, closed = _reduce(config, place, window)
+    summed, closed = _reduce(ctx, window)
     ops = (window.grad_sums, summed, inner_state, params)
     held, new_inner, norms = place.cond(closed.emitted, step, no_step, *ops)
     return held, new_inner, closed._replace(norms=norms)
 
   def accumulating(window, inner_state, params):
     del params
-    return hold(None, window.grad_sums), inner_state, _open(config, window)
+    held = _held(place, buffer, inner.shapes, None, window.grad_sums)
+    return held, inner_state, _open(config, window)
 
-  ops = (window, inner_state, params)
+  ops = (window, inner_state, ctx.params)
   held, inner_state, closed = place.cond(close, closing, accumulating, *ops)
-  window = reset_if(place, close, window)
+  window = _window.reset_if(place, close, window)
   if not buffer:
     return Closing(held, window, inner_state, closed)
-
-  def release(h, s):
-    """The update from the buffer that held it: -0.0 unless emitted (the
-    buffer holds the window's sums on a micro-step), typed and cast like
-    ``inner``'s. The value picked is the same on every device."""
-    return place.on_each_device(_or_zeros, (h, closed.emitted), s).astype(
-      s.dtype
-    )
-
-  updates = jax.tree.map(release, held, shapes)
+  updates = _released(place, held, inner.shapes, closed.emitted)
   return Closing(updates, window._replace(grad_sums=held), inner_state, closed)
 
 
-def _inner(config, place, grads, inner_state, params, extra):
-  """The shapes, dtypes and types of ``inner``'s updates, and its step
-  (:func:`_step` with ``extra``, an :class:`Extra`, bound): with ``loss`` passed it gets the window's loss unless it
-  accepts no ``value`` keyword (``optax.contrib.sam``). Without ``loss``, if
-  ``inner`` needs ``value``, the error names ``loss``.
-  """
-  scalars = [jax.ShapeDtypeStruct([], config.token_dtype)]
-  scalars.append(jax.ShapeDtypeStruct([], config.loss_dtype))
+def _held(
+  place: _placement.Placement,
+  buffer: bool,
+  shapes: Any,
+  updates: Optional[optax.Updates],
+  grad_sums: optax.Updates,
+) -> Any:
+  """What the closing branch returns in place of the updates (None: no
+  updates): written into the accumulator's buffer where it can hold them
+  exactly (``buffer``); fresh zeros otherwise. Where the buffer is typed
+  otherwise (partial sums), it holds the updates typed like itself."""
+  if not buffer:
+    return _zeros(shapes) if updates is None else updates
+  if updates is None:
+    return grad_sums
+  held = optax.tree.cast_like(updates, grad_sums)
+  return jax.tree.map(place.retype_same_values, held, grad_sums)
 
-  def shapes(extra):
-    step = functools.partial(_step, config, place, grads, extra)
-    try:
-      sums = place.reduced_types(grads)  # unused values: for their types
-      summed = _Sums(sums, *scalars, place.squares(sums, config.leaf_norms))
-      return jax.eval_shape(step, summed, inner_state, params)[0], step
-    except Exception as e:
-      _raise(e, place.refusal_of(e))
 
+def _released(
+  place: _placement.Placement, held: Any, shapes: Any, emitted: jax.Array
+) -> optax.Updates:
+  """The updates from the buffer that held them: -0.0 unless ``emitted``
+  (the buffer holds the window's sums on a micro-step), typed and cast like
+  ``inner``'s. The value picked is the same on every device."""
+
+  def release(h, s):
+    return place.on_each_device(_or_zeros, (h, emitted), s).astype(s.dtype)
+
+  return jax.tree.map(release, held, shapes)
+
+
+def _inner(ctx: Context, inner_state: optax.OptState) -> _Inner:
+  """``inner`` as the closing runs it: with ``loss`` passed it gets the
+  window's loss unless it accepts no ``value`` keyword (``optax.contrib.sam``:
+  its ``TypeError`` says so); without ``loss``, if ``inner`` needs
+  ``value``, the error names ``loss``."""
   try:
-    return shapes(extra)
+    return _traced(ctx, inner_state)
   except TypeError as e:
-    if extra.with_loss and "unexpected keyword argument 'value'" in str(e):
-      return shapes(extra._replace(with_loss=False))
-    _raise(e, None if extra.with_loss else _inputs.needs_value_error(e))
+    with_loss = ctx.extra.with_loss
+    if with_loss and "unexpected keyword argument 'value'" in str(e):
+      return _traced(
+        ctx._replace(extra=ctx.extra._replace(with_loss=False)), inner_state
+      )
+    _raise(e, None if with_loss else _inputs.needs_value_error(e))
+
+
+def _traced(ctx: Context, inner_state: optax.OptState) -> _Inner:
+  """:class:`_Inner` from ``jax.eval_shape`` of its step on values typed
+  as the window's sums will be; our error where the placement has one for
+  ``inner`` failing there."""
+  config, place = ctx.config, ctx.place
+  step = functools.partial(_step, ctx)
+  try:
+    sums = place.reduced_types(ctx.grads)  # unused values: for their types
+    scalars = (
+      jax.ShapeDtypeStruct([], config.token_dtype),
+      jax.ShapeDtypeStruct([], config.loss_dtype),
+    )
+    summed = _Sums(sums, *scalars, place.squares(sums, config.leaf_norms))
+    shapes = jax.eval_shape(step, summed, inner_state, ctx.params)[0]
+  except Exception as e:
+    _raise(e, place.refusal_of(e))
+  return _Inner(shapes, step)
 
 
 def _raise(error: Exception, ours: Optional[Exception]) -> NoReturn:
@@ -269,7 +350,9 @@ def _raise(error: Exception, ours: Optional[Exception]) -> NoReturn:
   raise ours from error
 
 
-def _holds_exactly(place, grad_sums: optax.Updates, updates: Any) -> bool:
+def _holds_exactly(
+  place: _placement.Placement, grad_sums: optax.Updates, updates: Any
+) -> bool:
   """Whether the accumulator's buffer can hold ``updates`` exactly: same
   shapes, a dtype that holds theirs, and what the placement allows."""
 

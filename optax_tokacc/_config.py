@@ -126,8 +126,12 @@ def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
   counts = name == 'token_dtype'
   if value is None:
     return jnp.dtype(jnp.int32) if counts else None
-  kinds = 'a floating dtype, or None for the gradient dtype (at least float32)'
-  kinds = 'int32 or a floating dtype' if counts else kinds
+  if counts:
+    kinds = 'int32 or a floating dtype'
+  else:
+    kinds = (
+      'a floating dtype, or None for the gradient dtype (at least float32)'
+    )
   try:
     found = jnp.dtype(value)
   except TypeError as e:

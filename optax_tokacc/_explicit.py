@@ -46,8 +46,10 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[jax.P]:
     return None
   parts = partitions(found)
   parts += (None,) * (len(jnp.shape(x)) - len(parts))
-  kept = found.unreduced if unreduced else frozenset()  # P.update keeps an
-  return jax.P(*parts, reduced=found.reduced, unreduced=kept)  # unreduced_kind
+  kept = found.unreduced if unreduced else frozenset()
+  # A new spec: P.update would keep an unreduced_kind (jax >= 0.11), which
+  # JAX refuses beside no unreduced axis.
+  return jax.P(*parts, reduced=found.reduced, unreduced=kept)
 
 
 def untyped(x: Any) -> bool:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_tokacc import _base
 from optax_tokacc import _errors
 
 _REAL = (jnp.integer, jnp.floating)  # The dtypes of a real scalar.
@@ -70,8 +71,10 @@ def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
     kinds = 'None or a Python bool, not traced (on the device, pass emit_now)'
     raise _errors.refuse('close', kinds, f'close={value!r}')
   if tokens_per_update is not None or emit_now is not None:
-    other = f'tokens_per_update={tokens_per_update}'
-    other = 'emit_now' if tokens_per_update is None else other
+    if tokens_per_update is None:
+      other = 'emit_now'
+    else:
+      other = f'tokens_per_update={tokens_per_update}'
     raise ValueError(f'close={value} and {other} both decide when: drop one.')
 
 
@@ -85,7 +88,7 @@ def loss(value: Any) -> None:
 
 def state_type(state: Any) -> None:
   """``state`` must be the transform's own state."""
-  if type(state).__name__ != 'TokenWeightedMultiStepState':
+  if not isinstance(state, _base.TokenWeightedMultiStepState):
     kinds = 'the TokenWeightedMultiStepState of tx.init'
     fix = " With optax.chain, pass the chain's state."
     raise _errors.refuse('state', kinds, type(state).__name__, fix)

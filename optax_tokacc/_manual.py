@@ -271,15 +271,19 @@ def grad_sum_axes(
     per_leaf.append(tuple(kept))  # shares (Manual.share): summed over all
     summed |= {a for a in kept if a not in varying_axes(grad)}
     outside |= varying_axes(grad) - set(axes) - sharded
-  missing, what = varying_axes(count) - set(axes), 'num_tokens'
-  if not missing and param_axes is None and outside:
+  count_outside = varying_axes(count) - set(axes)
+  if count_outside:
+    missing, what = count_outside, 'num_tokens'
+  elif param_axes is None and outside:
     raise ValueError(
       f'A gradient varies over the mesh axes {sorted(outside)}, which '
       f'axis_name={axes!r} leaves out: pass params to tx.update, which say '
       'whether it is sharded there or must be summed there too.'
     )
-  if not missing and param_axes:
+  elif param_axes:
     missing, what = outside, 'a gradient of a parameter replicated there'
+  else:
+    missing = frozenset()
   if missing:
     raise ValueError(
       f'{what} varies over the mesh axes {sorted(missing)}, which axis_name='

@@ -229,7 +229,13 @@ def _init(
   return place.global_state(state)
 
 
-def _judge(config, place, grads, gradient_step, params):
+def _judge(
+  config: _base.Config,
+  place: _placement.Placement,
+  grads: optax.Updates,
+  gradient_step: jax.Array,
+  params: Optional[optax.Params],
+) -> tuple[Optional[jax.Array], Any]:
   """Whether to keep the micro-batch (None: always), and the skip state."""
   skip_fn = config.should_skip_update_fn
   if skip_fn is None:
@@ -270,24 +276,43 @@ def _update(
   window = _base.Window(*(getattr(state, f) for f in _base.Window._fields))
   restart = state.mini_step == 0
   window = _window.add(config, place, window, micro, restart, close is not None)
-  mini_step = optax.safe_increment(state.mini_step)
-  if keep is not None and not place.rejected_micro_batch_advances():
-    mini_step = jnp.where(keep, mini_step, state.mini_step)
-  extra = _closing.Extra(extra_args, loss is not None)
-  args = (grads, window, state.inner_state, params, extra)
-  if close is None:
+  mini_step = _mini_step(place, state.mini_step, keep)
+  extra = _closing.Extra(extra_args, with_loss=loss is not None)
+  ctx = _closing.Context(config, place, grads, params, extra)
+  if close is None:  # the device decides, in one lax.cond
     close = _window.should_close(
       config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now
     )
-    closing = _closing.close_if(config, place, close, *args)
-  else:  # the host's decision: no conditional
-    host = _closing.close_now if close else _closing.keep_open
-    closing = host(config, place, *args)
+    closing = _closing.close_if(ctx, close, window, state.inner_state)
+  elif close:  # the host's decision: no conditional
+    closing = _closing.close_now(ctx, window, state.inner_state)
+  else:
+    closing = _closing.keep_open(ctx, window, state.inner_state)
   new_state = _next_state(state, mini_step, close, closing, skip_state)
   return closing.updates, place.global_state(new_state)
 
 
-def _next_state(state, mini_step, close, closing, skip_state):
+def _mini_step(
+  place: _placement.Placement,
+  mini_step: jax.Array,
+  keep: Optional[jax.Array],
+) -> jax.Array:
+  """The micro-steps of the window after this one: a rejected micro-batch
+  is not one, but where the placement advances it anyway (devices that may
+  decide differently close their windows together)."""
+  advanced = optax.safe_increment(mini_step)
+  if keep is None or place.rejected_micro_batch_advances():
+    return advanced
+  return jnp.where(keep, advanced, mini_step)
+
+
+def _next_state(
+  state: _base.TokenWeightedMultiStepState,
+  mini_step: jax.Array,
+  close: Union[bool, jax.Array],
+  closing: _closing.Closing,
+  skip_state: Any,
+) -> _base.TokenWeightedMultiStepState:
   """The state after this call: a closed window starts afresh (its
   parameter-sized buffers are restarted by its next micro-step)."""
   closed, emitted = closing.closed, closing.closed.emitted

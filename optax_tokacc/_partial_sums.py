@@ -203,8 +203,9 @@ class PartialSums(_placement.Placement):
     ``inner``'s shards), then typed like it."""
 
     def gather(x, ref):
-      split_here = _explicit.sharded(x) & self.axes
-      if not split_here or _explicit.sharded(ref) & self.axes:
+      is_shard = bool(_explicit.sharded(x) & self.axes)
+      ref_is_shard = bool(_explicit.sharded(ref) & self.axes)
+      if not is_shard or ref_is_shard:
         return x
       return jax.reshard(x, jax.P(*_explicit.partitions(_explicit.spec(ref))))
 

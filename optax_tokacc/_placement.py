@@ -219,10 +219,9 @@ def typed_split_axes(leaves: list, on_shares: bool) -> list[frozenset]:
   cannot type the partial sums unreduced)."""
   over = [_explicit.sharded(x) for x in leaves]
   mesh = next(map(_explicit.mesh_of, leaves), None)
-  deferred = [_explicit.deferred(a, mesh) for a in over]
-  if on_shares or _explicit.SUPPORTED and any(deferred):
-    return over
-  return [frozenset()] * len(over)
+  some_deferred = any(_explicit.deferred(a, mesh) for a in over)
+  typed = on_shares or (_explicit.SUPPORTED and some_deferred)
+  return over if typed else [frozenset()] * len(over)
 
 
 def typed_squares(tree: Any, per_leaf: bool, on_shares: bool) -> dict:

@@ -161,28 +161,29 @@ def _specs(tx, params, param_specs, axis_name, shard_over, mesh) -> Any:
   # None: the specs in the parameters' types
   param_specs = _explicit.specs(params) if param_specs is None else param_specs
   abstract = jax.eval_shape(tx.init, params)
-  specs = zero = _follow(tx, abstract, param_specs, params)
+  specs = _follow(tx, abstract, param_specs, params)
+  inner_specs = specs  # inner's state: like the parameters, or sharded
   if shard_over is not None:
     split = _optimizer_shards.state_specs(
       params, param_specs, shard_over, axis_name, mesh
     )
-    zero = _follow(tx, abstract, split, params)
-    if _inner_states(zero) == _inner_states(specs):
+    inner_specs = _follow(tx, abstract, split, params)
+    if _inner_states(inner_specs) == _inner_states(specs):
       raise ValueError(
         f'shard_optimizer_over={shard_over!r}: inner keeps no '
         'parameter-shaped state the axes divide: nothing to shard; leave it out.'
       )
   gradient, scalar = _layout(axis_name, jax.tree.leaves(param_specs))
 
-  def fix(node, zero_node):
+  def fix(node, inner_node):
     if not _state.is_state(node):
       return node
     # skip_state's scalars: replicated, or slots
     return _base.map_per_device(gradient, node)._replace(
-      acc_tokens=scalar, acc_loss=scalar, inner_state=zero_node.inner_state
+      acc_tokens=scalar, acc_loss=scalar, inner_state=inner_node.inner_state
     )
 
-  return jax.tree.map(fix, specs, zero, is_leaf=_state.is_state)
+  return jax.tree.map(fix, specs, inner_specs, is_leaf=_state.is_state)
 
 
 def _inner_states(specs: Any) -> list:

@@ -23,7 +23,7 @@ placement's (``_placement``); nothing here asks which parallel mode it runs
 in.
 """
 
-from typing import Any
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _compensated
+from optax_tokacc import _placement
 from optax_tokacc import _tokens
 
 
@@ -46,7 +47,7 @@ def stored_norms(norms: _base.WindowNorms) -> tuple[Any, Any]:
   )
 
 
-def nan_norms(config, grads: optax.Updates) -> _base.WindowNorms:
+def nan_norms(config: _base.Config, grads: optax.Updates) -> _base.WindowNorms:
   """The norms of no window: NaN, in the trees ``config`` asks for."""
   nan = jnp.full([], jnp.nan, jnp.float32)
   leaves = jax.tree.map(lambda _: nan, grads) if config.leaf_norms else ()
@@ -54,7 +55,12 @@ def nan_norms(config, grads: optax.Updates) -> _base.WindowNorms:
 
 
 def micro_batch(
-  config, place, grads, num_tokens, loss, keep
+  config: _base.Config,
+  place: _placement.Placement,
+  grads: optax.Updates,
+  num_tokens: jax.typing.ArrayLike,
+  loss: Optional[jax.typing.ArrayLike],
+  keep: Optional[jax.Array],
 ) -> _base.MicroBatch:
   """The micro-batch as the window adds it. Under a mean loss the gradient
   (in :func:`add`) and the loss are scaled by the count they are the mean
@@ -69,11 +75,17 @@ def micro_batch(
   return _base.MicroBatch(place.gradient_shares(grads), count, loss, keep)
 
 
-def add(config, place, window, micro, restart, select=False) -> _base.Window:
-  """The window with the micro-batch (a :class:`~optax_tokacc._base.MicroBatch`) added;
-  ``restart`` starts a window (in a ``cond``, or a select where the program
-  has no conditional). Contributions are selected, never multiplied by
-  zero."""
+def add(
+  config: _base.Config,
+  place: _placement.Placement,
+  window: _base.Window,
+  micro: _base.MicroBatch,
+  restart: jax.Array,
+  select: bool = False,
+) -> _base.Window:
+  """The window with the micro-batch added; ``restart`` starts a window
+  (in a ``cond``, or a select where the program has no conditional, as
+  ``select`` says). Contributions are selected, never multiplied by zero."""
   adds = micro.keep  # whether the micro-batch adds anything (None: always)
   if config.mean_loss:  # without tokens its mean is undefined: it adds nothing
     has_tokens = micro.count > 0
@@ -92,18 +104,23 @@ def add(config, place, window, micro, restart, select=False) -> _base.Window:
     )
 
   addends = jax.tree.map(addend, window.grad_sums, micro.grads)
-  args = ((window.grad_sums, window.acc_compensation), addends, restart)
+  sums = (window.grad_sums, window.acc_compensation)
   if config.compensated or select:  # not linear: on each device's share
-    grad_sums, acc_compensation = place.on_each_device(
-      accumulate, args, args[0]
-    )
+    args = (sums, addends, restart)
+    grad_sums, acc_compensation = place.on_each_device(accumulate, args, sums)
   else:
-    grad_sums, acc_compensation = accumulate(*args)
+    grad_sums, acc_compensation = accumulate(sums, addends, restart)
   acc_tokens, acc_loss = _add_scalars(config, place, window, micro, adds)
   return _base.Window(grad_sums, acc_compensation, acc_tokens, acc_loss)
 
 
-def _add_scalars(config, place, window, micro, adds):
+def _add_scalars(
+  config: _base.Config,
+  place: _placement.Placement,
+  window: _base.Window,
+  micro: _base.MicroBatch,
+  adds: Optional[jax.Array],
+) -> tuple[jax.Array, jax.Array]:
   """The window's count and loss with the micro-batch's, on each device's
   share: the count is validated there, and selecting on a share moves no
   data. A rejected micro-batch's count is ignored, even if invalid."""
@@ -116,26 +133,33 @@ def _add_scalars(config, place, window, micro, adds):
     count = _tokens.as_count(count, config.token_dtype)
     return _tokens.add(acc_tokens, count), acc_loss + loss
 
-  args = (window.acc_tokens, window.acc_loss)
-  args += (
-    place.share_of(micro.count),
-    place.share_of(micro.loss),
-    micro.keep,
-    adds,
-  )
-  return place.on_each_device(add_shares, args, args[:2])
+  sums = (window.acc_tokens, window.acc_loss)
+  shares = (place.share_of(micro.count), place.share_of(micro.loss))
+  args = (*sums, *shares, micro.keep, adds)
+  return place.on_each_device(add_shares, args, sums)
 
 
-def should_close(config, place, gradient_step, mini_step, acc_tokens, emit_now):
+def should_close(
+  config: _base.Config,
+  place: _placement.Placement,
+  gradient_step: jax.Array,
+  mini_step: jax.Array,
+  acc_tokens: jax.Array,
+  emit_now: Optional[jax.Array],
+) -> jax.Array:
   """Whether this call closes the window: the same on every device."""
   k = config.window_size(gradient_step)
   close = mini_step >= jnp.maximum(jnp.asarray(k, jnp.int32), 1)
   if config.tokens_per_update is not None:
     close |= window_tokens(place, acc_tokens) >= config.tokens_per_update
-  return close if emit_now is None else close | place.on_any_device(emit_now)
+  if emit_now is not None:
+    close |= place.on_any_device(emit_now)
+  return close
 
 
-def window_tokens(place, acc_tokens) -> jax.Array:
+def window_tokens(
+  place: _placement.Placement, acc_tokens: jax.Array
+) -> jax.Array:
   """The window's counted tokens so far, over all devices (for
   ``tokens_per_update``; an invalid count counts 0, a total beyond the
   counter counts as its maximum). Where the window is split over devices,
@@ -149,7 +173,11 @@ def window_tokens(place, acc_tokens) -> jax.Array:
   return jnp.where(fits, total, jnp.asarray(top, acc_tokens.dtype))
 
 
-def reset_if(place, close, window: _base.Window) -> _base.Window:
+def reset_if(
+  place: _placement.Placement,
+  close: Union[bool, jax.Array],
+  window: _base.Window,
+) -> _base.Window:
   """The window's count and loss zeroed if ``close``, on each device's
   share (a select on partial sums would make the compiler reduce them)."""
 
