@@ -107,10 +107,10 @@ def machine():
   }
 
 
-def command(script, argv):
+def command(name, argv):
   """The command line that produced a result, for its JSON."""
   args = sys.argv[1:] if argv is None else list(argv)
-  return ' '.join(['python', f'benchmarks/{script}', *map(str, args)])
+  return ' '.join(['python -m', f'benchmarks.{name}', *map(str, args)])
 
 
 def write_json(path, results):

@@ -21,16 +21,17 @@ import json
 import os
 import time
 
-import _common
-import _dispatch
-import _methods
-import _models
-import _report
-import _timing
-import device_check
 import jax
 import optax
-import run as run_py
+
+from benchmarks import _common
+from benchmarks import _dispatch
+from benchmarks import _methods
+from benchmarks import _models
+from benchmarks import _report
+from benchmarks import _timing
+from benchmarks import device_check
+from benchmarks import run as run_py
 
 DISPATCH_METHODS = ('ideal', 'tokacc_device', 'tokacc_host')
 
@@ -39,7 +40,7 @@ def header(args, device, argv):
   """The device, versions and command of the results."""
   stats = getattr(device, 'memory_stats', lambda: None)() or {}
   return {
-    'command': _common.command('device_check.py', argv),
+    'command': _common.command('device_check', argv),
     'machine': _common.machine(),
     'device_count': jax.device_count(),
     'device_memory_bytes': stats.get('bytes_limit'),

@@ -53,7 +53,6 @@ the transformer) are skipped.
 
 import functools
 
-import _methods
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -61,6 +60,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
 
+from benchmarks import _methods
 import optax_tokacc as tokacc
 
 REFERENCE = 'ideal_explicit_ddp'
@@ -360,7 +360,7 @@ def ideal_explicit_zero1(case):
   )
 
 
-import _explicit_one  # noqa: E402 - it reads this module's helpers.
+from benchmarks import _explicit_one  # noqa: E402 - it reads this module's helpers.
 
 METHODS = {
   'ideal_explicit_ddp': ideal_explicit_ddp,

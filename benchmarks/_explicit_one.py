@@ -23,14 +23,15 @@ run. ``tokacc_explicit_ddp`` is judged against this step.
 
 import functools
 
-import _explicit_methods as em
-import _methods
 import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
+
+from benchmarks import _explicit_methods as em
+from benchmarks import _methods
 
 
 def _one_program_step(model, adamw, k):

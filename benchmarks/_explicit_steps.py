@@ -43,12 +43,12 @@ before it is added (a reduced array cannot meet a sharded one; a
 ``jax.reshard(b, P())`` would all-reduce its gradient on every micro-step).
 """
 
-import _sharded_steps as steps
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks import _sharded_steps as steps
 import optax_tokacc as tokacc
 
 EXPLICIT = jax.sharding.AxisType.Explicit

@@ -17,10 +17,10 @@
 
 import functools
 
-import _methods
 from flax import nnx
 import jax
 
+from benchmarks import _methods
 import optax_tokacc as tokacc
 from optax_tokacc.flax import Optimizer
 from optax_tokacc.flax import TrainState

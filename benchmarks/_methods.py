@@ -30,11 +30,11 @@ import functools
 import time
 from typing import Any, NamedTuple
 
-import _models
 import jax
 import jax.numpy as jnp
 import optax
 
+from benchmarks import _models
 import optax_tokacc as tokacc
 
 

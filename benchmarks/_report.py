@@ -22,9 +22,10 @@ after one window. A method that could not be set up has a row with
 ``error`` instead.
 """
 
-import _common
-import _timing
 import jax.numpy as jnp
+
+from benchmarks import _common
+from benchmarks import _timing
 
 
 def _model_fields(case):

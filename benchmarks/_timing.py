@@ -73,7 +73,7 @@ def interleave(
       function compiles it).
     after_first_window: called once every trainer has run one window.
     deadline: a ``time.perf_counter()`` value: no round of windows starts
-      after it once 2 windows are timed (``benchmarks/device_check.py``
+      after it once 2 windows are timed (``device_check.py``
       fits its windows into a time budget). None: no deadline.
 
   Returns:

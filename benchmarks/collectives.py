@@ -63,50 +63,27 @@ reported in its row (``error``) instead of stopping the run: explicit
 sharding, while the library's support for it is being written. Name it with
 ``--patterns`` to see the traceback::
 
-    python benchmarks/collectives.py [--devices 8] [--k 1,4,8] [--out x.json]
-    python benchmarks/collectives.py --patterns explicit_ddp,explicit_hsdp
+    python -m benchmarks.collectives [--devices 8] [--k 1,4,8] [--out x.json]
+    python -m benchmarks.collectives --patterns explicit_ddp,explicit_hsdp
 
 Adding a pattern: a builder ``(devices, k, params) -> Setup`` (in
 ``_sharded_steps.py`` or ``_explicit_steps.py``) and one entry of
-``PATTERNS``. ``parse_hlo``, ``collective_sites``, ``device_groups``,
-``group_sets``, ``find_instruction``, ``reachable_opcodes``,
-``returns_its_parameters``, ``collective_records`` and ``summarize`` (from
-``_hlo.py``, the one reader of compiled HLO that tests and benchmarks
-share) can be imported from here.
+``PATTERNS``. The compiled HLO is read by ``tests/hlo.py``, the one reader
+that tests and benchmarks share.
 """
 
 import argparse
 from collections.abc import Callable
-import os
 import sys
 from typing import NamedTuple
 
-# `python benchmarks/collectives.py`, or this file loaded by its path (the
-# tests do), finds its sibling modules.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# The HLO reader is the tests' (tests/hlo.py); the benchmarks read it too.
-sys.path.insert(
-  1,
-  os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tests'
-  ),
-)
+import jax
+from jax.sharding import NamedSharding
 
-import _common  # noqa: E402
-import _explicit_steps as explicit  # noqa: E402
-import _sharded_steps as steps  # noqa: E402
-from hlo import COLLECTIVE_OPCODES  # noqa: E402, F401
-from hlo import collective_records  # noqa: E402
-from hlo import collective_sites  # noqa: E402, F401
-from hlo import device_groups  # noqa: E402, F401
-from hlo import find_instruction  # noqa: E402, F401
-from hlo import group_sets  # noqa: E402, F401
-from hlo import parse_hlo  # noqa: E402, F401
-from hlo import reachable_opcodes  # noqa: E402, F401
-from hlo import returns_its_parameters  # noqa: E402, F401
-from hlo import summarize  # noqa: E402
-import jax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+from benchmarks import _common
+from benchmarks import _explicit_steps as explicit
+from benchmarks import _sharded_steps as steps
+from tests import hlo
 
 
 class Pattern(NamedTuple):
@@ -177,7 +154,9 @@ def measure(name, devices, k, windows, expected):
     data = NamedSharding(setup.mesh, setup.batch_spec)
     windows = jax.device_put(windows, data)
     lowered = setup.step.lower(setup.params, setup.state, windows[0][0])
-    records = collective_records(lowered.compile().as_text(), setup.mesh_axes)
+    records = hlo.collective_records(
+      lowered.compile().as_text(), setup.mesh_axes
+    )
     params = _train(setup, windows)
   return {
     'name': name,
@@ -187,7 +166,7 @@ def measure(name, devices, k, windows, expected):
     'mesh': ' x '.join(f'{n}={s}' for n, s in setup.mesh_axes),
     'param_bytes': param_bytes,
     'collectives': records,
-    'summary': summarize(records, k),
+    'summary': hlo.summarize(records, k),
     'accumulator_bytes_per_device': acc_bytes,
     'optimizer_bytes_per_device': optimizer_bytes,
     'exact': pattern.exact,
@@ -333,7 +312,7 @@ def main(argv=None):
     _common.write_json(
       args.out,
       {
-        'command': _common.command('collectives.py', argv),
+        'command': _common.command('collectives', argv),
         'machine': _common.machine(),
         'rows': rows,
       },

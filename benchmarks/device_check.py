@@ -14,8 +14,8 @@
 # ==============================================================================
 """All the work a lent accelerator does, in one call of one command.
 
-  PYTHONPATH=. python benchmarks/device_check.py --out $OUT
-  python benchmarks/device_check.py --cpu --quick --out /tmp/check  # CI
+  python3 -m benchmarks.device_check --out $OUT  # from the repository root
+  python -m benchmarks.device_check --cpu --quick --out /tmp/check  # CI
 
 In order, within ``--budget-s`` seconds (default 420; windows are cut to
 fit, never the model):
@@ -54,7 +54,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
 
 METHODS = (
   'ideal',
@@ -131,7 +130,7 @@ def parse_args(argv=None):
   args = parser.parse_args(argv)
   if args.budget_s <= 0 or args.test_workers < 0:
     parser.error('--budget-s must be > 0 and --test-workers >= 0.')
-  import _common  # noqa: PLC0415
+  from benchmarks import _common  # noqa: PLC0415
 
   try:
     args.models = _common.parse_names(args.models, MODELS, 'model')
@@ -156,7 +155,7 @@ def preflight(args):
     try:
       importlib.import_module(name)
     except ImportError as e:
-      hint = ' (run from the repository root with PYTHONPATH=.)'
+      hint = ' (run python -m benchmarks.device_check from the repository root)'
       fail(f'missing package {name}: {_first_line(e)}{hint * (name[0] == "o")}')
   import jax  # noqa: PLC0415
 
@@ -263,7 +262,7 @@ def main(argv=None):
   deadline = start + args.budget_s
   os.makedirs(args.out, exist_ok=True)
   device = preflight(args)
-  import _device_bench  # noqa: PLC0415 - after JAX_PLATFORMS is set.
+  from benchmarks import _device_bench  # noqa: PLC0415 - after JAX_PLATFORMS is set.
 
   results = _device_bench.header(args, device, argv)
   _device_bench.write(args.out, results)

@@ -24,10 +24,10 @@ warm-up, their ratios to the method's hand-written ideal (per window also
 to ``optax.MultiSteps``), the compiled memory of each jitted function, and
 the collectives of ``collectives.py`` on fake CPU devices::
 
-  python benchmarks/run.py --short            # the full models, 4 windows
-  python benchmarks/run.py --out results.json # the full run
-  python benchmarks/run.py --models mlp_bf16 --methods ideal,multisteps,tokacc
-  python benchmarks/run.py --quick            # smoke-test sizes (CI runs it)
+  python -m benchmarks.run --short            # the full models, 4 windows
+  python -m benchmarks.run --out results.json # the full run
+  python -m benchmarks.run --models mlp_bf16 --methods ideal,multisteps,tokacc
+  python -m benchmarks.run --quick            # smoke-test sizes (CI runs it)
 
 Methods (``--methods``; the train steps are in ``_methods.py``,
 ``_flax_methods.py`` and ``_explicit_methods.py``):
@@ -83,22 +83,18 @@ while a run that did not name it sets it up is reported in its row
 """
 
 import argparse
-import os
 import sys
 
-# `python benchmarks/run.py` puts this folder first on sys.path; an import
-# of this file from elsewhere needs it too.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import optax
 
-import _common  # noqa: E402
-import _explicit_methods  # noqa: E402
-import _methods  # noqa: E402
-import _models  # noqa: E402
-import _report  # noqa: E402
-import _timing  # noqa: E402
-import collectives  # noqa: E402
-import jax  # noqa: E402
-import optax  # noqa: E402
+from benchmarks import _common
+from benchmarks import _explicit_methods
+from benchmarks import _methods
+from benchmarks import _models
+from benchmarks import _report
+from benchmarks import _timing
+from benchmarks import collectives
 
 FLAX_METHODS = ('tokacc_flax', 'tokacc_nnx')
 EXPLICIT_METHODS = tuple(_explicit_methods.METHODS)
@@ -133,7 +129,7 @@ SETTINGS = {
 def build(name, case):
   """The trainer of method ``name`` on ``case``."""
   if name in FLAX_METHODS:
-    import _flax_methods  # noqa: PLC0415 - Flax is optional.
+    from benchmarks import _flax_methods  # noqa: PLC0415 - Flax is optional.
 
     return _flax_methods.METHODS[name](case)
   if name in EXPLICIT_METHODS:
@@ -276,7 +272,7 @@ def main(argv=None):
   if args.out:
     results = {
       'setting': args.setting,
-      'command': _common.command('run.py', argv),
+      'command': _common.command('run', argv),
       'machine': info,
       'windows': args.windows,
       'warmup': args.warmup,

@@ -31,7 +31,7 @@ that a one-program step runs on every micro-step and the ideal's
 micro-step does not. ``--calls`` calls of each are timed after 2 warm-up
 calls; the table gives the median and the minimum.
 
-  python benchmarks/steady_micro_step.py --models mlp,mlp_bf16 --devices 4
+  python -m benchmarks.steady_micro_step --models mlp,mlp_bf16 --devices 4
 """
 
 import argparse
@@ -40,19 +40,19 @@ import statistics
 import sys
 import time
 
-import _common
+from benchmarks import _common
 
 METHODS = ('ideal', 'tokacc', 'tokacc_without_apply')
 
 
 def _steps(case, mesh):
   """name -> ``(call, carry)``: one micro-step of each method."""
-  import _explicit_methods  # noqa: PLC0415 - after the devices are set.
-  import _methods  # noqa: PLC0415
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import optax  # noqa: PLC0415
 
+  from benchmarks import _explicit_methods  # noqa: PLC0415 - after the devices are set.
+  from benchmarks import _methods  # noqa: PLC0415
   import optax_tokacc as tokacc  # noqa: PLC0415
 
   model = case.model
@@ -91,11 +91,12 @@ def _steps(case, mesh):
 
 def measure(model_name, devices, calls):
   """name -> seconds of each timed call, interleaved."""
-  import _explicit_methods  # noqa: PLC0415
-  import _methods  # noqa: PLC0415
-  import _models  # noqa: PLC0415
   import jax  # noqa: PLC0415
   import optax  # noqa: PLC0415
+
+  from benchmarks import _explicit_methods  # noqa: PLC0415
+  from benchmarks import _methods  # noqa: PLC0415
+  from benchmarks import _models  # noqa: PLC0415
 
   model = _models.build(model_name, 'full', 2)
   adamw = optax.adamw(1e-4, mu_dtype=model.mu_dtype)

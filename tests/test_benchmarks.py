@@ -12,7 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""benchmarks/run.py runs end to end at its --quick (smoke-test) sizes (figures: its README).
+"""``python -m benchmarks.run`` runs end to end at its --quick (smoke-test) sizes
+(figures: benchmarks/README.md).
 
 While the explicit-sharding methods and patterns are listed in ``MAY_FAIL``
 (run.py, collectives.py), they may report an error in their row instead of
@@ -20,7 +21,7 @@ a measurement, and only their exactness is checked; once ``MAY_FAIL`` is
 emptied they must be measured and show their collectives per window.
 """
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -110,10 +111,11 @@ EXPLICIT_RUN_LIMIT_S = 600
 DEVICE_CHECK_LIMIT_S = 900
 
 
-def run_script(script, *args, limit_s):
+def run_script(name, *args, limit_s):
+  """``python -m benchmarks.<name> args`` from the repository's root."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   return subprocess.run(
-    [sys.executable, str(REPO / 'benchmarks' / script), *map(str, args)],
+    [sys.executable, '-m', f'benchmarks.{name}', *map(str, args)],
     capture_output=True,
     text=True,
     env=env,
@@ -123,7 +125,7 @@ def run_script(script, *args, limit_s):
 
 
 def run_benchmarks(*args, limit_s=QUICK_RUN_LIMIT_S):
-  return run_script('run.py', *args, limit_s=limit_s)
+  return run_script('run', *args, limit_s=limit_s)
 
 
 def measured(rows, what):
@@ -142,18 +144,17 @@ def quick_results(tmp_path_factory):
   return json.loads(out.read_text())
 
 
-def load_run_module():
-  """benchmarks/run.py as a module (it puts benchmarks/ on sys.path)."""
-  path = REPO / 'benchmarks' / 'run.py'
-  spec = importlib.util.spec_from_file_location('benchmarks_run', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def import_benchmark(name):
+  """``benchmarks.<name>``, imported with the repository's root on
+  ``sys.path`` (as ``python -m`` from there has it)."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.syspath_prepend(str(REPO))
+    return importlib.import_module(f'benchmarks.{name}')
 
 
 @pytest.fixture(scope='module')
 def run_module():
-  return load_run_module()
+  return import_benchmark('run')
 
 
 def test_quick_run_writes_every_method_and_model(quick_results, run_module):
@@ -219,7 +220,7 @@ def test_quick_run_reports_memory_and_matches_the_ideal(quick_results):
       assert row['param_dtype'] == 'bfloat16' and row['mu_dtype'] == 'float32'
 
 
-def exact_within(run_module, model_name):
+def exact_within(model_name):
   """How far an exact method's parameters may be from its ideal's after
   one window: float32 parameters, as the quick run checks; bfloat16 ones
   (``mlp_bf16``, ``gpt2_bf16``), one bfloat16 spacing of the largest parameter (2**-7 of
@@ -228,7 +229,7 @@ def exact_within(run_module, model_name):
   step (lr 1e-4) moves a parameter by about 1e-4, below the 1e-3 added."""
   if not model_name.endswith('_bf16'):
     return 1e-5
-  model = run_module._models.build(model_name, 'quick', 2)
+  model = import_benchmark('_models').build(model_name, 'quick', 2)
   largest = max(float(abs(x).max()) for x in jax.tree.leaves(model.params))
   return 2.0**-7 * (largest + 1e-3)
 
@@ -256,9 +257,7 @@ def explicit_results(tmp_path_factory):
   return json.loads(out.read_text())
 
 
-def test_zero1_holds_a_quarter_of_the_optimizer_state(
-  explicit_results, run_module
-):
+def test_zero1_holds_a_quarter_of_the_optimizer_state(explicit_results):
   """On 4 devices, the ZeRO-1 rows hold per device 1/4 of the optimizer
   state the DDP rows hold (every moment of the MLP splits over 4; AdamW's
   int32 count, 4 bytes, is the one leaf kept whole); ``memory_analysis()``
@@ -280,7 +279,7 @@ def test_zero1_holds_a_quarter_of_the_optimizer_state(
       sharded = zero1['optimizer_bytes_per_device'] - count_bytes
       assert sharded == whole[kind] / 4, (ddp, zero1)
       difference = zero1['max_abs_diff_to_ideal_after_one_window']
-      assert difference <= exact_within(run_module, model), zero1
+      assert difference <= exact_within(model), zero1
     arguments = [
       rows[(model, method)]['memory']['step']['argument_size_in_bytes']
       for method in ('tokacc_explicit_ddp', 'tokacc_explicit_zero1')
@@ -442,11 +441,11 @@ DEVICE_CHECK_METHODS = (
 
 @pytest.fixture(scope='module')
 def device_check_results(tmp_path_factory):
-  """``device_check.py --cpu --quick``: what a lent accelerator runs, at
-  smoke-test sizes on the CPU, so that it cannot rot."""
+  """``python -m benchmarks.device_check --cpu --quick``: what a lent
+  accelerator runs, at smoke-test sizes on the CPU, so that it cannot rot."""
   out = tmp_path_factory.mktemp('device_check')
   result = run_script(
-    'device_check.py',
+    'device_check',
     '--cpu',
     '--quick',
     '--out',
@@ -462,14 +461,14 @@ def test_device_check_records_the_run(device_check_results):
   results, markdown = device_check_results
   machine = results['machine']
   assert machine['device'].startswith('cpu') and machine['jax']
-  assert 'device_check.py --cpu --quick' in results['command']
+  assert 'benchmarks.device_check --cpu --quick' in results['command']
   assert results['tests']['counts'].get('passed', 0) >= 1, results['tests']
   assert 'failed' not in results['tests']['counts'], results['tests']
   assert not results['errors'], results['errors']
   assert results['command'] in markdown and machine['jax'] in markdown
 
 
-def test_device_check_measures_gpt2(device_check_results, run_module):
+def test_device_check_measures_gpt2(device_check_results):
   results, markdown = device_check_results
   rows = results['rows']
   assert {(row['model'], row['method']) for row in rows} == {
@@ -483,7 +482,7 @@ def test_device_check_measures_gpt2(device_check_results, run_module):
     assert f'| {row["model"]} | {row["k"]} | {row["method"]} |' in markdown
     if row['method'] != 'multisteps':
       difference = row['max_abs_diff_to_ideal_after_one_window']
-      assert difference <= exact_within(run_module, row['model']), row
+      assert difference <= exact_within(row['model']), row
   for name in ('ideal', 'tokacc_device', 'tokacc_host'):
     dispatch = results['dispatch'][name]
     assert 0 < dispatch['dispatch_s_per_micro_batch']
@@ -498,7 +497,7 @@ def test_device_check_without_an_accelerator_says_so_in_one_line(tmp_path):
   """Without ``--cpu`` on a machine with no accelerator: one line on
   stderr, exit status 2, no traceback."""
   # JAX's import and its device list: about 3 s (3.3 s loaded).
-  result = run_script('device_check.py', '--out', tmp_path, limit_s=300)
+  result = run_script('device_check', '--out', tmp_path, limit_s=300)
   assert result.returncode == 2, result.stdout + result.stderr
   lines = result.stderr.strip().splitlines()
   assert lines[-1].startswith('device_check: no accelerator found'), lines
