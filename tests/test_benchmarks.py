@@ -15,10 +15,8 @@
 """``python -m benchmarks.run`` runs end to end at its --quick (smoke-test) sizes
 (figures: benchmarks/README.md).
 
-While the explicit-sharding methods and patterns are listed in ``MAY_FAIL``
-(run.py, collectives.py), they may report an error in their row instead of
-a measurement, and only their exactness is checked; once ``MAY_FAIL`` is
-emptied they must be measured and show their collectives per window.
+Every method and pattern is measured (a row holds a measurement, never an
+error), and the explicit-sharding ones show their collectives per window.
 """
 
 import importlib
@@ -26,7 +24,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 
 import helpers
 import jax
@@ -81,13 +78,6 @@ PATTERNS = {
   'explicit_fsdp': 'explicit FSDP',
   'explicit_hsdp': 'explicit HSDP',
 }
-EXPLICIT_PATTERNS = (
-  'explicit_replicated',
-  'explicit_ddp',
-  'explicit_zero1',
-  'explicit_fsdp',
-  'explicit_hsdp',
-)
 
 pytestmark = [
   pytest.mark.slow,  # starts a Python process
@@ -128,12 +118,11 @@ def run_benchmarks(*args, limit_s=QUICK_RUN_LIMIT_S):
   return run_script('run', *args, limit_s=limit_s)
 
 
-def measured(rows, what):
-  """The rows that hold a measurement; a warning for each error row."""
-  for row in rows:
-    if 'error' in row:
-      warnings.warn(f'{row[what]} not measured: {row["error"]}', stacklevel=2)
-  return [row for row in rows if 'error' not in row]
+def measured(rows):
+  """``rows``, each of which holds a measurement (no ``error``)."""
+  errors = [row for row in rows if 'error' in row]
+  assert not errors, errors
+  return rows
 
 
 @pytest.fixture(scope='module')
@@ -157,18 +146,14 @@ def run_module():
   return import_benchmark('run')
 
 
-def test_quick_run_writes_every_method_and_model(quick_results, run_module):
-  rows = quick_results['rows']
+def test_quick_run_writes_every_method_and_model(quick_results):
+  rows = measured(quick_results['rows'])
   assert {(row['model'], row['method']) for row in rows} == {
     (model, method)
     for model in MODELS
     for method in METHODS
     if model in EXPLICIT_MODELS or method not in EXPLICIT_METHODS
   }
-  assert set(run_module.MAY_FAIL) <= set(EXPLICIT_METHODS)
-  for row in rows:
-    if 'error' in row:
-      assert row['method'] in run_module.MAY_FAIL, row
   assert quick_results['machine']['commit']
 
 
@@ -176,7 +161,7 @@ def test_quick_run_reports_the_bytes_each_window_accesses(quick_results):
   """XLA's estimate (``cost_analysis()``) per window, over the parameter
   bytes and the reference's: 1.00x for a reference itself (none for the
   one-call window's loop, which XLA counts once)."""
-  for row in measured(quick_results['rows'], 'method'):
+  for row in measured(quick_results['rows']):
     if row['method'] == 'microbatched':
       assert row['accessed_per_window_over_params'] is None
       continue
@@ -187,7 +172,7 @@ def test_quick_run_reports_the_bytes_each_window_accesses(quick_results):
 
 
 def test_quick_run_times_micro_steps_and_windows(quick_results):
-  for row in measured(quick_results['rows'], 'method'):
+  for row in measured(quick_results['rows']):
     assert row['median_window_s'] > 0
     assert row['ratio_to_ideal'] is not None, row
     if row['method'] == 'microbatched':  # one call per window
@@ -200,7 +185,7 @@ def test_quick_run_times_micro_steps_and_windows(quick_results):
 
 
 def test_quick_run_reports_memory_and_matches_the_ideal(quick_results):
-  for row in measured(quick_results['rows'], 'method'):
+  for row in measured(quick_results['rows']):
     assert row['memory'], row
     for analysis in row['memory'].values():
       assert analysis['argument_size_in_bytes'] > 0
@@ -229,7 +214,7 @@ def exact_within(model_name):
   step (lr 1e-4) moves a parameter by about 1e-4, below the 1e-3 added."""
   if not model_name.endswith('_bf16'):
     return 1e-5
-  model = import_benchmark('_models').build(model_name, 'quick', 2)
+  model = import_benchmark('models').build(model_name, 'quick', 2)
   largest = max(float(abs(x).max()) for x in jax.tree.leaves(model.params))
   return 2.0**-7 * (largest + 1e-3)
 
@@ -265,7 +250,7 @@ def test_zero1_holds_a_quarter_of_the_optimizer_state(explicit_results):
   trains as its ideal does."""
   rows = {
     (row['model'], row['method']): row
-    for row in measured(explicit_results['rows'], 'method')
+    for row in measured(explicit_results['rows'])
   }
   assert len(rows) == len(EXPLICIT_MODELS) * len(EXPLICIT_METHODS)
   count_bytes = 4
@@ -294,16 +279,11 @@ def window_by_axes(row):
   }
 
 
-def test_quick_run_counts_collectives(quick_results, run_module):
+def test_quick_run_counts_collectives(quick_results):
   """What the compiled steps on 4 devices (k = 2) must show."""
-  all_rows = quick_results['collectives']
+  all_rows = measured(quick_results['collectives'])
   assert {row['name']: row['pattern'] for row in all_rows} == PATTERNS
-  may_fail = run_module.collectives.MAY_FAIL
-  assert set(may_fail) <= set(EXPLICIT_PATTERNS)
-  for row in all_rows:
-    if 'error' in row:
-      assert row['name'] in may_fail, row
-  rows = {row['name']: row for row in measured(all_rows, 'name')}
+  rows = {row['name']: row for row in all_rows}
   for row in rows.values():
     assert row['summary']['other_branch'] == 0, row
     if row['exact']:
@@ -320,7 +300,7 @@ def test_quick_run_counts_collectives(quick_results, run_module):
     check_hsdp(rows[name])
     assert window_by_axes(rows[name])['replica'] == 1
   check_fsdp(rows['fsdp_gspmd'])
-  check_explicit({n: row for n, row in rows.items() if n not in may_fail})
+  check_explicit(rows)
 
 
 def check_hsdp(row):
@@ -340,22 +320,18 @@ def check_fsdp(row):
 
 
 def check_explicit(rows):
-  """Explicit sharding (the patterns measured and not in ``MAY_FAIL``):
-  gradients of parameters typed reduced are reduced across replicas once per
-  window, on the closing step (scalars per micro-step are not checked)."""
-  if 'explicit_ddp' in rows:
-    row = rows['explicit_ddp']
-    micro_step = row['summary']['micro_step']
-    assert micro_step['bytes'] < row['param_bytes'] // 100, row
-    gradients = [r for r in row['collectives'] if r['bytes'] >= 1000]
-    assert [r['where'] for r in gradients] == ['closing step'], row
-    assert row['accumulator_bytes_per_device'] == row['param_bytes']
-  if 'explicit_zero1' in rows:
-    check_zero1(rows['explicit_zero1'])
-  if 'explicit_hsdp' in rows:
-    check_hsdp(rows['explicit_hsdp'])
-  if 'explicit_fsdp' in rows:
-    check_fsdp(rows['explicit_fsdp'])
+  """Explicit sharding: gradients of parameters typed reduced are reduced
+  across replicas once per window, on the closing step (scalars per
+  micro-step are not checked)."""
+  row = rows['explicit_ddp']
+  micro_step = row['summary']['micro_step']
+  assert micro_step['bytes'] < row['param_bytes'] // 100, row
+  gradients = [r for r in row['collectives'] if r['bytes'] >= 1000]
+  assert [r['where'] for r in gradients] == ['closing step'], row
+  assert row['accumulator_bytes_per_device'] == row['param_bytes']
+  check_zero1(rows['explicit_zero1'])
+  check_hsdp(rows['explicit_hsdp'])
+  check_fsdp(rows['explicit_fsdp'])
 
 
 def adamw_state_bytes(param_bytes, shards):
@@ -385,9 +361,7 @@ def check_zero1(row):
 def test_quick_run_optimizer_state_per_device(quick_results):
   """AdamW's state per device: whole under DDP, 1/4 under ZeRO-1 and
   FSDP on 4 devices, 1/2 under HSDP (split over fsdp=2)."""
-  rows = {
-    row['name']: row for row in measured(quick_results['collectives'], 'name')
-  }
+  rows = {row['name']: row for row in measured(quick_results['collectives'])}
   shards = {
     'ddp': 1,
     'explicit_ddp': 1,
@@ -421,9 +395,9 @@ def test_bad_names_list_the_valid_ones(args, message, capsys, run_module):
     assert ', '.join(valid) in stderr
 
 
-def test_bad_pattern_lists_the_valid_ones(capsys, run_module):
+def test_bad_pattern_lists_the_valid_ones(capsys):
   with pytest.raises(SystemExit):
-    run_module.collectives.parse_args(['--patterns', 'ddp,zero3'])
+    import_benchmark('collectives').parse_args(['--patterns', 'ddp,zero3'])
   stderr = capsys.readouterr().err
   assert "Unknown pattern 'zero3'; valid patterns: " in stderr
   assert ', '.join(PATTERNS) in stderr
