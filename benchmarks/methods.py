@@ -122,7 +122,7 @@ def _programs(
 ):
   """``token_weighted_multistep(adamw, k, **options)`` as the compiled
   programs of ``close`` (:data:`DEVICE` or :data:`HOST`) on ``layout``.
-  ``init(tx, params, mesh)`` lays its state out (default ``tx.init``);
+  ``init(tx, params, layout)`` lays its state out (default ``tx.init``);
   ``patch`` is entered while tracing (:data:`ABLATIONS`)."""
   tx = tokacc.token_weighted_multistep(case.adamw, case.k, **options)
   step = _user_step(case.model, tx)
@@ -136,7 +136,10 @@ def _programs(
         for label, c in close.items()
       }
   compiled = {label: program for label, (program, _) in programs.items()}
-  micro, closing = compiled[next(iter(close))], compiled[list(close)[-1]]
+  # The micro-step's program is the first of ``close``, the closing one the
+  # last (one program that the device closes is both).
+  micro = compiled[next(iter(close))]
+  closing = compiled[list(close)[-1]]
 
   def inner_state(carry):
     return carry[1].inner_state
