@@ -15,146 +15,34 @@
 """Collectives per micro-step and per window, read from the compiled HLO.
 
 Compiles one training step (gradient, optimizer update, ``apply_updates``)
-of a small MLP for each pattern below, on fake CPU devices, with AdamW and
-windows of k micro-batches, and lists every collective of the compiled HLO
-with the mesh axes it spans and its payload (``--patterns`` selects, by the
-names in brackets):
+of a small MLP for each sharding pattern of ``patterns.py``, on fake CPU
+devices, with AdamW and windows of k micro-batches, and lists every
+collective of the compiled HLO (read by ``tests/hlo.py``, the tests'
+reader) with the mesh axes it spans and its payload. A collective on the
+unconditional path of the step runs on every micro-step; one in the taken
+branch of the transform's ``lax.cond`` only on the step that closes the
+window. Each pattern also trains 2 windows against single-device
+full-batch AdamW (``ideals.full_batch``), and reports the bytes per device
+of the accumulator and of AdamW's state. ``benchmarks/README.md`` has the
+patterns and the table's columns::
 
-- ``DDP`` (``ddp``): ``jax.shard_map`` over ``data``, replicated parameters
-  marked varying, ``token_weighted_multistep(..., axis_name='data')``.
-- ``FSDP (GSPMD)`` (``fsdp_gspmd``): ``jax.jit`` over global arrays,
-  parameters sharded over ``fsdp`` (first dimension), activations
-  constrained to the batch sharding, no ``axis_name``.
-- ``HSDP partial-manual`` (``hsdp_partial_manual``): mesh ``replica x
-  fsdp``; ``jax.shard_map`` manual over ``replica`` only, ``fsdp`` left to
-  GSPMD as in FSDP, ``axis_name='replica'``.
-- ``HSDP fully manual`` (``hsdp_fully_manual``): ``jax.shard_map`` over both
-  axes, parameter shards ``all_gather``-ed over ``fsdp`` in the forward pass
-  (so autodiff reduce-scatters the gradients), ``axis_name=('replica',
-  'fsdp')``.
-- ``pmean + MultiSteps`` (``pmean_multisteps``): ``lax.pmean`` of the
-  gradients on every micro-step, then ``optax.MultiSteps(adamw, k)``.
-- ``sharded jit`` (``sharded_jit``): ``jax.jit`` over global arrays,
-  replicated parameters, batch sharded over ``data``, no ``axis_name``.
-- Explicit sharding (``EXPLICIT_PATTERNS``; plain ``jax.jit`` under
-  ``jax.set_mesh``, no ``axis_name``; see ``_explicit_steps.py``):
-  ``explicit replicated`` (``explicit_replicated``, parameters ``P()``),
-  ``explicit DDP`` (``explicit_ddp``, parameters ``P(None, None,
-  reduced={'data'})``), ``explicit ZeRO-1`` (``explicit_zero1``, explicit
-  DDP with AdamW's moments sharded over ``data``: ``init_sharded(...,
-  shard_optimizer_over=('data',))``), ``explicit FSDP`` (``explicit_fsdp``,
-  parameters sharded over ``fsdp``) and ``explicit HSDP``
-  (``explicit_hsdp``, parameters ``P('fsdp', None, reduced={'replica'})``).
-
-The state layouts come from ``tokacc.state_partition_specs`` and
-``tokacc.init_sharded`` (explicit sharding: ``tx.init``). A collective on
-the unconditional path of the step runs on every micro-step; one in the
-taken branch of the transform's ``lax.cond`` (branch 1) only on the step
-that closes the window. Per window: ``k * (every micro-step) + (closing
-step only)``. Payload: the bytes of the unsharded buffer on one device
-(all-reduce: its operand; all-gather: its result; reduce-scatter: its
-operand). Each pattern also trains 2 windows and reports the largest
-parameter difference to single-device full-batch AdamW on the token-mean
-loss, and the bytes per device of the accumulator and of the inner
-optimizer's state (AdamW's moments and counter).
-
-A pattern of ``MAY_FAIL`` that raises in a run that did not name it is
-reported in its row (``error``) instead of stopping the run: explicit
-sharding, while the library's support for it is being written. Name it with
-``--patterns`` to see the traceback::
-
-    python benchmarks/collectives.py [--devices 8] [--k 1,4,8] [--out x.json]
-    python benchmarks/collectives.py --patterns explicit_ddp,explicit_hsdp
-
-Adding a pattern: a builder ``(devices, k, params) -> Setup`` (in
-``_sharded_steps.py`` or ``_explicit_steps.py``) and one entry of
-``PATTERNS``. ``parse_hlo``, ``collective_sites``, ``device_groups``,
-``group_sets``, ``find_instruction``, ``reachable_opcodes``,
-``returns_its_parameters``, ``collective_records`` and ``summarize`` (from
-``_hlo.py``, the one reader of compiled HLO that tests and benchmarks
-share) can be imported from here.
+    python -m benchmarks.collectives [--devices 8] [--k 1,4,8] [--out x.json]
+    python -m benchmarks.collectives --patterns explicit_ddp,explicit_hsdp
 """
 
 import argparse
-from collections.abc import Callable
-import os
-import sys
-from typing import NamedTuple
 
-# `python benchmarks/collectives.py`, or this file loaded by its path (the
-# tests do), finds its sibling modules.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# The HLO reader is the tests' (tests/hlo.py); the benchmarks read it too.
-sys.path.insert(
-  1,
-  os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tests'
-  ),
-)
+import jax
+from jax.sharding import NamedSharding
+import optax
 
-import _common  # noqa: E402
-import _explicit_steps as explicit  # noqa: E402
-import _sharded_steps as steps  # noqa: E402
-from hlo import COLLECTIVE_OPCODES  # noqa: E402, F401
-from hlo import collective_records  # noqa: E402
-from hlo import collective_sites  # noqa: E402, F401
-from hlo import device_groups  # noqa: E402, F401
-from hlo import find_instruction  # noqa: E402, F401
-from hlo import group_sets  # noqa: E402, F401
-from hlo import parse_hlo  # noqa: E402, F401
-from hlo import reachable_opcodes  # noqa: E402, F401
-from hlo import returns_its_parameters  # noqa: E402, F401
-from hlo import summarize  # noqa: E402
-import jax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-
-
-class Pattern(NamedTuple):
-  """A sharding pattern: its title in tables and JSON, and its step.
-
-  Attributes:
-    title: the row's name (the JSON's ``pattern``).
-    build: ``(devices, k, params) -> _sharded_steps.Setup``.
-    exact: whether it should equal full-batch training.
-    hybrid: whether it needs a ``replica x fsdp`` mesh (an even number >= 4
-      of devices; left out otherwise).
-  """
-
-  title: str
-  build: Callable[..., steps.Setup]
-  exact: bool = True
-  hybrid: bool = False
-
-
-PATTERNS = {
-  'ddp': Pattern('DDP', steps.ddp),
-  'fsdp_gspmd': Pattern('FSDP (GSPMD)', steps.fsdp_gspmd),
-  'hsdp_partial_manual': Pattern(
-    'HSDP partial-manual', steps.hsdp_partial_manual, hybrid=True
-  ),
-  'hsdp_fully_manual': Pattern(
-    'HSDP fully manual', steps.hsdp_fully_manual, hybrid=True
-  ),
-  'pmean_multisteps': Pattern(
-    'pmean + MultiSteps', steps.pmean_multisteps, exact=False
-  ),
-  'sharded_jit': Pattern('sharded jit', steps.sharded_jit),
-  'explicit_replicated': Pattern('explicit replicated', explicit.replicated),
-  'explicit_ddp': Pattern('explicit DDP', explicit.ddp),
-  'explicit_zero1': Pattern('explicit ZeRO-1', explicit.zero1),
-  'explicit_fsdp': Pattern('explicit FSDP', explicit.fsdp),
-  'explicit_hsdp': Pattern('explicit HSDP', explicit.hsdp, hybrid=True),
-}
-EXPLICIT_PATTERNS = (
-  'explicit_replicated',
-  'explicit_ddp',
-  'explicit_zero1',
-  'explicit_fsdp',
-  'explicit_hsdp',
-)
-# Patterns whose failure a run that did not name them reports in the row
-# instead of raising. Empty it once the library supports explicit sharding.
-MAY_FAIL = ()
+from benchmarks import common
+from benchmarks import ideals
+from benchmarks import models
+from benchmarks import patterns
+from benchmarks import report
+import optax_tokacc as tokacc
+from tests import hlo
 
 
 def _train(setup, windows):
@@ -166,18 +54,29 @@ def _train(setup, windows):
   return params
 
 
+def _state_bytes_per_device(state):
+  """The bytes of the accumulator and of the inner optimizer's state
+  (AdamW's moments and counter) that one device holds."""
+  if isinstance(state, optax.MultiStepsState):
+    acc, inner = state.acc_grads, state.inner_opt_state
+  else:
+    found = tokacc.find_state(state)
+    acc, inner = found.grad_sums, found.inner_state
+  return common.bytes_per_device(acc), common.bytes_per_device(inner)
+
+
 def measure(name, devices, k, windows, expected):
   """One row: the compiled step's collectives, and 2 windows trained."""
-  pattern = PATTERNS[name]
-  setup = pattern.build(devices, k, steps.init_params())
+  pattern = patterns.PATTERNS[name]
+  setup = pattern.build(devices, k, models.small_params())
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(setup.params))
-  acc_bytes = steps.accumulator_bytes_per_device(setup.state)
-  optimizer_bytes = steps.optimizer_bytes_per_device(setup.state)
+  acc_bytes, optimizer_bytes = _state_bytes_per_device(setup.state)
   with setup.mesh_context():
     data = NamedSharding(setup.mesh, setup.batch_spec)
     windows = jax.device_put(windows, data)
     lowered = setup.step.lower(setup.params, setup.state, windows[0][0])
-    records = collective_records(lowered.compile().as_text(), setup.mesh_axes)
+    text = lowered.compile().as_text()
+    records = hlo.collective_records(text, setup.mesh_axes)
     params = _train(setup, windows)
   return {
     'name': name,
@@ -187,108 +86,31 @@ def measure(name, devices, k, windows, expected):
     'mesh': ' x '.join(f'{n}={s}' for n, s in setup.mesh_axes),
     'param_bytes': param_bytes,
     'collectives': records,
-    'summary': summarize(records, k),
+    'summary': hlo.summarize(records, k),
     'accumulator_bytes_per_device': acc_bytes,
     'optimizer_bytes_per_device': optimizer_bytes,
     'exact': pattern.exact,
-    'max_abs_diff_to_full_batch': _common.max_difference(params, expected),
+    'max_abs_diff_to_full_batch': common.max_difference(params, expected),
   }
 
 
-def _measure_or_report(name, devices, k, windows, expected, may_fail):
-  """:func:`measure`, or for a pattern of ``may_fail`` that raises, a row
-  holding the error."""
-  try:
-    return measure(name, devices, k, windows, expected)
-  except Exception as e:  # noqa: BLE001 - reported in the row and stderr.
-    if name not in may_fail:
-      raise
-    error = _common.describe_error(e)
-    print(f'  {name} (k={k}) not measured: {error}', file=sys.stderr)
-    return {
-      'name': name,
-      'pattern': PATTERNS[name].title,
-      'k': k,
-      'devices': len(devices),
-      'error': error,
-    }
-
-
-def run(num_devices=8, ks=(1, 4, 8), names=tuple(PATTERNS), may_fail=MAY_FAIL):
+def run(num_devices=8, ks=(1, 4, 8), names=tuple(patterns.PATTERNS)):
   """Rows of :func:`measure` for each k and pattern, on the first
   ``num_devices`` CPU devices (hybrid patterns need an even number >= 4 of
   devices; they are left out otherwise)."""
   devices = jax.devices('cpu')[:num_devices]
   if len(devices) < 4 or len(devices) % 2:
-    names = [name for name in names if not PATTERNS[name].hybrid]
+    names = [name for name in names if not patterns.PATTERNS[name].hybrid]
   rows = []
   for k in ks:
-    windows = steps.make_windows(len(devices), k)
+    windows = models.small_windows(len(devices), k)
     with jax.default_device(devices[0]):
-      expected = steps.reference(steps.init_params(), windows)
+      expected = ideals.full_batch(
+        models.small_params(), windows, patterns.LEARNING_RATE
+      )
     for name in names:
-      rows.append(
-        _measure_or_report(name, devices, k, windows, expected, may_fail)
-      )
+      rows.append(measure(name, devices, k, windows, expected))
   return rows
-
-
-def _count(entry, param_bytes):
-  return f'{entry["collectives"]} ({entry["bytes"] / param_bytes:.2f}P)'
-
-
-def _row_line(row):
-  """A measured row of the table."""
-  summary, size = row['summary'], row['param_bytes']
-  axes = ', '.join(
-    f'{name}: {_count(entry, size)}'
-    for name, entry in summary['window_by_axes'].items()
-  )
-  flag = ' (other branch!)' if summary['other_branch'] else ''
-  return (
-    f'{row["pattern"]:<20} {row["mesh"]:<18} {row["k"]:>2} '
-    f'{_count(summary["micro_step"], size):>12} '
-    f'{_count(summary["closing_step_extra"], size):>11} '
-    f'{_count(summary["window"], size):>13} '
-    f'{row["accumulator_bytes_per_device"] / size:>6.3f}P '
-    f'{row["optimizer_bytes_per_device"] / size:>6.3f}P '
-    f'{row["max_abs_diff_to_full_batch"]:>8.1e}  {axes or "-"}{flag}'
-  )
-
-
-def print_table(rows, file=None):
-  """Per pattern and k: collectives (payload in parameter bytes P)."""
-  print(
-    f'{"pattern":<20} {"mesh":<18} {"k":>2} {"micro-step":>12} '
-    f'{"closing +":>11} {"window":>13} {"acc/dev":>7} {"opt/dev":>7} '
-    f'{"max|dp|":>8}  '
-    'window by mesh axes',
-    file=file,
-  )
-  for row in rows:
-    if 'error' in row:
-      line = f'{row["pattern"]:<20} {"":<18} {row["k"]:>2} not measured: '
-      print(line + row['error'], file=file)
-    else:
-      print(_row_line(row), file=file)
-
-
-def print_details(rows, file=None):
-  """Every collective of each pattern's compiled step (of the last k)."""
-  last = [row for row in rows if row['k'] == rows[-1]['k']]
-  print(
-    f'\n{"pattern":<20} {"runs on":<17} {"collective":<15} {"axes":<13} '
-    f'{"group":>5} {"bytes":>8}',
-    file=file,
-  )
-  for row in last:
-    for record in row.get('collectives', ()):
-      print(
-        f'{row["pattern"]:<20} {record["where"]:<17} {record["kind"]:<15} '
-        f'{record["axes"]:<13} {record["group_size"] or "?":>5} '
-        f'{record["bytes"]:>8}',
-        file=file,
-      )
 
 
 def parse_args(argv=None):
@@ -300,16 +122,14 @@ def parse_args(argv=None):
   parser.add_argument('--k', default='1,4,8', help='window sizes, e.g. 1,4,8')
   parser.add_argument(
     '--patterns',
-    default=None,
-    help=f'comma-separated, of: {", ".join(PATTERNS)} (default: all)',
+    default=','.join(patterns.PATTERNS),
+    help=f'comma-separated, of: {", ".join(patterns.PATTERNS)} (default: all)',
   )
   parser.add_argument('--out', help='write the rows as JSON to this file')
   args = parser.parse_args(argv)
   try:
-    args.ks = _common.parse_ks(args.k)
-    args.names = tuple(PATTERNS)
-    if args.patterns is not None:
-      args.names = _common.parse_names(args.patterns, PATTERNS, 'pattern')
+    args.ks = common.parse_ks(args.k)
+    args.names = common.parse_names(args.patterns, patterns.PATTERNS, 'pattern')
   except ValueError as e:
     parser.error(str(e))
   return args
@@ -317,24 +137,21 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  _common.use_cpu_devices(args.devices)
-  # Patterns named on the command line raise; the default run reports.
-  may_fail = MAY_FAIL if args.patterns is None else ()
-  rows = run(args.devices, args.ks, args.names, may_fail)
-  measured = [row for row in rows if 'error' not in row]
-  size = measured[0]['param_bytes'] if measured else '?'
+  common.use_cpu_devices(args.devices)
+  rows = run(args.devices, args.ks, args.names)
+  size = rows[0]['param_bytes'] if rows else '?'
   print(
     f'{args.devices} fake CPU devices, jax {jax.__version__}; payload bytes '
     f'as multiples of the parameter bytes P = {size}'
   )
-  print_table(rows)
-  print_details(rows)
+  report.print_collectives(rows)
+  report.print_collective_details(rows)
   if args.out:
-    _common.write_json(
+    common.write_json(
       args.out,
       {
-        'command': _common.command('collectives.py', argv),
-        'machine': _common.machine(),
+        'command': common.command('collectives', argv),
+        'machine': common.machine(),
         'rows': rows,
       },
     )

@@ -12,49 +12,38 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""All the work a lent accelerator does, in one call of one command.
+"""All the work a lent accelerator does, in one call of one command
+(``benchmarks/README.md`` has the device call, what it measures and where
+its files go)::
 
-  PYTHONPATH=. python benchmarks/device_check.py --out $OUT
-  python benchmarks/device_check.py --cpu --quick --out /tmp/check  # CI
+  python3 -m benchmarks.device_check --out $OUT  # from the repository root
+  python -m benchmarks.device_check --cpu --quick --out /tmp/check  # CI
 
-In order, within ``--budget-s`` seconds (default 420; windows are cut to
-fit, never the model):
-
-1. the single-device exactness tests (``TEST_FILES``, ``-k TEST_SELECT``)
-   on the accelerator, in a pytest subprocess with ``JAX_PLATFORMS`` and
-   ``OPTAX_TOKACC_TEST_PLATFORM`` (``tests/conftest.py``) set to it;
-2. GPT-2 small (124M parameters, 8 x 1024 tokens per micro-batch) in
-   float32 and in bfloat16 with a float32 accumulator, k = 4 and 8: per
-   window and per micro-step, for ``METHODS`` of ``run.py`` (the ideal's
-   two programs, the step the device closes, the host's two programs,
-   ``optax.MultiSteps``, a chained transform, the Flax ``TrainState``),
-   interleaved; compiled memory (``memory_analysis()``) and the seconds
-   each method took to set up (tracing and compiling its programs);
-3. whether the device-decided step's ``lax.cond`` makes the host wait:
-   windows dispatched without blocking, the host's time to dispatch a call
-   against the device's time per call (``_dispatch.py``), and the events
-   of a profile of one window, where JAX can read it back.
-
-Writes ``results.json``, ``results.md`` and ``tests.log`` to ``--out``
-(rewritten after each part, so a run cut short leaves what it measured),
-with the device, the JAX version and the command. A missing package or no
-accelerator: one line on stderr and exit status 2. ``--cpu`` runs on the
-CPU (no tests: CI runs them there); ``--quick`` at smoke-test sizes, 2
-windows and one test (``QUICK_TESTS``); ``--short`` with micro-batches of
-2 x 64 tokens (``run.py --short``'s GPT-2, for a CPU).
+Within ``--budget-s`` seconds (windows are cut to fit, never the model):
+the single-device exactness tests on the accelerator (:func:`run_tests`),
+then GPT-2 small's table of ``METHODS`` and the dispatch check
+(:func:`run_benchmarks`). ``results.json``, ``results.md`` and
+``tests.log`` are written to ``--out`` after each part, so a run cut short
+keeps what it measured. A missing package or no accelerator: one line on
+stderr and exit status 2. ``--cpu`` runs on the CPU (no tests: CI runs
+them there); ``--quick`` at smoke-test sizes, 2 windows and one test
+(``QUICK_TESTS``); ``--short`` with micro-batches of 2 x 64 tokens.
 """
 
 import argparse
+import gc
 import importlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+from benchmarks import common
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
 
 METHODS = (
   'ideal',
@@ -67,6 +56,7 @@ METHODS = (
 MODELS = ('gpt2', 'gpt2_bf16')
 KS = (4, 8)
 MAX_WINDOWS, WARMUP = 10, 1
+DISPATCH_METHODS = ('ideal', 'tokacc_device', 'tokacc_host')
 # Exactness on one device: the tests that need no mesh of several devices
 # and read no CPU-specific compiled program.
 TEST_FILES = (
@@ -131,11 +121,10 @@ def parse_args(argv=None):
   args = parser.parse_args(argv)
   if args.budget_s <= 0 or args.test_workers < 0:
     parser.error('--budget-s must be > 0 and --test-workers >= 0.')
-  import _common  # noqa: PLC0415
-
+  args.setting = 'quick' if args.quick else 'short' if args.short else 'full'
   try:
-    args.models = _common.parse_names(args.models, MODELS, 'model')
-    args.ks = _common.parse_ks(args.k) if args.k else (2,) * args.quick or KS
+    args.models = common.parse_names(args.models, MODELS, 'model')
+    args.ks = common.parse_ks(args.k) if args.k else (2,) * args.quick or KS
   except ValueError as e:
     parser.error(str(e))
   return args
@@ -156,7 +145,7 @@ def preflight(args):
     try:
       importlib.import_module(name)
     except ImportError as e:
-      hint = ' (run from the repository root with PYTHONPATH=.)'
+      hint = ' (run python -m benchmarks.device_check from the repository root)'
       fail(f'missing package {name}: {_first_line(e)}{hint * (name[0] == "o")}')
   import jax  # noqa: PLC0415
 
@@ -257,16 +246,107 @@ def run_tests(args, device, seconds):
   }
 
 
+def header(args, device, argv):
+  """The device, versions and command of the results."""
+  import jax  # noqa: PLC0415 - after preflight
+
+  stats = getattr(device, 'memory_stats', lambda: None)() or {}
+  return {
+    'command': common.command('device_check', argv),
+    'machine': common.machine(),
+    'device_count': jax.device_count(),
+    'device_memory_bytes': stats.get('bytes_limit'),
+    'xla_flags': os.environ.get('XLA_FLAGS', ''),
+    'budget_s': args.budget_s,
+    'setting': args.setting,
+    'rows': [],
+    'errors': [],
+  }
+
+
+def write(folder, results):
+  """``results.json`` and ``results.md`` in ``folder``."""
+  from benchmarks import report  # noqa: PLC0415 - after preflight
+
+  with open(os.path.join(folder, 'results.json'), 'w') as f:
+    json.dump(results, f, indent=1)
+  with open(os.path.join(folder, 'results.md'), 'w') as f:
+    f.write(report.markdown(results, DISPATCH_METHODS))
+
+
+def section(model_name, k, setting, deadline, windows):
+  """Rows of one model and k, and its trainers (still holding their
+  state, for the dispatch check)."""
+  from benchmarks import models  # noqa: PLC0415 - after preflight
+  from benchmarks import timing  # noqa: PLC0415
+  from benchmarks import trainers  # noqa: PLC0415
+
+  case = trainers.make_case(models.build(model_name, setting, k), k)
+  rows, built = timing.measure(case, METHODS, windows, WARMUP, deadline)
+  for row in rows:
+    row['setup_s'] = built[row['method']].setup_s
+    row['windows_timed'] = len(row['window_times_s'])
+  return rows, built
+
+
+def dispatch_check(built, k, index):
+  """The dispatch times of the ideal and of the device's and the host's
+  programs, and a profile of the device-decided window."""
+  from benchmarks import timing  # noqa: PLC0415 - after preflight
+
+  out = {
+    name: timing.dispatch(built[name], k, 2, index)
+    for name in DISPATCH_METHODS
+    if name in built
+  }
+  out['profile_tokacc_device'] = timing.profile(
+    built['tokacc_device'], index + 2
+  )
+  return out
+
+
+def run_benchmarks(args, results, deadline):
+  """Every section, windows fitted to ``deadline``; results written after
+  each section."""
+  windows = 2 if args.quick else MAX_WINDOWS
+  sections = [(m, k) for m in args.models for k in args.ks]
+  dispatch_at = (args.models[0], args.ks[-1])
+  reserve = min(60.0, 0.1 * args.budget_s)  # the dispatch check
+  longest_setup = 0.0  # a section not expected to fit is skipped
+  for done, (model_name, k) in enumerate(sections):
+    now = time.perf_counter()
+    share = (deadline - reserve - now) / (len(sections) - done)
+    if share < 1.5 * longest_setup and not args.quick:  # CI runs it all
+      error = f'{model_name}, k={k}: skipped, {share:.0f} s left of --budget-s'
+      results['errors'].append(error)
+      print(f'device_check: {error}', flush=True)
+      continue
+    print(f'{model_name}, k={k}: {share:.0f} s', flush=True)
+    built = None
+    try:
+      rows, built = section(model_name, k, args.setting, now + share, windows)
+      longest_setup = max(longest_setup, sum(r['setup_s'] for r in rows))
+      results['rows'] += rows
+      if (model_name, k) == dispatch_at:
+        results['dispatch'] = dispatch_check(built, k, windows + WARMUP)
+        reserve = 0.0
+    except Exception as e:  # noqa: BLE001 - reported, the next section runs
+      error = f'{model_name}, k={k}: {common.describe_error(e)}'
+      results['errors'].append(error)
+      print(f'device_check: {error}', flush=True)
+    built = None
+    gc.collect()
+    write(args.out, results)
+
+
 def main(argv=None):
   args = parse_args(argv)
   start = time.perf_counter()
   deadline = start + args.budget_s
   os.makedirs(args.out, exist_ok=True)
   device = preflight(args)
-  import _device_bench  # noqa: PLC0415 - after JAX_PLATFORMS is set.
-
-  results = _device_bench.header(args, device, argv)
-  _device_bench.write(args.out, results)
+  results = header(args, device, argv)
+  write(args.out, results)
   if args.skip_tests or (args.cpu and not args.quick):
     why = '--skip-tests' if args.skip_tests else '--cpu (CI runs them)'
     results['tests'] = {'skipped': why}
@@ -275,10 +355,10 @@ def main(argv=None):
     print(f'tests on {device.platform}, at most {seconds:.0f} s', flush=True)
     results['tests'] = run_tests(args, device, seconds)
     print(results['tests']['summary'], flush=True)
-  _device_bench.write(args.out, results)
-  _device_bench.run(args, results, deadline)
+  write(args.out, results)
+  run_benchmarks(args, results, deadline)
   results['wall_s'] = time.perf_counter() - start
-  _device_bench.write(args.out, results)
+  write(args.out, results)
   print(f'wrote {args.out}/results.json and results.md', flush=True)
   return results
 

@@ -31,7 +31,7 @@ that a one-program step runs on every micro-step and the ideal's
 micro-step does not. ``--calls`` calls of each are timed after 2 warm-up
 calls; the table gives the median and the minimum.
 
-  python benchmarks/steady_micro_step.py --models mlp,mlp_bf16 --devices 4
+  python -m benchmarks.steady_micro_step --models mlp,mlp_bf16 --devices 4
 """
 
 import argparse
@@ -40,21 +40,21 @@ import statistics
 import sys
 import time
 
-import _common
+import jax
+import optax
+
+from benchmarks import common
+from benchmarks import ideals
+from benchmarks import models
+from benchmarks import trainers
+import optax_tokacc as tokacc
 
 METHODS = ('ideal', 'tokacc', 'tokacc_without_apply')
 
 
-def _steps(case, mesh):
-  """name -> ``(call, carry)``: one micro-step of each method."""
-  import _explicit_methods  # noqa: PLC0415 - after the devices are set.
-  import _methods  # noqa: PLC0415
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import optax  # noqa: PLC0415
-
-  import optax_tokacc as tokacc  # noqa: PLC0415
-
+def _steps(case, layout):
+  """name -> ``(call, carry)``: one micro-step of each method, and the
+  micro-batch they take."""
   model = case.model
   tx = tokacc.token_weighted_multistep(case.adamw, 2**30)
 
@@ -71,39 +71,30 @@ def _steps(case, mesh):
 
     return lambda carry, batch: step(*carry, batch)
 
-  micro_step = _methods.ideal_micro_step(model)
+  add = ideals.micro_step(model)
 
   def ideal(carry, batch):
     params, acc, tokens = carry
-    return (params, *micro_step(params, acc, tokens, batch))
+    return (params, *add(params, acc, tokens, batch))
 
-  params, windows = _explicit_methods._place(case, mesh)
-  zeros = jax.jit(lambda p: jax.tree.map(_explicit_methods._unreduced_zeros, p))
-  tokens = jax.device_put(
-    jnp.zeros([], jnp.int32), jax.sharding.NamedSharding(mesh, jax.P())
-  )
-  steps = {'ideal': (ideal, (params, zeros(params), tokens))}
+  params, windows = layout.place(model)
+  zeros = jax.jit(lambda p: jax.tree.map(layout.sum_zeros, p))
+  carry = (params, zeros(params), layout.scalar_zero())
+  steps = {'ideal': (ideal, carry)}
   for name, apply in (('tokacc', True), ('tokacc_without_apply', False)):
-    own = _methods.copy(params)
+    own = trainers.copy(params)
     steps[name] = (tokacc_step(apply), (own, tx.init(own)))
   return steps, windows[0].micro_batches[0]
 
 
 def measure(model_name, devices, calls):
   """name -> seconds of each timed call, interleaved."""
-  import _explicit_methods  # noqa: PLC0415
-  import _methods  # noqa: PLC0415
-  import _models  # noqa: PLC0415
-  import jax  # noqa: PLC0415
-  import optax  # noqa: PLC0415
-
-  model = _models.build(model_name, 'full', 2)
-  adamw = optax.adamw(1e-4, mu_dtype=model.mu_dtype)
-  case = _methods.Case(model, 2, adamw, tuple(jax.devices()[:devices]))
-  mesh = _explicit_methods._mesh(case)
+  model = models.build(model_name, 'full', 2)
+  case = trainers.make_case(model, 2, jax.devices()[:devices])
+  layout = trainers.explicit_data(case)
   times = {name: [] for name in METHODS}
-  with jax.set_mesh(mesh):
-    steps, batch = _steps(case, mesh)
+  with layout.context():
+    steps, batch = _steps(case, layout)
     carries = {name: carry for name, (_, carry) in steps.items()}
     for index in range(2 + calls):
       for name, (call, _) in steps.items():
@@ -120,8 +111,8 @@ def main(argv=None):
   parser.add_argument('--devices', type=int, default=4)
   parser.add_argument('--calls', type=int, default=40)
   args = parser.parse_args(argv)
-  _common.use_cpu_devices(args.devices)
-  info = _common.machine()
+  common.use_cpu_devices(args.devices)
+  info = common.machine()
   print(f'{info["device"]}, {info["cpu_count"]} CPUs, jax {info["jax"]}')
   print(f'explicit DDP on {args.devices} devices, {args.calls} calls each')
   print(

@@ -12,20 +12,18 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""benchmarks/run.py runs end to end at its --quick (smoke-test) sizes (figures: its README).
+"""``python -m benchmarks.run`` runs end to end at its --quick (smoke-test) sizes
+(figures: benchmarks/README.md).
 
-While the explicit-sharding methods and patterns are listed in ``MAY_FAIL``
-(run.py, collectives.py), they may report an error in their row instead of
-a measurement, and only their exactness is checked; once ``MAY_FAIL`` is
-emptied they must be measured and show their collectives per window.
+Every method and pattern is measured (a row holds a measurement, never an
+error), and the explicit-sharding ones show their collectives per window.
 """
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
 import sys
-import warnings
 
 import helpers
 import jax
@@ -80,13 +78,6 @@ PATTERNS = {
   'explicit_fsdp': 'explicit FSDP',
   'explicit_hsdp': 'explicit HSDP',
 }
-EXPLICIT_PATTERNS = (
-  'explicit_replicated',
-  'explicit_ddp',
-  'explicit_zero1',
-  'explicit_fsdp',
-  'explicit_hsdp',
-)
 
 pytestmark = [
   pytest.mark.slow,  # starts a Python process
@@ -110,10 +101,11 @@ EXPLICIT_RUN_LIMIT_S = 600
 DEVICE_CHECK_LIMIT_S = 900
 
 
-def run_script(script, *args, limit_s):
+def run_script(name, *args, limit_s):
+  """``python -m benchmarks.<name> args`` from the repository's root."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   return subprocess.run(
-    [sys.executable, str(REPO / 'benchmarks' / script), *map(str, args)],
+    [sys.executable, '-m', f'benchmarks.{name}', *map(str, args)],
     capture_output=True,
     text=True,
     env=env,
@@ -123,15 +115,14 @@ def run_script(script, *args, limit_s):
 
 
 def run_benchmarks(*args, limit_s=QUICK_RUN_LIMIT_S):
-  return run_script('run.py', *args, limit_s=limit_s)
+  return run_script('run', *args, limit_s=limit_s)
 
 
-def measured(rows, what):
-  """The rows that hold a measurement; a warning for each error row."""
-  for row in rows:
-    if 'error' in row:
-      warnings.warn(f'{row[what]} not measured: {row["error"]}', stacklevel=2)
-  return [row for row in rows if 'error' not in row]
+def measured(rows):
+  """``rows``, each of which holds a measurement (no ``error``)."""
+  errors = [row for row in rows if 'error' in row]
+  assert not errors, errors
+  return rows
 
 
 @pytest.fixture(scope='module')
@@ -142,32 +133,27 @@ def quick_results(tmp_path_factory):
   return json.loads(out.read_text())
 
 
-def load_run_module():
-  """benchmarks/run.py as a module (it puts benchmarks/ on sys.path)."""
-  path = REPO / 'benchmarks' / 'run.py'
-  spec = importlib.util.spec_from_file_location('benchmarks_run', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def import_benchmark(name):
+  """``benchmarks.<name>``, imported with the repository's root on
+  ``sys.path`` (as ``python -m`` from there has it)."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.syspath_prepend(str(REPO))
+    return importlib.import_module(f'benchmarks.{name}')
 
 
 @pytest.fixture(scope='module')
 def run_module():
-  return load_run_module()
+  return import_benchmark('run')
 
 
-def test_quick_run_writes_every_method_and_model(quick_results, run_module):
-  rows = quick_results['rows']
+def test_quick_run_writes_every_method_and_model(quick_results):
+  rows = measured(quick_results['rows'])
   assert {(row['model'], row['method']) for row in rows} == {
     (model, method)
     for model in MODELS
     for method in METHODS
     if model in EXPLICIT_MODELS or method not in EXPLICIT_METHODS
   }
-  assert set(run_module.MAY_FAIL) <= set(EXPLICIT_METHODS)
-  for row in rows:
-    if 'error' in row:
-      assert row['method'] in run_module.MAY_FAIL, row
   assert quick_results['machine']['commit']
 
 
@@ -175,7 +161,7 @@ def test_quick_run_reports_the_bytes_each_window_accesses(quick_results):
   """XLA's estimate (``cost_analysis()``) per window, over the parameter
   bytes and the reference's: 1.00x for a reference itself (none for the
   one-call window's loop, which XLA counts once)."""
-  for row in measured(quick_results['rows'], 'method'):
+  for row in measured(quick_results['rows']):
     if row['method'] == 'microbatched':
       assert row['accessed_per_window_over_params'] is None
       continue
@@ -186,7 +172,7 @@ def test_quick_run_reports_the_bytes_each_window_accesses(quick_results):
 
 
 def test_quick_run_times_micro_steps_and_windows(quick_results):
-  for row in measured(quick_results['rows'], 'method'):
+  for row in measured(quick_results['rows']):
     assert row['median_window_s'] > 0
     assert row['ratio_to_ideal'] is not None, row
     if row['method'] == 'microbatched':  # one call per window
@@ -199,7 +185,7 @@ def test_quick_run_times_micro_steps_and_windows(quick_results):
 
 
 def test_quick_run_reports_memory_and_matches_the_ideal(quick_results):
-  for row in measured(quick_results['rows'], 'method'):
+  for row in measured(quick_results['rows']):
     assert row['memory'], row
     for analysis in row['memory'].values():
       assert analysis['argument_size_in_bytes'] > 0
@@ -219,7 +205,7 @@ def test_quick_run_reports_memory_and_matches_the_ideal(quick_results):
       assert row['param_dtype'] == 'bfloat16' and row['mu_dtype'] == 'float32'
 
 
-def exact_within(run_module, model_name):
+def exact_within(model_name):
   """How far an exact method's parameters may be from its ideal's after
   one window: float32 parameters, as the quick run checks; bfloat16 ones
   (``mlp_bf16``, ``gpt2_bf16``), one bfloat16 spacing of the largest parameter (2**-7 of
@@ -228,7 +214,7 @@ def exact_within(run_module, model_name):
   step (lr 1e-4) moves a parameter by about 1e-4, below the 1e-3 added."""
   if not model_name.endswith('_bf16'):
     return 1e-5
-  model = run_module._models.build(model_name, 'quick', 2)
+  model = import_benchmark('models').build(model_name, 'quick', 2)
   largest = max(float(abs(x).max()) for x in jax.tree.leaves(model.params))
   return 2.0**-7 * (largest + 1e-3)
 
@@ -256,9 +242,7 @@ def explicit_results(tmp_path_factory):
   return json.loads(out.read_text())
 
 
-def test_zero1_holds_a_quarter_of_the_optimizer_state(
-  explicit_results, run_module
-):
+def test_zero1_holds_a_quarter_of_the_optimizer_state(explicit_results):
   """On 4 devices, the ZeRO-1 rows hold per device 1/4 of the optimizer
   state the DDP rows hold (every moment of the MLP splits over 4; AdamW's
   int32 count, 4 bytes, is the one leaf kept whole); ``memory_analysis()``
@@ -266,7 +250,7 @@ def test_zero1_holds_a_quarter_of_the_optimizer_state(
   trains as its ideal does."""
   rows = {
     (row['model'], row['method']): row
-    for row in measured(explicit_results['rows'], 'method')
+    for row in measured(explicit_results['rows'])
   }
   assert len(rows) == len(EXPLICIT_MODELS) * len(EXPLICIT_METHODS)
   count_bytes = 4
@@ -280,7 +264,7 @@ def test_zero1_holds_a_quarter_of_the_optimizer_state(
       sharded = zero1['optimizer_bytes_per_device'] - count_bytes
       assert sharded == whole[kind] / 4, (ddp, zero1)
       difference = zero1['max_abs_diff_to_ideal_after_one_window']
-      assert difference <= exact_within(run_module, model), zero1
+      assert difference <= exact_within(model), zero1
     arguments = [
       rows[(model, method)]['memory']['step']['argument_size_in_bytes']
       for method in ('tokacc_explicit_ddp', 'tokacc_explicit_zero1')
@@ -295,16 +279,11 @@ def window_by_axes(row):
   }
 
 
-def test_quick_run_counts_collectives(quick_results, run_module):
+def test_quick_run_counts_collectives(quick_results):
   """What the compiled steps on 4 devices (k = 2) must show."""
-  all_rows = quick_results['collectives']
+  all_rows = measured(quick_results['collectives'])
   assert {row['name']: row['pattern'] for row in all_rows} == PATTERNS
-  may_fail = run_module.collectives.MAY_FAIL
-  assert set(may_fail) <= set(EXPLICIT_PATTERNS)
-  for row in all_rows:
-    if 'error' in row:
-      assert row['name'] in may_fail, row
-  rows = {row['name']: row for row in measured(all_rows, 'name')}
+  rows = {row['name']: row for row in all_rows}
   for row in rows.values():
     assert row['summary']['other_branch'] == 0, row
     if row['exact']:
@@ -321,7 +300,7 @@ def test_quick_run_counts_collectives(quick_results, run_module):
     check_hsdp(rows[name])
     assert window_by_axes(rows[name])['replica'] == 1
   check_fsdp(rows['fsdp_gspmd'])
-  check_explicit({n: row for n, row in rows.items() if n not in may_fail})
+  check_explicit(rows)
 
 
 def check_hsdp(row):
@@ -341,22 +320,18 @@ def check_fsdp(row):
 
 
 def check_explicit(rows):
-  """Explicit sharding (the patterns measured and not in ``MAY_FAIL``):
-  gradients of parameters typed reduced are reduced across replicas once per
-  window, on the closing step (scalars per micro-step are not checked)."""
-  if 'explicit_ddp' in rows:
-    row = rows['explicit_ddp']
-    micro_step = row['summary']['micro_step']
-    assert micro_step['bytes'] < row['param_bytes'] // 100, row
-    gradients = [r for r in row['collectives'] if r['bytes'] >= 1000]
-    assert [r['where'] for r in gradients] == ['closing step'], row
-    assert row['accumulator_bytes_per_device'] == row['param_bytes']
-  if 'explicit_zero1' in rows:
-    check_zero1(rows['explicit_zero1'])
-  if 'explicit_hsdp' in rows:
-    check_hsdp(rows['explicit_hsdp'])
-  if 'explicit_fsdp' in rows:
-    check_fsdp(rows['explicit_fsdp'])
+  """Explicit sharding: gradients of parameters typed reduced are reduced
+  across replicas once per window, on the closing step (scalars per
+  micro-step are not checked)."""
+  row = rows['explicit_ddp']
+  micro_step = row['summary']['micro_step']
+  assert micro_step['bytes'] < row['param_bytes'] // 100, row
+  gradients = [r for r in row['collectives'] if r['bytes'] >= 1000]
+  assert [r['where'] for r in gradients] == ['closing step'], row
+  assert row['accumulator_bytes_per_device'] == row['param_bytes']
+  check_zero1(rows['explicit_zero1'])
+  check_hsdp(rows['explicit_hsdp'])
+  check_fsdp(rows['explicit_fsdp'])
 
 
 def adamw_state_bytes(param_bytes, shards):
@@ -386,9 +361,7 @@ def check_zero1(row):
 def test_quick_run_optimizer_state_per_device(quick_results):
   """AdamW's state per device: whole under DDP, 1/4 under ZeRO-1 and
   FSDP on 4 devices, 1/2 under HSDP (split over fsdp=2)."""
-  rows = {
-    row['name']: row for row in measured(quick_results['collectives'], 'name')
-  }
+  rows = {row['name']: row for row in measured(quick_results['collectives'])}
   shards = {
     'ddp': 1,
     'explicit_ddp': 1,
@@ -422,9 +395,9 @@ def test_bad_names_list_the_valid_ones(args, message, capsys, run_module):
     assert ', '.join(valid) in stderr
 
 
-def test_bad_pattern_lists_the_valid_ones(capsys, run_module):
+def test_bad_pattern_lists_the_valid_ones(capsys):
   with pytest.raises(SystemExit):
-    run_module.collectives.parse_args(['--patterns', 'ddp,zero3'])
+    import_benchmark('collectives').parse_args(['--patterns', 'ddp,zero3'])
   stderr = capsys.readouterr().err
   assert "Unknown pattern 'zero3'; valid patterns: " in stderr
   assert ', '.join(PATTERNS) in stderr
@@ -442,11 +415,11 @@ DEVICE_CHECK_METHODS = (
 
 @pytest.fixture(scope='module')
 def device_check_results(tmp_path_factory):
-  """``device_check.py --cpu --quick``: what a lent accelerator runs, at
-  smoke-test sizes on the CPU, so that it cannot rot."""
+  """``python -m benchmarks.device_check --cpu --quick``: what a lent
+  accelerator runs, at smoke-test sizes on the CPU, so that it cannot rot."""
   out = tmp_path_factory.mktemp('device_check')
   result = run_script(
-    'device_check.py',
+    'device_check',
     '--cpu',
     '--quick',
     '--out',
@@ -462,14 +435,14 @@ def test_device_check_records_the_run(device_check_results):
   results, markdown = device_check_results
   machine = results['machine']
   assert machine['device'].startswith('cpu') and machine['jax']
-  assert 'device_check.py --cpu --quick' in results['command']
+  assert 'benchmarks.device_check --cpu --quick' in results['command']
   assert results['tests']['counts'].get('passed', 0) >= 1, results['tests']
   assert 'failed' not in results['tests']['counts'], results['tests']
   assert not results['errors'], results['errors']
   assert results['command'] in markdown and machine['jax'] in markdown
 
 
-def test_device_check_measures_gpt2(device_check_results, run_module):
+def test_device_check_measures_gpt2(device_check_results):
   results, markdown = device_check_results
   rows = results['rows']
   assert {(row['model'], row['method']) for row in rows} == {
@@ -483,7 +456,7 @@ def test_device_check_measures_gpt2(device_check_results, run_module):
     assert f'| {row["model"]} | {row["k"]} | {row["method"]} |' in markdown
     if row['method'] != 'multisteps':
       difference = row['max_abs_diff_to_ideal_after_one_window']
-      assert difference <= exact_within(run_module, row['model']), row
+      assert difference <= exact_within(row['model']), row
   for name in ('ideal', 'tokacc_device', 'tokacc_host'):
     dispatch = results['dispatch'][name]
     assert 0 < dispatch['dispatch_s_per_micro_batch']
@@ -498,7 +471,7 @@ def test_device_check_without_an_accelerator_says_so_in_one_line(tmp_path):
   """Without ``--cpu`` on a machine with no accelerator: one line on
   stderr, exit status 2, no traceback."""
   # JAX's import and its device list: about 3 s (3.3 s loaded).
-  result = run_script('device_check.py', '--out', tmp_path, limit_s=300)
+  result = run_script('device_check', '--out', tmp_path, limit_s=300)
   assert result.returncode == 2, result.stdout + result.stderr
   lines = result.stderr.strip().splitlines()
   assert lines[-1].startswith('device_check: no accelerator found'), lines

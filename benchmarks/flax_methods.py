@@ -17,10 +17,10 @@
 
 import functools
 
-import _methods
 from flax import nnx
 import jax
 
+from benchmarks import trainers
 import optax_tokacc as tokacc
 from optax_tokacc.flax import Optimizer
 from optax_tokacc.flax import TrainState
@@ -39,12 +39,12 @@ def tokacc_flax(case):
 
   state = TrainState.create(
     apply_fn=None,
-    params=_methods.copy(model.params),
+    params=trainers.copy(model.params),
     tx=tokacc.token_weighted_multistep(case.adamw, case.k),
   )
   compiled = {'step': step.lower(state, model.windows[0][0]).compile()}
-  return _methods.per_micro_batch(
-    step, state, compiled, _methods.windows_of(model), lambda s: s.params
+  return trainers.per_micro_batch(
+    step, state, compiled, trainers.windows_of(model), lambda s: s.params
   )
 
 
@@ -68,7 +68,7 @@ def tokacc_nnx(case):
   form Flax recommends for speed: ``nnx.split`` once, ``jax.jit`` a step
   that merges, updates and returns the state (donated)."""
   model = case.model
-  weights = _Weights(_methods.copy(model.params))
+  weights = _Weights(trainers.copy(model.params))
   tx = tokacc.token_weighted_multistep(case.adamw, case.k)
   optimizer = Optimizer(weights, tx, wrt=nnx.Param)
   graphdef, state = nnx.split((weights, optimizer))
@@ -85,13 +85,10 @@ def tokacc_nnx(case):
     return nnx.state((weights, optimizer))
 
   compiled = {'step': step.lower(state, model.windows[0][0]).compile()}
-  return _methods.per_micro_batch(
+  return trainers.per_micro_batch(
     step,
     state,
     compiled,
-    _methods.windows_of(model),
+    trainers.windows_of(model),
     lambda state: nnx.merge(graphdef, state)[0].values(),
   )
-
-
-METHODS = {'tokacc_flax': tokacc_flax, 'tokacc_nnx': tokacc_nnx}

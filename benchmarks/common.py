@@ -27,12 +27,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_MEMORY_FIELDS = (
-  'argument_size_in_bytes',
-  'output_size_in_bytes',
-  'temp_size_in_bytes',
-  'alias_size_in_bytes',
-)
 
 
 def parse_names(text, valid, what):
@@ -107,10 +101,10 @@ def machine():
   }
 
 
-def command(script, argv):
+def command(name, argv):
   """The command line that produced a result, for its JSON."""
   args = sys.argv[1:] if argv is None else list(argv)
-  return ' '.join(['python', f'benchmarks/{script}', *map(str, args)])
+  return ' '.join(['python -m', f'benchmarks.{name}', *map(str, args)])
 
 
 def write_json(path, results):
@@ -129,41 +123,6 @@ def max_difference(params, reference):
     return float(np.max(np.abs(a - np.asarray(b, np.float64))))
 
   return max(jax.tree.leaves(jax.tree.map(difference, params, reference)))
-
-
-def memory(compiled, param_bytes):
-  """A compiled function's memory analysis, and temp / parameter bytes."""
-  analysis = compiled.memory_analysis()
-  out = {field: int(getattr(analysis, field)) for field in _MEMORY_FIELDS}
-  out['temp_over_params'] = out['temp_size_in_bytes'] / param_bytes
-  cost = compiled.cost_analysis()  # a list of one dict on older JAX
-  cost = (cost[0] if isinstance(cost, list) else cost) or {}
-  if 'bytes accessed' in cost:  # XLA's estimate: deterministic, unlike time
-    out['accessed_over_params'] = cost['bytes accessed'] / param_bytes
-  return out
-
-
-def accessed_per_window(memory, k):
-  """XLA's estimate of the bytes a window accesses over the parameter
-  bytes, from its programs' :func:`memory`: k calls of one program
-  (``step``); k micro-steps and a window update (the ideals); or k - 1
-  micro-steps and a closing one (closed by the host). None where unknown,
-  as for a loop, which XLA counts once. XLA counts a conditional as its
-  costliest branch (``HandleConditional``), as if the window closed on
-  every call: a one-program step's figure is an upper bound."""
-  accessed = {
-    label: m.get('accessed_over_params') for label, m in memory.items()
-  }
-  if None in accessed.values():
-    return None
-  if 'step' in accessed:  # beside it: its optimizer part alone (``update``)
-    return k * accessed['step']
-  labels = {'micro_step': 'window_update', 'micro': 'close'}
-  for micro, last in labels.items():
-    if set(accessed) == {micro, last}:
-      micro_steps = k if last == 'window_update' else k - 1
-      return micro_steps * accessed[micro] + accessed[last]
-  return None
 
 
 def bytes_per_device(tree):

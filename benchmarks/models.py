@@ -12,7 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""The benchmark models: an MLP, a small transformer LM and GPT-2 small.
+"""The benchmark models: an MLP, a small transformer LM and GPT-2 small
+(``run.py``), and the small MLP of ``collectives.py``.
 
 Each model's loss is summed over the counted tokens (rows of the MLP, target
 positions of the LM) and returned with their count, as
@@ -189,8 +190,8 @@ def transformer(
   num_layers,
   num_heads,
   seq_len,
-  batch_size,
   k,
+  batch_size=8,
   context=None,
   num_windows=2,
   seed=0,
@@ -273,27 +274,25 @@ GPT2_SMALL = dict(
 # targets and GPT-2 small's 124M parameters (`short`: micro-batches of
 # 2 x 64 tokens, so that a CPU runs it in minutes; `full`: 8 x 1024, the
 # accelerator's); `quick` is for the smoke test (CI).
+_MLP = dict(width=2048, depth=8, batch_size=32)
 SIZES = {
   'full': {
-    'mlp': dict(width=2048, depth=8, batch_size=32),
+    'mlp': _MLP,
     'transformer': dict(
-      vocab=8192,
-      d_model=512,
-      num_layers=4,
-      num_heads=8,
-      seq_len=128,
-      batch_size=8,
+      vocab=8192, d_model=512, num_layers=4, num_heads=8, seq_len=128
     ),
+    'gpt2': dict(GPT2_SMALL, seq_len=1024, label='GPT-2 small (124M)'),
   },
   'short': {
-    'mlp': dict(width=2048, depth=8, batch_size=32),
+    'mlp': _MLP,
     'transformer': dict(
-      vocab=4096,
-      d_model=256,
-      num_layers=2,
-      num_heads=4,
+      vocab=4096, d_model=256, num_layers=2, num_heads=4, seq_len=64
+    ),
+    'gpt2': dict(
+      GPT2_SMALL,
       seq_len=64,
-      batch_size=8,
+      batch_size=2,
+      label='GPT-2 small (124M), micro-batches cut for the CPU',
     ),
   },
   'quick': {
@@ -312,15 +311,6 @@ SIZES = {
     ),
   },
 }
-SIZES['full']['gpt2'] = dict(
-  GPT2_SMALL, seq_len=1024, batch_size=8, label='GPT-2 small (124M)'
-)
-SIZES['short']['gpt2'] = dict(
-  GPT2_SMALL,
-  seq_len=64,
-  batch_size=2,
-  label='GPT-2 small (124M), micro-batches cut for the CPU',
-)
 for _sizes in SIZES.values():
   _sizes['mlp_bf16'] = _sizes['mlp']
   _sizes['gpt2_bf16'] = _sizes['gpt2']
@@ -337,3 +327,50 @@ MODELS = {
 def build(name: str, setting: str, k: int) -> Model:
   """The model ``name`` at the sizes of ``setting``, with windows of ``k``."""
   return MODELS[name](k=k, **SIZES[setting][name])
+
+
+# The MLP of collectives.py: small enough to compile every pattern quickly.
+SMALL_WIDTH = 64
+SMALL_OUTPUTS = 8
+ROWS_PER_DEVICE = 4
+
+
+def small_params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {
+    'w1': rng.normal(size=(SMALL_WIDTH, SMALL_WIDTH)).astype(np.float32) / 8,
+    'b1': np.zeros((SMALL_WIDTH,), np.float32),
+    'w2': rng.normal(size=(SMALL_WIDTH, SMALL_OUTPUTS)).astype(np.float32) / 8,
+  }
+
+
+def small_windows(num_devices, k, num_windows=2, seed=1):
+  """Windows of ``k`` micro-batches, ``ROWS_PER_DEVICE`` rows per device,
+  about 80% of the rows counted (at least one per micro-batch)."""
+  rng = np.random.default_rng(seed)
+  rows = ROWS_PER_DEVICE * num_devices
+
+  def micro_batch():
+    mask = (rng.random(rows) < 0.8).astype(np.float32)
+    mask[0] = 1.0
+    return {
+      'x': rng.normal(size=(rows, SMALL_WIDTH)).astype(np.float32),
+      'y': rng.normal(size=(rows, SMALL_OUTPUTS)).astype(np.float32),
+      'mask': mask,
+    }
+
+  return [[micro_batch() for _ in range(k)] for _ in range(num_windows)]
+
+
+def small_loss_sum(params, batch, constrain=lambda x: x):
+  """Squared error summed over the counted rows, and their count;
+  ``constrain`` is applied to the activations (FSDP's row sharding)."""
+  hidden = jnp.tanh(constrain(batch['x'] @ params['w1'] + params['b1']))
+  error = constrain(hidden @ params['w2']) - batch['y']
+  loss = jnp.sum(jnp.sum(error**2, axis=-1) * batch['mask'])
+  return loss, jnp.sum(batch['mask']).astype(jnp.int32)
+
+
+def small_loss_mean(params, batch):
+  loss, num_tokens = small_loss_sum(params, batch)
+  return loss / jnp.maximum(num_tokens, 1)
