@@ -29,21 +29,21 @@ from optax import skip_not_finite
 from optax_tokacc._base import SavedState
 from optax_tokacc._base import TokenWeightedMultiStepState
 from optax_tokacc._base import WindowMetrics
+from optax_tokacc._checkify import with_input_checks
 from optax_tokacc._checkpoint import checkpoint_target
 from optax_tokacc._checkpoint import from_checkpoint
 from optax_tokacc._checkpoint import to_checkpoint
-from optax_tokacc._checks import with_input_checks
 from optax_tokacc._losses import token_cross_entropy
 from optax_tokacc._microbatch import microbatched_value_and_grad
 from optax_tokacc._multistep import token_weighted_multistep
-from optax_tokacc._sharding import init_sharded
-from optax_tokacc._sharding import state_partition_specs
-from optax_tokacc._sharding import state_shardings
 from optax_tokacc._state import apply_if_updated
 from optax_tokacc._state import find_state
 from optax_tokacc._state import has_updated
 from optax_tokacc._state import window_loss
 from optax_tokacc._state import window_metrics
+from optax_tokacc._state_layout import init_sharded
+from optax_tokacc._state_layout import state_partition_specs
+from optax_tokacc._state_layout import state_shardings
 
 __version__ = '0.5.0'
 

@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_tokacc import _base
-from optax_tokacc import _explicit
 from optax_tokacc import _shares
 from optax_tokacc import _state
+from optax_tokacc import _typed_sharding
 
 
 def _on_its_mesh(tree: Any) -> Any:
@@ -138,7 +138,7 @@ def _abstract(x: Any, shape: Optional[tuple] = None) -> jax.ShapeDtypeStruct:
   shape = tuple(jnp.shape(x)) if shape is None else shape
   sharding = getattr(x, 'sharding', None)
   if shape != jnp.shape(x) and isinstance(sharding, jax.NamedSharding):
-    spec = _explicit.partitions(sharding.spec)
+    spec = _typed_sharding.partitions(sharding.spec)
     lead = spec[0] if spec else None
     size = np.prod([sharding.mesh.shape[a] for a in jax.tree.leaves(lead)])
     if shape[0] % int(size):

@@ -32,10 +32,10 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _compensated
-from optax_tokacc import _explicit
 from optax_tokacc import _inputs
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
+from optax_tokacc import _typed_sharding
 from optax_tokacc import _window
 
 
@@ -382,7 +382,7 @@ def _zeros(shapes: Any, fold: bool = False) -> Any:
   positive = fold and jax.sharding.AxisType.Explicit in mesh.axis_types
 
   def zeros(shape):
-    sharding = None if _explicit.untyped(shape) else shape.sharding
+    sharding = None if _typed_sharding.untyped(shape) else shape.sharding
     zeros = jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding)
     return zeros if positive else _signed(zeros)
 

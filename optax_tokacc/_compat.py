@@ -28,20 +28,20 @@ a version difference is handled in one place:
   before.
 - ``EXPLICIT_SHARDING``: reduced and unreduced types (explicit sharding,
   the distributed-optimizer layout) are refused below jax 0.10, naming it
-  (``_explicit.check_supported``): ``jax.device_put`` of unreduced arrays
+  (``_typed_sharding.check_supported``): ``jax.device_put`` of unreduced arrays
   and the rules the library relies on are complete from there.
 
 What JAX changed without a branch here: jax 0.11 gave ``PartitionSpec`` an
 ``unreduced_kind``, kept by ``P.update`` and refused beside no unreduced
-axis, so specs are built with ``P(...)`` (``_explicit.spec``);
+axis, so specs are built with ``P(...)`` (``_typed_sharding.spec``);
 it removed the implicit varying-to-unreduced cast of ``shard_map``, which
-``_explicit.local`` never needed (``check_vma=False``: its outputs are
+``_typed_sharding.local`` never needed (``check_vma=False``: its outputs are
 described by ``out_specs``); and jax >= 0.11 merges equal constants before
 sharding propagation, so unreduced zeros are made replicated, then retyped
-(``_explicit.unreduced_zeros``). On every version XLA gives a constant that
+(``_typed_sharding.unreduced_zeros``). On every version XLA gives a constant that
 ``jax.reshard`` types unreduced whole to every device once it is merged with
 an equal constant, so a replicated count or loss is put on one device by a
-select in a manual region (``_explicit.on_one_device``). ``lax.pcast(x, axes, to='varying')`` and the manual
+select in a manual region (``_typed_sharding.on_one_device``). ``lax.pcast(x, axes, to='varying')`` and the manual
 axes in a value's type (``jax.typeof(x).sharding.mesh.manual_axes``,
 ``pmap``'s axis included) are the same on every supported version, and are
 called directly.

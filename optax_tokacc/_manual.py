@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
-from optax_tokacc import _explicit
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
+from optax_tokacc import _typed_sharding
 from optax_tokacc._compat import varying_axes
 
 
@@ -161,12 +161,12 @@ class Manual(_placement.Placement):
     return None
 
   def typed_like(self, tree: Any, reference: Any) -> Any:
-    return _explicit.like(tree, reference)
+    return _typed_sharding.like(tree, reference)
 
   def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
     """Where the accumulator is invariant over the manual axes (a
     gradient's share varies: its buffer cannot hold an invariant update)."""
-    return not varying_axes(acc) and _explicit.same_layout(acc, update)
+    return not varying_axes(acc) and _typed_sharding.same_layout(acc, update)
 
   def cond(
     self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops: Any

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from optax_tokacc import _config
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 
 Batch = Any
 TokenLossFn = Callable[[optax.Params, Batch], tuple[jax.Array, jax.Array]]
@@ -138,7 +138,7 @@ def _split(x: jax.Array, microbatch_size: int) -> jax.Array:
   split over them. On an explicit mesh the layout is given, as JAX asks
   (optax 0.2.8 compares JAX versions as strings and does not)."""
   rows = (microbatch_size, -1) + tuple(jnp.shape(x)[1:])
-  parts = _explicit.partitions(_explicit.spec(x) or jax.P())
+  parts = _typed_sharding.partitions(_typed_sharding.spec(x) or jax.P())
   layout = None  # as JAX gives it, unless the batch is split over devices
   if any(p is not None for p in parts):
     splits = x.shape[0] // jax.typeof(x).sharding.shard_shape(x.shape)[0]

@@ -30,13 +30,13 @@ import optax
 from optax_tokacc import _base
 from optax_tokacc import _closing
 from optax_tokacc import _config
-from optax_tokacc import _explicit
 from optax_tokacc import _inputs
 from optax_tokacc import _manual
 from optax_tokacc import _partial_sums
 from optax_tokacc import _placement
 from optax_tokacc import _single
 from optax_tokacc import _state_checks
+from optax_tokacc import _typed_sharding
 from optax_tokacc import _window
 
 
@@ -188,9 +188,9 @@ def placement(
   if config.axis_name is not None:
     return _manual.Manual.of(config, params, grads, num_tokens)
   if state is None:  # init
-    axes = _explicit.data_axes(params)
+    axes = _typed_sharding.data_axes(params)
   else:
-    axes = _explicit.unreduced(state.acc_tokens)
+    axes = _typed_sharding.unreduced(state.acc_tokens)
   if not axes:
     return _single.Single()
   return _partial_sums.PartialSums.of(config, axes, params, state, grads)
@@ -199,7 +199,7 @@ def placement(
 def _init(
   config: _base.Config, /, params: optax.Params
 ) -> _base.TokenWeightedMultiStepState:
-  _explicit.check_supported(params, 'Parameters')
+  _typed_sharding.check_supported(params, 'Parameters')
   place = placement(config, params)
 
   def zeros(dtype_of):
@@ -260,8 +260,10 @@ def _update(
   """One micro-step; closes the window on the k-th (see the factory)."""
   _inputs.state_type(state)
   _inputs.tree(updates, params, 'the parameters')
-  _explicit.check_supported(updates, 'Gradients')
-  grads, num_tokens, loss = _explicit.reduce_trivial(updates, num_tokens, loss)
+  _typed_sharding.check_supported(updates, 'Gradients')
+  grads, num_tokens, loss = _typed_sharding.reduce_trivial(
+    updates, num_tokens, loss
+  )
   _inputs.num_tokens(num_tokens, config.token_dtype)
   place = placement(config, params, state, grads, num_tokens)
   state = place.local_state(state)

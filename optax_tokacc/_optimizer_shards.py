@@ -33,7 +33,7 @@ import jax
 import optax
 
 from optax_tokacc import _base
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 
 
 def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
@@ -49,7 +49,7 @@ def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
   axes = _base.axis_names(shard_over)
   mesh = _mesh(params) if mesh is None else mesh
   specs = jax.tree.leaves(param_specs)
-  split = jax.tree.leaves([_explicit.partitions(s) for s in specs])
+  split = jax.tree.leaves([_typed_sharding.partitions(s) for s in specs])
   for axis in axes:  # refuse axes the state cannot be sharded over
     if axis not in mesh.axis_names:
       problem = f'{axis!r} is not an axis of the mesh {mesh.axis_names}'
@@ -66,7 +66,7 @@ def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
   size = math.prod(mesh.shape[axis] for axis in axes)
 
   def shard(x, found):
-    parts = _explicit.partitions(found)
+    parts = _typed_sharding.partitions(found)
     parts += (None,) * (len(x.shape) - len(parts))
     for dim, (length, entry) in enumerate(zip(x.shape, parts)):
       if entry is None and length % size == 0 and length >= size:
@@ -81,13 +81,15 @@ def _mesh(params: Any) -> Any:
   arrays are typed on JAX's empty mesh)."""
   mesh = jax.sharding.get_abstract_mesh()
   leaves = jax.tree.leaves(params)
-  placed = [x for x in leaves if not getattr(_explicit.mesh_of(x), 'empty', 1)]
+  placed = [
+    x for x in leaves if not getattr(_typed_sharding.mesh_of(x), 'empty', 1)
+  ]
   if mesh.empty and not placed:
     raise ValueError(
       'shard_optimizer_over needs the mesh: call inside jax.set_mesh(mesh), '
       'pass mesh=, or pass parameters placed on it.'
     )
-  return _explicit.mesh_of(placed[0]) if mesh.empty else mesh
+  return _typed_sharding.mesh_of(placed[0]) if mesh.empty else mesh
 
 
 class ShardTarget(NamedTuple):
@@ -111,7 +113,7 @@ def shard_targets(
   target's axes (all-reduced, or kept); ``()`` where none of ``inner``'s
   state is sharded over ``axes``."""
   states = jax.tree.leaves(inner_state)
-  if not any(_explicit.sharded(x) & axes for x in states):
+  if not any(_typed_sharding.sharded(x) & axes for x in states):
     return ()
   targets = _targets(inner, inner_state, grads, axes)
   if all(target is None for target in targets):
@@ -125,7 +127,7 @@ def _scattered(
 ) -> Optional[ShardTarget]:
   """``target``, where ``leaf`` holds partial sums over its axes."""
   axes = set(jax.tree.leaves(target.axes)) if target else None
-  return target if target and _explicit.unreduced(leaf) >= axes else None
+  return target if target and _typed_sharding.unreduced(leaf) >= axes else None
 
 
 def _targets(inner, inner_state, grads, axes) -> tuple:
@@ -134,9 +136,11 @@ def _targets(inner, inner_state, grads, axes) -> tuple:
   found = [set() for _ in leaves]
 
   def record(leaf, index):
-    sharded = _explicit.sharded(leaf) & axes  # none for a MaskedNode
+    sharded = _typed_sharding.sharded(leaf) & axes  # none for a MaskedNode
     if sharded and jax.numpy.shape(leaf) == jax.numpy.shape(leaves[index]):
-      found[index].add(jax.P(*_explicit.partitions(_explicit.spec(leaf))))
+      found[index].add(
+        jax.P(*_typed_sharding.partitions(_typed_sharding.spec(leaf)))
+      )
     return leaf
 
   indices = treedef.unflatten(range(len(leaves)))
@@ -155,8 +159,8 @@ def _target(grad: Any, specs: set, axes: frozenset) -> Optional[ShardTarget]:
   if not specs:
     return None
   spec = min(specs, key=str)
-  parts = _explicit.partitions(spec)
-  grad_parts = _explicit.partitions(_explicit.spec(grad))
+  parts = _typed_sharding.partitions(spec)
+  grad_parts = _typed_sharding.partitions(_typed_sharding.spec(grad))
   changed = [d for d, (a, b) in enumerate(zip(parts, grad_parts)) if a != b]
   if len(specs) == 1 and len(changed) == 1:
     (dim,) = changed

@@ -21,7 +21,7 @@ them so: its sums, count and loss are typed unreduced across micro-steps and
 reduced once, when it closes. JAX defines only linear operations on
 unreduced values, so what is not linear (validating a count, Kahan
 summation, a skip decision, splitting a count into exact parts) runs on each
-device's share in a fully manual ``shard_map`` (``_explicit.local``), which
+device's share in a fully manual ``shard_map`` (``_typed_sharding.local``), which
 moves no data.
 """
 
@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
-from optax_tokacc import _explicit
 from optax_tokacc import _optimizer_shards
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
+from optax_tokacc import _typed_sharding
 
 
 @final
@@ -67,14 +67,14 @@ class PartialSums(_placement.Placement):
     """The placement of ``init`` (from the parameters' types) or of
     ``update`` (from the state's, and the shards of ``inner``'s state)."""
     if state is None:
-      mesh = _explicit.mesh_of(
-        next(filter(_explicit.reduced, jax.tree.leaves(params)))
+      mesh = _typed_sharding.mesh_of(
+        next(filter(_typed_sharding.reduced, jax.tree.leaves(params)))
       )
       return cls(axes, mesh)
     targets = _optimizer_shards.shard_targets(
       config.inner, state.inner_state, grads, axes
     )
-    return cls(axes, _explicit.mesh_of(state.acc_tokens), targets)
+    return cls(axes, _typed_sharding.mesh_of(state.acc_tokens), targets)
 
   def rejected_micro_batch_advances(self) -> bool:
     return False  # the decision is every device's (skip_decision)
@@ -87,14 +87,14 @@ class PartialSums(_placement.Placement):
 
   def scalar_zeros(self, dtype: Any) -> jax.Array:
     spec = jax.P(unreduced=self.axes)
-    return _explicit.unreduced_zeros([], dtype, self.mesh, spec)
+    return _typed_sharding.unreduced_zeros([], dtype, self.mesh, spec)
 
   def share_of(self, x: jax.Array) -> jax.Array:
     """A replicated value is put on one device; one unreduced over other
     axes is summed there."""
-    if _explicit.unreduced(x):
-      return _explicit.to_type(x, jax.P(unreduced=self.axes))
-    return _explicit.on_one_device(x, self.axes, self.mesh)
+    if _typed_sharding.unreduced(x):
+      return _typed_sharding.to_type(x, jax.P(unreduced=self.axes))
+    return _typed_sharding.on_one_device(x, self.axes, self.mesh)
 
   def gradient_shares(self, grads: Any) -> Any:
     return grads  # partial sums typed unreduced, or whole
@@ -102,13 +102,13 @@ class PartialSums(_placement.Placement):
   def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
     """An unreduced gradient takes ``factor`` typed reduced (the product is
     then linear in it)."""
-    axes = _explicit.unreduced(grad)
+    axes = _typed_sharding.unreduced(grad)
     if axes:
-      factor = _explicit.to_type(factor, jax.P(reduced=axes))
+      factor = _typed_sharding.to_type(factor, jax.P(reduced=axes))
     return grad * factor
 
   def on_each_device(self, fn: Callable, args: tuple, like: Any) -> Any:
-    return _explicit.local(fn, args, _explicit.specs(like))
+    return _typed_sharding.local(fn, args, _typed_sharding.specs(like))
 
   def skip_decision(
     self, skip_fn: Callable, grads: Any, gradient_step: Any, params: Any
@@ -119,16 +119,16 @@ class PartialSums(_placement.Placement):
     is not finite when a partial sum is not); any other function sees the
     reduced gradients, at the cost of their all-reduce per micro-step."""
     call = _placement.call_skip_fn
-    if not any(map(_explicit.unreduced, jax.tree.leaves(grads))):
+    if not any(map(_typed_sharding.unreduced, jax.tree.leaves(grads))):
       return call(skip_fn, grads, gradient_step, params)
-    params = _explicit.without_reduced(params)
+    params = _typed_sharding.without_reduced(params)
     if skip_fn is not optax.skip_not_finite:
       _placement.warn(
         'should_skip_update_fn sees the gradients reduced, an all-reduce of '
         'the gradients per micro-step under explicit sharding; '
         'tokacc.skip_not_finite decides on partial sums.'
       )
-      grads = jax.tree.map(_explicit.reduce_now, grads)
+      grads = jax.tree.map(_typed_sharding.reduce_now, grads)
       return call(skip_fn, grads, gradient_step, params)
     axes = tuple(sorted(self.axes))
 
@@ -139,11 +139,13 @@ class PartialSums(_placement.Placement):
         lambda s, x: s > 0 if x.dtype == jnp.bool_ else s, summed, decision
       )
 
-    return _explicit.local(decide, (grads, gradient_step, params), jax.P())
+    return _typed_sharding.local(
+      decide, (grads, gradient_step, params), jax.P()
+    )
 
   def sum_over_devices(self, fn: Callable, x: jax.Array) -> jax.Array:
     axes = tuple(sorted(self.axes))
-    return _explicit.local(lambda v: lax.psum(fn(v), axes), (x,), jax.P())
+    return _typed_sharding.local(lambda v: lax.psum(fn(v), axes), (x,), jax.P())
 
   def on_any_device(self, flag: jax.Array) -> jax.Array:
     return flag  # a value of jax.jit's program, the same everywhere
@@ -158,7 +160,7 @@ class PartialSums(_placement.Placement):
     leaves, treedef = jax.tree.flatten(sums)
     targets = self.targets or (None,) * len(leaves)
     # the axes to sum over, known from the types here only
-    sum_over = [tuple(sorted(_explicit.unreduced(x))) for x in leaves]
+    sum_over = [tuple(sorted(_typed_sharding.unreduced(x))) for x in leaves]
     axes = tuple(sorted(self.axes))
 
     def reduce(leaves, acc_tokens, acc_loss):
@@ -175,7 +177,9 @@ class PartialSums(_placement.Placement):
 
     specs = [_reduced_spec(x, t) for x, t in zip(leaves, targets)]
     out_specs = _base.Reduced(treedef.unflatten(specs), jax.P(), jax.P())
-    return _explicit.local(reduce, (leaves, acc_tokens, acc_loss), out_specs)
+    return _typed_sharding.local(
+      reduce, (leaves, acc_tokens, acc_loss), out_specs
+    )
 
   def reduced_types(self, grads: Any) -> Any:
     """Whole where summed whole, else the shards of the target."""
@@ -203,16 +207,20 @@ class PartialSums(_placement.Placement):
     ``inner``'s shards), then typed like it."""
 
     def gather(x, ref):
-      is_shard = bool(_explicit.sharded(x) & self.axes)
-      ref_is_shard = bool(_explicit.sharded(ref) & self.axes)
+      is_shard = bool(_typed_sharding.sharded(x) & self.axes)
+      ref_is_shard = bool(_typed_sharding.sharded(ref) & self.axes)
       if not is_shard or ref_is_shard:
         return x
-      return jax.reshard(x, jax.P(*_explicit.partitions(_explicit.spec(ref))))
+      return jax.reshard(
+        x, jax.P(*_typed_sharding.partitions(_typed_sharding.spec(ref)))
+      )
 
-    return _explicit.like(jax.tree.map(gather, tree, reference), reference)
+    return _typed_sharding.like(
+      jax.tree.map(gather, tree, reference), reference
+    )
 
   def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
-    return _explicit.same_layout(acc, update)  # typed: split alike
+    return _typed_sharding.same_layout(acc, update)  # typed: split alike
 
   def cond(
     self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops: Any
@@ -235,4 +243,4 @@ def _reduced_spec(leaf: Any, target: Any) -> jax.P:
   the leaf's own spec without its unreduced axes."""
   if target is not None:
     return target.spec
-  return _explicit.spec(leaf, unreduced=False) or jax.P()
+  return _typed_sharding.spec(leaf, unreduced=False) or jax.P()

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from optax_tokacc import _base
 from optax_tokacc import _errors
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 
 _LIBRARIES = ('optax_tokacc', 'optax', 'flax')  # frames warn() skips
 
@@ -167,21 +167,21 @@ class Placement(abc.ABC):
 
   def gradient_zeros(self, param: Any, dtype: Any) -> jax.Array:
     """The accumulator's zeros for ``param``'s gradient, typed like it."""
-    return _explicit.gradient_zeros(param, dtype)
+    return _typed_sharding.gradient_zeros(param, dtype)
 
   def summed_now(self, x: Any) -> Any:
     """``x`` summed over the devices that hold parts of it, now (a value
     typed unreduced is reduced; any other is already whole)."""
-    return _explicit.reduce_now(x)
+    return _typed_sharding.reduce_now(x)
 
   def retype_same_values(self, x: jax.Array, like: Any) -> jax.Array:
     """``x``, held whole and alike on every device, typed like ``like``."""
-    return _explicit.retype_same_values(x, like)
+    return _typed_sharding.retype_same_values(x, like)
 
   def inner_types(self, tree: Any) -> Any:
     """``tree`` in the types that optax's nonlinear updates take (reduced
     types dropped, free)."""
-    return _explicit.without_reduced(tree)
+    return _typed_sharding.without_reduced(tree)
 
 
 def warn(message: str) -> None:
@@ -217,10 +217,10 @@ def typed_split_axes(leaves: list, on_shares: bool) -> list[frozenset]:
   type defers a reduction, on jax >= 0.10), else none: the compiler then
   sums a leaf it split, in a scalar all-reduce of its own (jax < 0.10
   cannot type the partial sums unreduced)."""
-  over = [_explicit.sharded(x) for x in leaves]
-  mesh = next(map(_explicit.mesh_of, leaves), None)
-  some_deferred = any(_explicit.deferred(a, mesh) for a in over)
-  typed = on_shares or (_explicit.SUPPORTED and some_deferred)
+  over = [_typed_sharding.sharded(x) for x in leaves]
+  mesh = next(map(_typed_sharding.mesh_of, leaves), None)
+  some_deferred = any(_typed_sharding.deferred(a, mesh) for a in over)
+  typed = on_shares or (_typed_sharding.SUPPORTED and some_deferred)
   return over if typed else [frozenset()] * len(over)
 
 
@@ -232,11 +232,11 @@ def typed_squares(tree: Any, per_leaf: bool, on_shares: bool) -> dict:
   over = typed_split_axes(leaves, on_shares)
   if not (on_shares or any(over)):
     return local_squares(tree, over, per_leaf)
-  mesh = next(map(_explicit.mesh_of, leaves), None)
-  split = {tuple(sorted(a)): _explicit.deferred(a, mesh) for a in over}
+  mesh = next(map(_typed_sharding.mesh_of, leaves), None)
+  split = {tuple(sorted(a)): _typed_sharding.deferred(a, mesh) for a in over}
   specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
   squares = functools.partial(local_squares, over=over, per_leaf=per_leaf)
-  return _explicit.local(squares, (tree,), specs)
+  return _typed_sharding.local(squares, (tree,), specs)
 
 
 def typed_norms(
@@ -256,7 +256,7 @@ def typed_norms(
   )
   norms = functools.partial(global_norms, overs=overs)
   if any(axes for s in squares for axes in s):  # split: in a manual region
-    return _explicit.local(norms, squares, jax.P())
+    return _typed_sharding.local(norms, squares, jax.P())
   like = jax.eval_shape(norms, *squares)
   return place.on_each_device(norms, squares, like)
 

@@ -34,8 +34,8 @@ import numpy as np
 
 from optax_tokacc import _base
 from optax_tokacc import _compensated
-from optax_tokacc import _explicit
 from optax_tokacc import _tokens
+from optax_tokacc import _typed_sharding
 
 PER_DEVICE = _base.PER_DEVICE_FIELDS
 # How a state holds its per-device fields (see :func:`layout_of`).
@@ -66,25 +66,25 @@ def leaf_rows(x: Any) -> Any:
   """An unreduced ``x`` of shape ``s`` as its devices' partial sums,
   ``(n, *s)`` split over the axes it is unreduced over (no data moves);
   a reduced ``x`` typed replicated; any other ``x`` as it is."""
-  axes = _explicit.unreduced(x)
+  axes = _typed_sharding.unreduced(x)
   if not axes:
-    return _explicit.without_reduced(x)
-  lead = tuple(a for a in _explicit.mesh_of(x).axis_names if a in axes)
-  out = jax.P(lead, *_explicit.partitions(_explicit.spec(x)))
-  return _explicit.local(lambda v: v[None], (x,), out)
+    return _typed_sharding.without_reduced(x)
+  lead = tuple(a for a in _typed_sharding.mesh_of(x).axis_names if a in axes)
+  out = jax.P(lead, *_typed_sharding.partitions(_typed_sharding.spec(x)))
+  return _typed_sharding.local(lambda v: v[None], (x,), out)
 
 
 def _one_row(x: Any) -> Any:
   """A whole ``x`` as one row (its unreduced axes of one device reduced,
   its reduced types replicated: ordinary arrays)."""
-  (x,) = _explicit.reduce_trivial(x)
-  return jnp.expand_dims(_explicit.without_reduced(x), 0)
+  (x,) = _typed_sharding.reduce_trivial(x)
+  return jnp.expand_dims(_typed_sharding.without_reduced(x), 0)
 
 
 def _shares(x: Any) -> Any:
   """A per-device leaf of a ``typed`` state as rows of shares: its partial
   sums where typed unreduced, else itself as one row."""
-  return leaf_rows(x) if _explicit.unreduced(x) else _one_row(x)
+  return leaf_rows(x) if _typed_sharding.unreduced(x) else _one_row(x)
 
 
 def save_state(state: Any) -> _base.SavedState:
@@ -109,9 +109,9 @@ def row_counts(state: Any) -> list[int]:
   leaves = jax.tree.leaves(per_device(state))
   if layout != _TYPED:
     return [leading(x) for x in leaves]
-  mesh_sizes = lambda x: dict(getattr(_explicit.mesh_of(x), 'shape', {}))  # noqa: E731
+  mesh_sizes = lambda x: dict(getattr(_typed_sharding.mesh_of(x), 'shape', {}))  # noqa: E731
   return [
-    int(np.prod([mesh_sizes(x)[a] for a in _explicit.unreduced(x)]))
+    int(np.prod([mesh_sizes(x)[a] for a in _typed_sharding.unreduced(x)]))
     for x in leaves
   ]
 
@@ -177,7 +177,7 @@ def _gathered(x: Any) -> Any:
   sharding = getattr(x, 'sharding', None)
   if not isinstance(sharding, jax.NamedSharding):
     return x
-  spec = _explicit.partitions(sharding.spec)
+  spec = _typed_sharding.partitions(sharding.spec)
   if not spec or spec[0] is None:
     return x
   return jax.device_put(
@@ -229,7 +229,7 @@ def _spread(layout: str, total: jax.Array, ref: Any, everywhere: bool) -> Any:
   """A window's ``total`` in ``ref``'s layout: on its first device (zeros
   on the others), or on every device (``everywhere``)."""
   if layout == _TYPED:
-    if _explicit.unreduced(ref) and not everywhere:
+    if _typed_sharding.unreduced(ref) and not everywhere:
       return _on_first_device(total, ref)
     return _placed(total, ref)
   shape = jnp.shape(ref)  # (devices, [1,] *total's shape)
@@ -249,19 +249,21 @@ def _spread(layout: str, total: jax.Array, ref: Any, everywhere: bool) -> Any:
 def _on_first_device(total: jax.Array, ref: Any) -> jax.Array:
   """``total`` typed like ``ref`` (unreduced): held by the first device
   along the axes ``ref`` is unreduced over, zeros on the others."""
-  axes = sorted(_explicit.unreduced(ref))
-  total = _explicit.to_type(total, _explicit.spec(ref, unreduced=False))
+  axes = sorted(_typed_sharding.unreduced(ref))
+  total = _typed_sharding.to_type(
+    total, _typed_sharding.spec(ref, unreduced=False)
+  )
 
   def first(v):
     index = sum(jax.lax.axis_index(a) for a in axes)  # 0 on the first only
     return jnp.where(index == 0, v, jnp.zeros_like(v))
 
-  return _explicit.local(first, (total,), _explicit.spec(ref))
+  return _typed_sharding.local(first, (total,), _typed_sharding.spec(ref))
 
 
 def _from_shares(rows: Any, ref: Any) -> Any:
   """The inverse of :func:`_shares` on as many devices."""
-  if _explicit.unreduced(ref):
+  if _typed_sharding.unreduced(ref):
     return restore_leaf(rows, ref)
   return _placed(rows[0], ref)
 
@@ -276,9 +278,13 @@ def _placed(tree: Any, like: Any) -> Any:
   arrays or shapes with a sharding, and no partial sums)."""
 
   def place(x, ref):
-    x = _explicit.like(x, ref)
+    x = _typed_sharding.like(x, ref)
     sharding = getattr(ref, 'sharding', None)
-    if sharding is None or _explicit.reduced(ref) or _explicit.unreduced(ref):
+    if (
+      sharding is None
+      or _typed_sharding.reduced(ref)
+      or _typed_sharding.unreduced(ref)
+    ):
       return x
     return jax.device_put(x, sharding)
 
@@ -287,12 +293,12 @@ def _placed(tree: Any, like: Any) -> Any:
 
 def restore_leaf(x: Any, ref: Any) -> Any:
   """A leaf that :func:`leaf_rows` saved, typed like ``ref`` again."""
-  if not _explicit.unreduced(ref):
-    return _explicit.like(x, ref)
+  if not _typed_sharding.unreduced(ref):
+    return _typed_sharding.like(x, ref)
   if jnp.shape(x) != jax.eval_shape(leaf_rows, ref).shape:
     raise ValueError(
       f'from_checkpoint: a leaf of shape {jnp.shape(x)} does not hold the '
       f'partial sums of {jax.typeof(ref)}: like must be the tree given to '
       'to_checkpoint.'
     )
-  return _explicit.local(lambda v: v[0], (x,), _explicit.spec(ref))
+  return _typed_sharding.local(lambda v: v[0], (x,), _typed_sharding.spec(ref))

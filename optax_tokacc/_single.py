@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from optax_tokacc import _base
-from optax_tokacc import _explicit
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
+from optax_tokacc import _typed_sharding
 
 
 @final
@@ -84,10 +84,10 @@ class Single(_placement.Placement):
     return None
 
   def typed_like(self, tree: Any, reference: Any) -> Any:
-    return _explicit.like(tree, reference)
+    return _typed_sharding.like(tree, reference)
 
   def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
-    return _explicit.same_layout(acc, update)  # typed: split alike
+    return _typed_sharding.same_layout(acc, update)  # typed: split alike
 
   def cond(
     self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops: Any

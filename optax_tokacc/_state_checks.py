@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from optax_tokacc import _base
-from optax_tokacc import _explicit
 from optax_tokacc import _inputs
+from optax_tokacc import _typed_sharding
 
 
 def state_matches(
@@ -60,8 +60,8 @@ def state_matches(
   for name in ('acc_tokens', 'last_tokens', 'acc_loss', 'last_loss'):
     dtype = config.loss_dtype if 'loss' in name else config.token_dtype
     _state_dtype(name, getattr(state, name), dtype)
-  axes = _explicit.unreduced(state.acc_tokens)
-  if _explicit.unreduced(state.acc_loss) != axes:
+  axes = _typed_sharding.unreduced(state.acc_tokens)
+  if _typed_sharding.unreduced(state.acc_loss) != axes:
     raise TypeError(
       f'state.acc_loss is {jax.typeof(state.acc_loss)} but state.acc_tokens '
       f'{jax.typeof(state.acc_tokens)}: restored with another type. Restore '
@@ -90,15 +90,17 @@ def _leaf_matches(grad: Any, acc: Any, param: Any, axes: frozenset) -> None:
       f'A gradient has shape {jnp.shape(grad)} where the parameter has shape '
       f'{jnp.shape(acc)}: under pmap or shard_map, use tokacc.init_sharded.'
     )
-  split = _explicit.unreduced(grad) & _explicit.sharded(param)  # None: {}
+  split = _typed_sharding.unreduced(grad) & _typed_sharding.sharded(
+    param
+  )  # None: {}
   if split:
     raise ValueError(
       f'A gradient is unreduced over {sorted(split)}, along which its '
       f'parameter {jax.typeof(param)} is split. Type the parameter reduced '
       "only where replicated: P('fsdp', reduced={'replica'})."
     )
-  partial = _explicit.unreduced(acc)
-  if _explicit.unreduced(grad) != partial or not partial <= axes:
+  partial = _typed_sharding.unreduced(acc)
+  if _typed_sharding.unreduced(grad) != partial or not partial <= axes:
     typed = '' if param is None else f' (the parameter is {jax.typeof(param)})'
     raise TypeError(
       f'A gradient is {jax.typeof(grad)}{typed} but its accumulator is '

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _explicit as tokacc_explicit
+from optax_tokacc import _typed_sharding as tokacc_explicit
 
 # A hang (devices in different branches of a collective) fails the test
 # instead of stalling the run (pytest-timeout, thread method: pyproject).

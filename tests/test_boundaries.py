@@ -31,7 +31,7 @@ import optax
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 
 # A hang (devices in different branches of a collective) fails the test
 # instead of stalling the run (pytest-timeout, thread method: pyproject).
@@ -434,7 +434,7 @@ def explicit_steps(batches):
 def test_budget_boundary_over_devices(case, mode):
   """The window closes on the micro-step at which the tokens of all
   devices reach the budget exactly, on every device, and holds them."""
-  if mode == 'explicit' and not _explicit.SUPPORTED:
+  if mode == 'explicit' and not _typed_sharding.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
   counts = DEVICE_COUNTS[case]
   totals = [sum(c) for c in counts]

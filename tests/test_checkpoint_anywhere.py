@@ -44,8 +44,8 @@ import pytest
 import test_explicit
 
 import optax_tokacc as tokacc
-from optax_tokacc import _explicit
 from optax_tokacc import _shares
+from optax_tokacc import _typed_sharding
 
 # A hang (devices in different branches of a collective) fails the test
 # instead of stalling the run; the longest test here, a new process
@@ -230,7 +230,7 @@ def _reduced(axis):
 
 
 def _skip_unsupported(layout, n):
-  if layout in EXPLICIT and not _explicit.SUPPORTED:
+  if layout in EXPLICIT and not _typed_sharding.SUPPORTED:
     pytest.skip('explicit sharding needs jax >= 0.10')
   if layout == 'zero1' and n == 1:
     pytest.skip('no data devices to shard the optimizer over')

@@ -27,7 +27,7 @@ import test_explicit
 import test_explicit_collectives as explicit_ddp
 
 import optax_tokacc as tokacc
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 
 # A hang (devices in different branches of a collective) fails the test
 # instead of stalling the run (pytest-timeout, thread method: pyproject).
@@ -35,7 +35,7 @@ from optax_tokacc import _explicit
 # 33: the slowest in-process multi-device tests took <= 25 s there).
 pytestmark = [
   pytest.mark.skipif(
-    not _explicit.SUPPORTED, reason='explicit sharding needs jax >= 0.10'
+    not _typed_sharding.SUPPORTED, reason='explicit sharding needs jax >= 0.10'
   ),
   pytest.mark.timeout(300),
 ]
@@ -494,7 +494,8 @@ def test_compositions_equal_explicit_ddp(name):
       bound = 4 * gamma * update + UNIT_ROUNDOFF * np.abs(want)
       assert np.all(np.abs(got - want) <= bound), (key, got - want)
   assert any(
-    _explicit.sharded(leaf) == {'data'} for leaf in jax.tree.leaves(inner_state)
+    _typed_sharding.sharded(leaf) == {'data'}
+    for leaf in jax.tree.leaves(inner_state)
   )
 
 

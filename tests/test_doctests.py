@@ -26,7 +26,7 @@ import importlib
 import pytest
 
 import optax_tokacc
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 
 # Modules whose public names have no runnable docstring example yet: a gap
 # to close, listed so that it is not forgotten.
@@ -51,7 +51,7 @@ MODULES = public_modules()
 def test_docstring_examples(name):
   if name == 'optax_tokacc.flax':
     pytest.importorskip('flax')
-  if name in NEEDS_EXPLICIT_SHARDING and not _explicit.SUPPORTED:
+  if name in NEEDS_EXPLICIT_SHARDING and not _typed_sharding.SUPPORTED:
     pytest.skip('explicit sharding with reduced types needs jax >= 0.10')
   module = importlib.import_module(name)
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

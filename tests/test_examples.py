@@ -25,7 +25,7 @@ import helpers
 import numpy as np
 import pytest
 
-from optax_tokacc import _explicit as tokacc_explicit
+from optax_tokacc import _typed_sharding as tokacc_explicit
 
 REPO = helpers.REPO
 EXAMPLES = REPO / 'examples'

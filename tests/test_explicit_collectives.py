@@ -32,7 +32,7 @@ import test_explicit
 import test_reduction_modes as reference
 
 import optax_tokacc as tokacc
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 
 # A hang (devices in different branches of a collective) fails the test
 # instead of stalling the run (pytest-timeout, thread method: pyproject).
@@ -40,7 +40,8 @@ from optax_tokacc import _explicit
 # 33: the slowest in-process multi-device tests took <= 25 s there).
 pytestmark = [
   pytest.mark.skipif(
-    not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+    not _typed_sharding.SUPPORTED,
+    reason='reduced/unreduced types need jax >= 0.10',
   ),
   pytest.mark.timeout(300),
 ]

@@ -60,7 +60,7 @@ import test_flax
 import test_window_rules as rules
 
 import optax_tokacc as tokacc
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 from optax_tokacc import flax as tokacc_flax
 
 # A hang (devices in different branches of a collective) fails the test
@@ -823,7 +823,8 @@ EXPLICIT_CASES += [('ddp', 'skip_not_finite_compensated')]
 
 
 @pytest.mark.skipif(
-  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+  not _typed_sharding.SUPPORTED,
+  reason='reduced/unreduced types need jax >= 0.10',
 )
 @pytest.mark.parametrize(('layout', 'name'), EXPLICIT_CASES)
 def test_explicit_sharding_equals_full_batch(layout, name):
@@ -918,7 +919,8 @@ def test_shard_map_programs():
 
 
 @pytest.mark.skipif(
-  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+  not _typed_sharding.SUPPORTED,
+  reason='reduced/unreduced types need jax >= 0.10',
 )
 def test_explicit_ddp_programs():
   """Parameters typed reduced, count and loss unreduced: no collective on
@@ -978,7 +980,8 @@ def test_micro_step_program_leaves_parameters_untouched():
 
 
 @pytest.mark.skipif(
-  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+  not _typed_sharding.SUPPORTED,
+  reason='reduced/unreduced types need jax >= 0.10',
 )
 @pytest.mark.parametrize('layout', sorted(EXPLICIT_SPELLINGS))
 def test_explicit_micro_step_program_leaves_parameters_untouched(layout):
@@ -1004,7 +1007,8 @@ def test_explicit_micro_step_program_leaves_parameters_untouched(layout):
 
 
 @pytest.mark.skipif(
-  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+  not _typed_sharding.SUPPORTED,
+  reason='reduced/unreduced types need jax >= 0.10',
 )
 @pytest.mark.parametrize('layout', sorted(zero1.LAYOUTS))
 def test_zero1_micro_step_program_leaves_parameters_untouched(layout):

@@ -37,7 +37,7 @@ import test_distributed_optimizer as zero1
 import test_explicit as explicit
 
 import optax_tokacc as tokacc
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 
 # Collectives on several devices: a hang (devices in different branches)
 # fails instead of stalling the run. The slowest test here takes 14 s on a
@@ -46,7 +46,8 @@ pytestmark = pytest.mark.timeout(120)
 
 NUM_DEVICES = 4
 EXPLICIT_ONLY = pytest.mark.skipif(
-  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+  not _typed_sharding.SUPPORTED,
+  reason='reduced/unreduced types need jax >= 0.10',
 )
 
 
@@ -230,7 +231,7 @@ def placed(make_mesh, make_run, with_mesh):
   """``(step, params, state, data, fetch)`` of ``make_run`` on
   ``make_mesh()``, set with ``jax.set_mesh`` where ``with_mesh`` (explicit
   sharding: skipped before jax 0.10); ``fetch`` gives host copies."""
-  if with_mesh and not _explicit.SUPPORTED:
+  if with_mesh and not _typed_sharding.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
   mesh = make_mesh()
   fetch = explicit.plain if with_mesh else jax.device_get

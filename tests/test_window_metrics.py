@@ -50,7 +50,7 @@ import test_distributed_optimizer as zero1
 import test_explicit
 
 import optax_tokacc as tokacc
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 
 # Collectives on several devices (shard_map, explicit sharding): a hang
 # (devices in different branches of a collective) fails the test instead of
@@ -60,7 +60,8 @@ pytestmark = pytest.mark.timeout(300)
 
 # Explicit sharding (parameters typed reduced) and ZeRO-1 need jax >= 0.10.
 needs_explicit = pytest.mark.skipif(
-  not _explicit.SUPPORTED, reason='reduced/unreduced types need jax >= 0.10'
+  not _typed_sharding.SUPPORTED,
+  reason='reduced/unreduced types need jax >= 0.10',
 )
 EXPLICIT = ('ddp', 'fsdp', 'hsdp')
 

@@ -22,7 +22,7 @@ import optax
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _explicit
+from optax_tokacc import _typed_sharding
 
 # A hang (devices in different branches of a collective) fails the test
 # instead of stalling the run (pytest-timeout, thread method: pyproject).
@@ -259,7 +259,7 @@ def explicit_training(tx, windows):
 def test_reduce_on_plateau_under_data_parallelism(mode):
   """With the batch split over 4 devices, ``value`` is the token-mean loss
   over all of them (the harness closes the last window with emit_now)."""
-  if mode == 'explicit' and not _explicit.SUPPORTED:
+  if mode == 'explicit' and not _typed_sharding.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
   windows = harness.make_windows(PLATEAU_WINDOWS, NUM_DEVICES, seed=4)
   expected = full_batch_with_value(plateau_inner(), windows)
@@ -340,7 +340,7 @@ def test_budget_closes_windows_where_the_tokens_reach_it():
 def test_budget_over_all_devices(mode):
   """The budget counts the tokens of every device; every device closes at
   the same micro-step (the last window closes early by emit_now)."""
-  if mode == 'explicit' and not _explicit.SUPPORTED:
+  if mode == 'explicit' and not _typed_sharding.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
   k = BUDGET_K
   windows, sizes = budget_windows(k)

@@ -12,10 +12,10 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Explicit sharding under plain ``jax.jit``: reduced parameters, unreduced
-gradients, one reduction per window.
+"""Reading and writing sharding types: the vocabulary the placements speak.
 
-On an explicit mesh an array's type says how it is laid out
+Helpers over the types of arrays, not a placement (explicit sharding's is
+``_partial_sums``). On an explicit mesh an array's type says how it is laid out
 (``jax.typeof(x).sharding.spec``). Parameters typed *reduced* over the data
 axes (``jax.P(reduced={'data'})``) get *unreduced* gradients: per-device
 partial sums that no collective has summed yet. The accumulator is typed like

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
-from optax_tokacc import _explicit
 from optax_tokacc import _optimizer_shards
 from optax_tokacc import _state
+from optax_tokacc import _typed_sharding
 
 
 def _layout(axis_name: Any, specs: list) -> tuple:
@@ -48,15 +48,15 @@ def _layout(axis_name: Any, specs: list) -> tuple:
     axes = _base.axis_names(axis_name)
 
     def slot(spec):
-      split = jax.tree.leaves(_explicit.partitions(spec))
+      split = jax.tree.leaves(_typed_sharding.partitions(spec))
       return jax.P(tuple(a for a in axes if a not in split), *spec)
 
     return slot, slot(jax.P())
   mesh = jax.sharding.get_abstract_mesh()
 
   def like_gradient(spec):
-    unreduced = _explicit.deferred(spec.reduced, mesh)
-    return jax.P(*_explicit.partitions(spec), unreduced=unreduced)
+    unreduced = _typed_sharding.deferred(spec.reduced, mesh)
+    return jax.P(*_typed_sharding.partitions(spec), unreduced=unreduced)
 
   data_axes = frozenset().union(*(s.reduced for s in specs))
   return like_gradient, like_gradient(jax.P(reduced=data_axes))
@@ -159,7 +159,9 @@ def state_partition_specs(
 def _specs(tx, params, param_specs, axis_name, shard_over, mesh) -> Any:
   """:func:`state_partition_specs` but ``manual_axes``: the full layout."""
   # None: the specs in the parameters' types
-  param_specs = _explicit.specs(params) if param_specs is None else param_specs
+  param_specs = (
+    _typed_sharding.specs(params) if param_specs is None else param_specs
+  )
   abstract = jax.eval_shape(tx.init, params)
   specs = _follow(tx, abstract, param_specs, params)
   inner_specs = specs  # inner's state: like the parameters, or sharded
@@ -280,6 +282,8 @@ def init_sharded(
   if axis_name is None:
     shardings = jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs)
     return jax.jit(tx.init, out_shardings=shardings)(params)
-  in_specs = (_explicit.specs(params) if param_specs is None else param_specs,)
+  in_specs = (
+    _typed_sharding.specs(params) if param_specs is None else param_specs,
+  )
   init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)
   return jax.jit(init)(params)
