@@ -23,8 +23,14 @@ with ``tokens_per_update``.
 
 import argparse
 import functools
-from typing import NamedTuple
 
+from helpers import LEARNING_RATE
+from helpers import fetch
+from helpers import init_params
+from helpers import loss_sum
+from helpers import make_windows
+from helpers import put
+from helpers import token_count
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -34,171 +40,6 @@ import numpy as np
 import optax
 
 import optax_tokacc as tokacc
-
-FEATURES = 8
-SEQS = 2  # sequences per device per micro-step
-SEQ_LEN = 4
-LOCAL_TOKENS = SEQS * SEQ_LEN
-LEARNING_RATE = 0.05
-
-
-def init_params(dtype=jnp.float32):
-  """Numpy parameters of a one-hidden-layer per-token regression model."""
-  rng = np.random.default_rng(0)
-  return {
-    'w': rng.normal(size=(FEATURES, FEATURES)).astype(dtype),
-    'v': rng.normal(size=(FEATURES,)).astype(dtype),
-  }
-
-
-def loss_sum(params, batch):
-  """The squared error summed over the batch's counted tokens."""
-  hidden = jnp.tanh(batch['x'] @ params['w'])
-  prediction = hidden @ params['v']
-  return jnp.sum((prediction - batch['y']) ** 2 * batch['mask'])
-
-
-def token_count(batch):
-  return jnp.sum(batch['mask']).astype(jnp.int32)
-
-
-def token_counts(window_sizes, num_devices, seed=0):
-  """Counted tokens per window, micro-step and device: unequal, with zeros.
-
-  Device 1 has no tokens on the first micro-step of every window, and device
-  2 has none in the whole first window.
-  """
-  rng = np.random.default_rng(seed)
-  counts = []
-  for w, size in enumerate(window_sizes):
-    window = rng.integers(0, LOCAL_TOKENS + 1, size=(size, num_devices))
-    window[0, 1 % num_devices] = 0
-    if w == 0:
-      window[:, 2 % num_devices] = 0
-    window[-1, 0] = LOCAL_TOKENS  # every window has tokens
-    counts.append(window)
-  return counts
-
-
-def make_windows(window_sizes, num_devices, dtype=np.float32, seed=0):
-  """Global micro-batches: device d holds rows [d * SEQS, (d + 1) * SEQS)."""
-  rng = np.random.default_rng(seed + 1)
-  windows = []
-  for counts in token_counts(window_sizes, num_devices, seed):
-    window = []
-    for step_counts in counts:
-      mask = np.zeros((num_devices, LOCAL_TOKENS))
-      for device, count in enumerate(step_counts):
-        mask[device, rng.permutation(LOCAL_TOKENS)[:count]] = 1
-      shape = (num_devices * SEQS, SEQ_LEN)
-      window.append(
-        {
-          'x': rng.normal(size=shape + (FEATURES,)).astype(dtype),
-          'y': rng.normal(size=shape).astype(dtype),
-          'mask': mask.reshape(shape).astype(dtype),
-        }
-      )
-    windows.append(window)
-  return windows
-
-
-def train_full_batch(optimizer, params, windows):
-  """Reference: one plain optimizer step per window on all of its tokens.
-
-  Returns the final parameters and the token-mean loss of each window.
-  """
-
-  @jax.jit
-  def step(params, opt_state, batch):
-    num_tokens = jnp.sum(batch['mask'])
-    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
-    grads = jax.tree.map(lambda g: g / num_tokens, grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss / num_tokens
-
-  params = jax.tree.map(jnp.asarray, params)
-  opt_state = optimizer.init(params)
-  losses = []
-  for window in windows:
-    batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
-    params, opt_state, loss = step(params, opt_state, batch)
-    losses.append(loss)
-  return params, jnp.stack(losses)
-
-
-# The roundings on one token's path to its gradient term, as
-# test_multistep.TERM_ROUNDINGS counts them for this model's FEATURES.
-TERM_ROUNDINGS = 2 * FEATURES + 16
-
-
-class Reference(NamedTuple):
-  """Full-batch training, and how far float32 round-off can take a run of
-  the same windows from it."""
-
-  params: dict  # the final parameters
-  loss: float  # the last window's token-mean loss
-  atol: float  # of every parameter
-  loss_atol: float  # of ``loss``
-
-
-def full_batch_with_bounds(optimizer, params, windows) -> Reference:
-  """:func:`train_full_batch` (eagerly), with its round-off bounds.
-
-  ``atol`` is ``test_multistep.round_off_atol`` (its docstring derives it),
-  with this model's ``TERM_ROUNDINGS`` and u the unit round-off of the
-  parameters' dtype: per window 2 (n + m) u of the
-  gradient, doubled by an update that is linear in it (SGD, momentum, a
-  masked leaf's gradient passed through) or homogeneous of degree 0 (Adam,
-  Adafactor, a global-norm clip that binds), relative to the window's
-  largest update, plus a rounding of each parameter in each run. The last
-  window's loss is a sum of n one-signed terms (within 2 (n + m) u of it,
-  relative), taken at parameters that may differ by the windows' ``atol``
-  before it: that moves it by at most the 1-norm of its gradient times that
-  ``atol``, and a second-order term below it (twice the first covers both).
-  """
-  params = jax.tree.map(jnp.asarray, params)
-  unit_round_off = float(jnp.finfo(params['w'].dtype).eps) / 2
-  opt_state = optimizer.init(params)
-  n = max(sum(int(np.sum(b['mask'])) for b in w) for w in windows)
-  relative = 2 * 2 * (n + TERM_ROUNDINGS) * unit_round_off
-  atol = 0.0
-  for window in windows:
-    batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
-    tokens = np.sum(batch['mask'])
-    loss, grads = jax.value_and_grad(
-      lambda p, batch=batch, tokens=tokens: loss_sum(p, batch) / tokens
-    )(params)
-    gradient_norm = sum(float(jnp.sum(jnp.abs(g))) for g in grads.values())
-    loss_atol = 2 * (
-      2 * (n + TERM_ROUNDINGS) * unit_round_off * float(loss)
-      + gradient_norm * atol
-    )
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    largest_update = max(float(jnp.max(jnp.abs(u))) for u in updates.values())
-    largest_param = max(float(jnp.max(jnp.abs(p))) for p in params.values())
-    atol += relative * largest_update + 2 * unit_round_off * largest_param
-  return Reference(params, float(loss), atol, loss_atol)
-
-
-def put(value, sharding):
-  """A global array from a host value that every process holds in full."""
-  value = np.asarray(value)
-  return jax.make_array_from_callback(
-    value.shape, sharding, lambda index: value[index]
-  )
-
-
-def fetch(tree):
-  """Host copies of global arrays, gathered from all processes."""
-  if jax.process_count() == 1:
-    return jax.tree.map(np.asarray, tree)
-  from jax.experimental import multihost_utils  # noqa: PLC0415
-
-  return jax.tree.map(
-    lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
-    tree,
-  )
 
 
 def state_specs(tx, axes):

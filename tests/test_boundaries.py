@@ -21,6 +21,7 @@ its float64 reference only by the one float32 rounding of the division.
 """
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -337,12 +338,12 @@ def batch_with_counts(counts, seed):
   """A global micro-batch of the harness's model whose device ``d`` holds
   ``counts[d]`` counted tokens (rows ``[d * SEQS, (d + 1) * SEQS)``)."""
   rng = np.random.default_rng(seed)
-  shape = (len(counts) * harness.SEQS, harness.SEQ_LEN)
-  mask = np.zeros((len(counts), harness.LOCAL_TOKENS), np.float32)
+  shape = (len(counts) * helpers.SEQS, helpers.SEQ_LEN)
+  mask = np.zeros((len(counts), helpers.LOCAL_TOKENS), np.float32)
   for device, count in enumerate(counts):
     mask[device, :count] = 1
   return {
-    'x': rng.normal(size=shape + (harness.FEATURES,)).astype(np.float32),
+    'x': rng.normal(size=shape + (helpers.FEATURES,)).astype(np.float32),
     'y': rng.normal(size=shape).astype(np.float32),
     'mask': mask.reshape(shape),
   }
@@ -350,7 +351,7 @@ def batch_with_counts(counts, seed):
 
 def budget_tx(axis_name):
   return tokacc.token_weighted_multistep(
-    optax.sgd(harness.LEARNING_RATE),
+    optax.sgd(helpers.LEARNING_RATE),
     8,
     axis_name=axis_name,
     tokens_per_update=DEVICE_BUDGET,
@@ -366,15 +367,15 @@ def shard_map_steps(batches):
     devices=jax.devices()[:NUM_DEVICES],
   )
   tx = budget_tx('data')
-  state = harness.shard_map_state(tx, harness.init_params(), mesh, 'data')
+  state = harness.shard_map_state(tx, helpers.init_params(), mesh, 'data')
   step = harness.shard_map_step(tx, mesh, 'data', state, with_emit_now=False)
   params = jax.tree.map(
-    lambda x: harness.put(x, NamedSharding(mesh, P())), harness.init_params()
+    lambda x: helpers.put(x, NamedSharding(mesh, P())), helpers.init_params()
   )
   data = NamedSharding(mesh, P('data'))
   seen = []
   for batch in batches:
-    batch = jax.tree.map(lambda x: harness.put(x, data), batch)
+    batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
     params, state = step(params, state, batch)
     acc = tokacc.find_state(state)
     seen.append((int(acc.gradient_step), int(acc.last_tokens)))
@@ -390,7 +391,7 @@ def pmap_steps(batches):
   step = dp.pmap_step(tx, with_emit_now=False, devices=devices)
   params = jax.tree.map(
     lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
-    harness.init_params(),
+    helpers.init_params(),
   )
   state = jax.pmap(tx.init, devices=devices)(params)
   seen = []
@@ -416,14 +417,14 @@ def explicit_steps(batches):
     params = {
       name: jax.jit(
         lambda x: jax.reshard(x, P(*(None,) * x.ndim, reduced={'data'}))
-      )(harness.put(value, NamedSharding(mesh, P())))
-      for name, value in harness.init_params().items()
+      )(helpers.put(value, NamedSharding(mesh, P())))
+      for name, value in helpers.init_params().items()
     }
     state = tx.init(params)
     step = harness.global_step(tx)
     data = NamedSharding(mesh, P('data'))
     for batch in batches:
-      batch = jax.tree.map(lambda x: harness.put(x, data), batch)
+      batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
       params, state = step(params, state, batch, jnp.asarray(False))
       seen.append((int(state.gradient_step), int(state.last_tokens)))
   return seen

@@ -21,7 +21,7 @@ be exact is refused, never silently wrong.
 The global micro-batch is the same whatever the number of devices (8
 sequences, split over the devices of the data axes), so the windows are the
 same full batches on N and on M devices; the reference is plain optax on one
-device, with the round-off bound of ``multihost_worker.full_batch_with_bounds``.
+device, with the round-off bound of ``helpers.full_batch``.
 """
 
 import functools
@@ -60,7 +60,7 @@ BOUNDARY, MID_WINDOW = K, K + 2  # micro-steps before the checkpoint
 
 
 def sgd():
-  return optax.sgd(harness.LEARNING_RATE, momentum=0.9)
+  return optax.sgd(helpers.LEARNING_RATE, momentum=0.9)
 
 
 def make_tx(variant='plain', axis_name=None):
@@ -75,7 +75,7 @@ def make_tx(variant='plain', axis_name=None):
 
 
 def micro_batches():
-  windows = harness.make_windows(WINDOW_SIZES, DEVICES_PER_BATCH)
+  windows = helpers.make_windows(WINDOW_SIZES, DEVICES_PER_BATCH)
   return [batch for window in windows for batch in window], windows
 
 
@@ -106,7 +106,7 @@ def _mesh(n, names=('data',), shape=None, explicit=False):
 def _shard_map_run(n, variant, mark_varying=True):
   mesh = _mesh(n)
   tx = make_tx(variant, 'data')
-  params = harness.init_params()
+  params = helpers.init_params()
   with_emit_now = False
   state = harness.shard_map_state(tx, params, mesh, 'data')
   step = harness.shard_map_step(
@@ -115,11 +115,11 @@ def _shard_map_run(n, variant, mark_varying=True):
   replicated = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P('data'))
   return Run(
-    jax.tree.map(lambda x: harness.put(x, replicated), params),
+    jax.tree.map(lambda x: helpers.put(x, replicated), params),
     state,
     step,
-    lambda batch: jax.tree.map(lambda x: harness.put(x, data), batch),
-    harness.fetch,
+    lambda batch: jax.tree.map(lambda x: helpers.put(x, data), batch),
+    helpers.fetch,
     mesh,
   )
 
@@ -128,14 +128,14 @@ def _pmap_run(n, variant):
   tx = make_tx(variant, 'data')
   devices = jax.devices()[:n]
   params = jax.tree.map(
-    lambda x: np.broadcast_to(x, (n, *np.shape(x))), harness.init_params()
+    lambda x: np.broadcast_to(x, (n, *np.shape(x))), helpers.init_params()
   )
   state = jax.pmap(tx.init, devices=devices)(params)
 
   def local_step(params, state, batch):
-    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     updates, state = tx.update(
-      grads, state, params, num_tokens=harness.token_count(batch), loss=loss
+      grads, state, params, num_tokens=helpers.token_count(batch), loss=loss
     )
     return optax.apply_updates(params, updates), state
 
@@ -154,7 +154,7 @@ def _pmap_run(n, variant):
     state,
     step,
     place,
-    lambda p: jax.tree.map(lambda x: x[0], harness.fetch(p)),
+    lambda p: jax.tree.map(lambda x: x[0], helpers.fetch(p)),
     unstack=lambda params: jax.tree.map(lambda x: x[0], params),
     stack=stack,
   )
@@ -166,7 +166,7 @@ def _jit_run(n, variant, mesh, param_specs, data_axes, shard_over=None):
   step = test_explicit.make_step(tx)
   with jax.set_mesh(mesh):
     params = test_explicit.place_params(
-      harness.init_params(), mesh, param_specs
+      helpers.init_params(), mesh, param_specs
     )
     if shard_over is None:
       state = tx.init(params)
@@ -177,7 +177,7 @@ def _jit_run(n, variant, mesh, param_specs, data_axes, shard_over=None):
   data = NamedSharding(mesh, P(data_axes))
 
   def host(params):
-    return harness.fetch(tokacc.to_checkpoint(params))
+    return helpers.fetch(tokacc.to_checkpoint(params))
 
   return Run(
     params,
@@ -276,7 +276,7 @@ def restore(path, run, strict=True):
 def reference():
   """Plain optax on one device, on the windows' full batches."""
   _, windows = micro_batches()
-  return harness.full_batch_with_bounds(sgd(), harness.init_params(), windows)
+  return helpers.full_batch(sgd(), helpers.init_params(), windows)
 
 
 def resume(tmp_path, layout, saved_on, restored_on, stop, variant='plain'):
@@ -344,7 +344,7 @@ def host_state(run, train_state):
   shares as rows)."""
   params, state = train_state
   with _mesh_context(run):
-    return run.host(params), harness.fetch(tokacc.to_checkpoint(state))
+    return run.host(params), helpers.fetch(tokacc.to_checkpoint(state))
 
 
 SAME_N_FAST = ('explicit_ddp', 'shard_map')
@@ -416,7 +416,7 @@ def test_another_configuration_is_refused(tmp_path):
   path = _saved_mid_window(tmp_path, 'shard_map')
   mesh = _mesh(2)
   params = jax.tree.map(
-    lambda x: harness.put(x, NamedSharding(mesh, P())), harness.init_params()
+    lambda x: helpers.put(x, NamedSharding(mesh, P())), helpers.init_params()
   )
   metadata = ocp.StandardCheckpointer().metadata(path)
   others = {
@@ -440,7 +440,7 @@ def test_from_checkpoint_refuses_another_dtype():
   """Without orbax (a pickled tree), the dtypes are checked by
   from_checkpoint itself."""
   tx = make_tx()
-  params = jax.tree.map(jnp.asarray, harness.init_params())
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
   saved = tokacc.to_checkpoint(tx.init(params))
   other = tokacc.token_weighted_multistep(
     sgd(), K, accumulator_dtype=jnp.bfloat16
@@ -456,18 +456,18 @@ def test_an_invalid_window_stays_invalid(tmp_path):
   batches, _ = micro_batches()
   batches = [dict(b) for b in batches]
   mask = batches[K + 1]['mask'].copy()
-  mask[2 * harness.SEQS, 0] = -harness.LOCAL_TOKENS - 1  # device 2: < 0
+  mask[2 * helpers.SEQS, 0] = -helpers.LOCAL_TOKENS - 1  # device 2: < 0
   batches[K + 1]['mask'] = mask
   results = []
   for resumed_on in (None, 2):
     run = LAYOUTS['shard_map'](4, 'plain')
     params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
     if resumed_on is not None:
-      assert harness.fetch(state.acc_tokens)[2] == -1
+      assert helpers.fetch(state.acc_tokens)[2] == -1
       save(tmp_path / 'ckpt', (params, state))
       run = LAYOUTS['shard_map'](resumed_on, 'plain')
       params, state = restore(tmp_path / 'ckpt', run)
-      assert harness.fetch(state.acc_tokens).tolist() == [-1, 0]
+      assert helpers.fetch(state.acc_tokens).tolist() == [-1, 0]
     params, state = train(run, params, state, batches[MID_WINDOW:])
     results.append((run.host(params), int(state.dropped_windows)))
   assert [dropped for _, dropped in results] == [1, 1]
@@ -483,16 +483,16 @@ def test_skip_states_merge_as_explicit_sharding_keeps_them(tmp_path):
   batches, _ = micro_batches()
   batches = [dict(b) for b in batches]
   x = batches[MID_WINDOW - 1]['x'].copy()
-  x[harness.SEQS, 0, 0] = np.nan  # device 1 rejects the last micro-batch
+  x[helpers.SEQS, 0, 0] = np.nan  # device 1 rejects the last micro-batch
   batches[MID_WINDOW - 1]['x'] = x
   run = LAYOUTS['shard_map'](4, 'compensated_skip')
   params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
-  skipped = harness.fetch(state.skip_state)
+  skipped = helpers.fetch(state.skip_state)
   assert skipped['should_skip'].tolist() == [False, True, False, False]
   save(tmp_path / 'ckpt', (params, state))
   second = LAYOUTS['shard_map'](2, 'compensated_skip')
   _, state = restore(tmp_path / 'ckpt', second)
-  merged = harness.fetch(state.skip_state)
+  merged = helpers.fetch(state.skip_state)
   assert merged['should_skip'].tolist() == [True, True]
   total = int(np.sum(skipped['num_not_finite']))
   assert total >= 1 and merged['num_not_finite'].tolist() == [total] * 2

@@ -7,6 +7,7 @@ show one reduction of the gradients per window, none on micro-steps.
 """
 
 import chex
+import helpers
 import hlo
 import jax
 from jax import lax
@@ -33,7 +34,7 @@ AUTO = jax.sharding.AxisType.Auto
 
 OPTIMIZERS = {
   'adamw': harness.adamw,
-  'sgd': lambda: optax.sgd(harness.LEARNING_RATE, momentum=0.9),
+  'sgd': lambda: optax.sgd(helpers.LEARNING_RATE, momentum=0.9),
 }
 
 
@@ -51,12 +52,12 @@ def pmap_step(tx, with_emit_now=True, devices=None):
   over ``devices`` (all by default)."""
 
   def step(params, state, batch, *emit_now):
-    local_loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    local_loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     updates, state = tx.update(
       grads,
       state,
       params,
-      num_tokens=harness.token_count(batch),
+      num_tokens=helpers.token_count(batch),
       loss=local_loss,
       emit_now=emit_now[0] if with_emit_now else False,
     )
@@ -112,12 +113,12 @@ MODES = ('pmap', 'shard_map_1d', 'shard_map_2d', 'sharded_jit')
 
 
 def check_against_full_batch(mode, make_optimizer, dtype):
-  """Within the round-off bounds of ``harness.full_batch_with_bounds``
+  """Within the round-off bounds of ``helpers.full_batch``
   (relative to each window's largest update, in ``dtype``'s unit
   round-off)."""
-  windows = harness.make_windows(WINDOW_SIZES, jax.device_count(), dtype)
-  params = harness.init_params(dtype)
-  expected = harness.full_batch_with_bounds(make_optimizer(), params, windows)
+  windows = helpers.make_windows(WINDOW_SIZES, jax.device_count(), dtype)
+  params = helpers.init_params(dtype)
+  expected = helpers.full_batch(make_optimizer(), params, windows)
   actual, window_loss = train(mode, make_optimizer(), params, windows)
   if mode == 'pmap':  # each device's copy
     actual = [
@@ -161,9 +162,9 @@ def test_equals_full_batch_float64(mode):
 @pytest.mark.parametrize('mesh_kind', ['1d', '2d'])
 def test_shard_map_gradients_already_summed_by_autodiff(mesh_kind):
   """Gradients of replicated parameters arrive summed: not summed again."""
-  windows = harness.make_windows(WINDOW_SIZES, jax.device_count(), np.float32)
-  params = harness.init_params(np.float32)
-  expected = harness.full_batch_with_bounds(harness.adamw(), params, windows)
+  windows = helpers.make_windows(WINDOW_SIZES, jax.device_count(), np.float32)
+  params = helpers.init_params(np.float32)
+  expected = helpers.full_batch(harness.adamw(), params, windows)
   mesh, axes = mesh_and_axes(mesh_kind)
   tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name=axes)
   with pytest.warns(UserWarning, match=r'already summed.*pcast'):
@@ -179,8 +180,8 @@ def test_shard_map_params_stay_replicated_without_check_vma_off():
   """Parameters come back invariant: out_specs P() under check_vma=True."""
   mesh, axes = mesh_and_axes('1d')
   tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name=axes)
-  windows = harness.make_windows((1,), jax.device_count())
-  params = harness.init_params()
+  windows = helpers.make_windows((1,), jax.device_count())
+  params = helpers.init_params()
   state = harness.shard_map_state(tx, params, mesh, axes)
   step = harness.shard_map_step(tx, mesh, axes, state)
   data = NamedSharding(mesh, P(axes))
@@ -199,8 +200,8 @@ def test_shard_map_params_stay_replicated_without_check_vma_off():
 
 def compiled_step_text(mode, with_emit_now):
   """The compiled HLO of one micro-step (k = K) under pmap or shard_map."""
-  params = harness.init_params()
-  batch = harness.make_windows((1,), jax.device_count())[0][0]
+  params = helpers.init_params()
+  batch = helpers.make_windows((1,), jax.device_count())[0][0]
   flags = (np.zeros(jax.device_count(), bool),) if with_emit_now else ()
   if mode == 'pmap':
     tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name='data')
@@ -254,7 +255,7 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
       assert not set(opcodes) & set(hlo.COLLECTIVE_OPCODES)
 
   gradient_shapes = sorted(
-    ('f32', tuple(np.shape(p))) for p in jax.tree.leaves(harness.init_params())
+    ('f32', tuple(np.shape(p))) for p in jax.tree.leaves(helpers.init_params())
   )
   # One all-reduce per window: each gradient leaf once, the token count's
   # four float32 parts and the loss.
@@ -304,7 +305,7 @@ def assert_same_sharding(tree, params):
 def test_acc_grads_sharding_equals_params_sharding():
   mesh, axes = mesh_and_axes('1d')
   tx = tokacc.token_weighted_multistep(harness.adamw(), K)
-  windows = harness.make_windows(WINDOW_SIZES, jax.device_count())
+  windows = helpers.make_windows(WINDOW_SIZES, jax.device_count())
   calls = []
 
   def on_step(params, state):
@@ -313,7 +314,7 @@ def test_acc_grads_sharding_equals_params_sharding():
     assert_same_sharding(state.grad_sums, params)
 
   params, _ = harness.train_sharded_jit(
-    tx, harness.init_params(), windows, mesh, axes, on_step=on_step
+    tx, helpers.init_params(), windows, mesh, axes, on_step=on_step
   )
   assert len(calls) == 1 + sum(WINDOW_SIZES)
   assert sum(bool(emitted) for emitted in calls) == len(WINDOW_SIZES)
@@ -330,7 +331,7 @@ def test_jit_init_keeps_sharding_on_explicit_mesh():
   tx = tokacc.token_weighted_multistep(harness.adamw(), K)
   with jax.set_mesh(mesh):
     params = jax.tree.map(
-      harness.put, harness.init_params(), harness.fsdp_shardings(mesh, 'data')
+      helpers.put, helpers.init_params(), harness.fsdp_shardings(mesh, 'data')
     )
     state = jax.jit(tx.init)(params)
   assert_same_sharding(state.grad_sums, params)

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import functools
 from typing import NamedTuple
 
+import helpers
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import multihost_worker as harness
 import numpy as np
 import optax
 import pytest
@@ -50,7 +50,7 @@ UNIT_ROUNDOFF = np.finfo(np.float32).eps / 2
 def init_params():
   rng = np.random.default_rng(7)
   return {
-    'w': rng.normal(size=(harness.FEATURES, OUTPUTS)).astype(np.float32),
+    'w': rng.normal(size=(helpers.FEATURES, OUTPUTS)).astype(np.float32),
     'b': rng.normal(size=(3,)).astype(np.float32),  # no dimension divides 4
   }
 
@@ -92,7 +92,7 @@ def forward_params(params, axes):
 
 def make_windows():
   rng = np.random.default_rng(3)
-  windows = harness.make_windows((K, K, K), NUM_DEVICES, seed=4)
+  windows = helpers.make_windows((K, K, K), NUM_DEVICES, seed=4)
   return [
     [
       dict(b, y=rng.normal(size=b['y'].shape + (OUTPUTS,)).astype(np.float32))
@@ -281,7 +281,7 @@ def assert_equals_full_batch(windows, params):
   """Within the bound derived in ``test_equals_full_batch_training``."""
   expected, largest = full_batch(windows)
   n = max(int(sum(b['mask'].sum() for b in w)) for w in windows)
-  m = n + harness.FEATURES + OUTPUTS + 20
+  m = n + helpers.FEATURES + OUTPUTS + 20
   gamma = m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)
   for name in ('w', 'b'):
     got = np.asarray(params[name])
@@ -349,8 +349,8 @@ def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
   sites = explicit_ddp.sites_of(text)
   assert explicit_ddp.on_micro_step_path(sites) == []
   closing = [s for s, path in sites if explicit_ddp.closing_only(path)]
-  w_shape = ('f32', (harness.FEATURES, OUTPUTS))
-  w_shard = ('f32', (harness.FEATURES // NUM_DEVICES, OUTPUTS))
+  w_shape = ('f32', (helpers.FEATURES, OUTPUTS))
+  w_shard = ('f32', (helpers.FEATURES // NUM_DEVICES, OUTPUTS))
   kinds = {s.collective for s in closing}
   assert {'reduce-scatter', 'all-gather'} <= kinds, closing
   for site in closing:
@@ -380,7 +380,7 @@ def test_moments_resharded_by_hand_are_followed():
   trace = state.inner_state[1][0].trace['w']
   assert trace.sharding.spec == P(None, 'data')
   assert {s.data.shape for s in trace.addressable_shards} == {
-    (harness.FEATURES, OUTPUTS // NUM_DEVICES)
+    (helpers.FEATURES, OUTPUTS // NUM_DEVICES)
   }
   mesh, tx, step = make_run()
   with jax.set_mesh(mesh):
@@ -390,7 +390,7 @@ def test_moments_resharded_by_hand_are_followed():
     text = step.lower(params, state, batch).compile().as_text()
   sites = explicit_ddp.sites_of(text)
   closing = [s for s, path in sites if explicit_ddp.closing_only(path)]
-  shard = ('f32', (harness.FEATURES, OUTPUTS // NUM_DEVICES))
+  shard = ('f32', (helpers.FEATURES, OUTPUTS // NUM_DEVICES))
   scatters = [s for s in closing if s.collective == 'reduce-scatter']
   assert [s.shapes for s in scatters] == [(shard,)], closing
 
@@ -424,12 +424,12 @@ def integer_case():
   integer below 2**24, exact in float32 whatever the order of addition."""
   rng = np.random.default_rng(11)
   params = {
-    'w': rng.integers(-2, 3, (harness.FEATURES, OUTPUTS)).astype(np.float32),
+    'w': rng.integers(-2, 3, (helpers.FEATURES, OUTPUTS)).astype(np.float32),
     'b': rng.integers(-2, 3, (3,)).astype(np.float32),
   }
   batches = []
   for _ in range(K):
-    x = rng.integers(-2, 3, (NUM_DEVICES, 3, harness.FEATURES))
+    x = rng.integers(-2, 3, (NUM_DEVICES, 3, helpers.FEATURES))
     y = rng.integers(-2, 3, (NUM_DEVICES, 3, OUTPUTS))
     mask = rng.integers(0, 2, (NUM_DEVICES, 3))
     batches.append(
@@ -486,7 +486,7 @@ def test_compositions_equal_explicit_ddp(name):
   if name not in NORMS:
     jax.tree.map(np.testing.assert_array_equal, actual, expected)
   else:
-    n = harness.FEATURES * OUTPUTS
+    n = helpers.FEATURES * OUTPUTS
     gamma = n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF)
     for key, value in values.items():
       got, want = actual[0][key], expected[0][key]
@@ -574,9 +574,9 @@ def test_hsdp_window_reduce_scattered_over_replica_once():
   for site in micro:
     assert groups(site) == FSDP_GROUPS, site
   closing = [s for s, path in sites if explicit_ddp.closing_only(path)]
-  fsdp_shard = ('f32', (harness.FEATURES // 2, OUTPUTS))
-  state_shard = ('f32', (harness.FEATURES // 2, OUTPUTS // 2))
-  whole = ('f32', (harness.FEATURES, OUTPUTS))
+  fsdp_shard = ('f32', (helpers.FEATURES // 2, OUTPUTS))
+  state_shard = ('f32', (helpers.FEATURES // 2, OUTPUTS // 2))
+  whole = ('f32', (helpers.FEATURES, OUTPUTS))
   scatters = [s for s in closing if s.collective == 'reduce-scatter']
   assert [(s.shapes, groups(s)) for s in scatters] == [
     ((state_shard,), REPLICA_GROUPS)

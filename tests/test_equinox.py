@@ -180,7 +180,7 @@ def reference_run(model_name, optimizer_name):
   gradient, doubled by the update (linear in it: momentum SGD; homogeneous
   of degree 0 or between: Adam with a large eps; the clip does not bind),
   relative to the window's largest update, plus a rounding of each
-  parameter in each run. As ``multihost_worker.full_batch_with_bounds``,
+  parameter in each run. As ``helpers.full_batch``,
   the window's loss, a sum of n one-signed terms, is within 2 (n + m) u of
   it relatively, taken at parameters up to the previous windows' ``atol``
   apart: the 1-norm of its gradient times that, doubled for the

@@ -112,7 +112,7 @@ def counts_and_loss(batch, spelling, loss):
   """``(num_tokens, loss)`` replicated (a plain sum: a scalar all-reduce in
   the forward pass) or unreduced (partial sums: no collective)."""
   if spelling == 'replicated':
-    return harness.token_count(batch), loss
+    return helpers.token_count(batch), loss
   axes = set(batch_axes(jax.sharding.get_abstract_mesh()))
   count = jnp.einsum('bt->', batch['mask'], out_sharding=P(unreduced=axes))
   return count, loss
@@ -120,7 +120,7 @@ def counts_and_loss(batch, spelling, loss):
 
 def loss_fn(spelling):
   if spelling == 'replicated':
-    return harness.loss_sum
+    return helpers.loss_sum
 
   def unreduced_loss_sum(params, batch):
     axes = set(batch_axes(jax.sharding.get_abstract_mesh()))
@@ -161,7 +161,7 @@ def train(layout, tx, windows, spelling='replicated', on_step=None, init=None):
   mesh = make_mesh()
   with jax.set_mesh(mesh):
     data = NamedSharding(mesh, P(batch_axes(mesh)))
-    params = place_params(harness.init_params(), mesh, specs)
+    params = place_params(helpers.init_params(), mesh, specs)
     state = tx.init(params) if init is None else init(tx, params, mesh)
     step = make_step(tx, spelling)
     for w, window in enumerate(windows):
@@ -175,7 +175,7 @@ def train(layout, tx, windows, spelling='replicated', on_step=None, init=None):
 
 
 def sgd():
-  return optax.sgd(harness.LEARNING_RATE, momentum=0.9)
+  return optax.sgd(helpers.LEARNING_RATE, momentum=0.9)
 
 
 def clipped_adamw():
@@ -184,12 +184,10 @@ def clipped_adamw():
 
 def reference(optimizer, num_devices=4):
   """The windows, and full-batch training on them with the round-off
-  bounds that ``harness.full_batch_with_bounds`` derives (relative to each
+  bounds that ``helpers.full_batch`` derives (relative to each
   window's largest update, so that they hold on any CPU)."""
-  windows = harness.make_windows(WINDOW_SIZES, num_devices)
-  expected = harness.full_batch_with_bounds(
-    optimizer, harness.init_params(), windows
-  )
+  windows = helpers.make_windows(WINDOW_SIZES, num_devices)
+  expected = helpers.full_batch(optimizer, helpers.init_params(), windows)
   return windows, expected
 
 
@@ -257,7 +255,7 @@ def test_every_way_to_build_the_state_trains_exactly(layout, way):
   tx = tokacc.token_weighted_multistep(sgd(), K)
   make_mesh, specs = LAYOUTS[layout]
   with jax.set_mesh(make_mesh()):
-    params = place_params(harness.init_params(), make_mesh(), specs)
+    params = place_params(helpers.init_params(), make_mesh(), specs)
     built = typed(STATE_BUILDERS[way](tx, params, make_mesh()))
   seen = []
   params, state, _ = train(
@@ -296,11 +294,11 @@ def test_clip_by_global_norm_sees_the_global_norm():
 def test_types_are_a_fixed_point(layout):
   """After every call the state and parameters have the types of ``tx.init``
   and of the placed parameters; the step compiles once."""
-  windows = harness.make_windows(WINDOW_SIZES, 4)
+  windows = helpers.make_windows(WINDOW_SIZES, 4)
   tx = tokacc.token_weighted_multistep(harness.adamw(), K)
   make_mesh, specs = LAYOUTS[layout]
   with jax.set_mesh(make_mesh()):
-    params0 = place_params(harness.init_params(), make_mesh(), specs)
+    params0 = place_params(helpers.init_params(), make_mesh(), specs)
     expected_params = type_strings(params0)
     expected_state = type_strings(tx.init(params0))
     jitted_state = type_strings(jax.jit(tx.init)(params0))
@@ -333,7 +331,7 @@ def test_accumulator_typed_like_the_gradients(layout, acc_type, tokens_type):
   mesh = make_mesh()
   tx = tokacc.token_weighted_multistep(harness.adamw(), K)
   with jax.set_mesh(mesh):
-    params = place_params(harness.init_params(), mesh, specs)
+    params = place_params(helpers.init_params(), mesh, specs)
     for state in (
       tx.init(params),
       jax.jit(tx.init)(params),
@@ -362,11 +360,11 @@ def test_accumulator_typed_like_the_gradients(layout, acc_type, tokens_type):
 def test_accumulator_bytes_per_device():
   """DDP keeps a whole accumulator per device, HSDP a shard of it."""
   tx = tokacc.token_weighted_multistep(harness.adamw(), K)
-  full = harness.init_params()['w'].nbytes
+  full = helpers.init_params()['w'].nbytes
   for layout, expected in (('ddp', full), ('hsdp', full // 2)):
     make_mesh, specs = LAYOUTS[layout]
     with jax.set_mesh(make_mesh()):
-      params = place_params(harness.init_params(), make_mesh(), specs)
+      params = place_params(helpers.init_params(), make_mesh(), specs)
       acc = tx.init(params).grad_sums['w']
       assert {s.data.nbytes for s in acc.addressable_shards} == {expected}
 
@@ -382,9 +380,9 @@ def compiled_sites(layout, spelling, inner=None, **options):
   mesh = make_mesh()
   tx = tokacc.token_weighted_multistep(inner or harness.adamw(), K, **options)
   with jax.set_mesh(mesh):
-    params = place_params(harness.init_params(), mesh, specs)
+    params = place_params(helpers.init_params(), mesh, specs)
     state = tx.init(params)
-    batch = harness.make_windows((1,), 4)[0][0]
+    batch = helpers.make_windows((1,), 4)[0][0]
     data = NamedSharding(mesh, P(batch_axes(mesh)))
     batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
     text = (
@@ -470,7 +468,7 @@ def run(tx, sequence, layout='ddp', step=None, dtype=None):
   mesh = make_mesh()
   with jax.set_mesh(mesh):
     data = NamedSharding(mesh, P(batch_axes(mesh)))
-    params = harness.init_params()
+    params = helpers.init_params()
     if dtype is not None:
       params = jax.tree.map(lambda x: x.astype(dtype), params)
     params = place_params(params, mesh, specs)
@@ -520,7 +518,7 @@ def test_skip_not_finite_rejects_the_micro_batch_on_every_device(custom):
 def test_compensated_and_chained_after():
   """Kahan-compensated partial sums, and a stage after the accumulator
   (doubling the updates equals SGD with twice the learning rate)."""
-  double = optax.sgd(2 * harness.LEARNING_RATE, momentum=0.9)
+  double = optax.sgd(2 * helpers.LEARNING_RATE, momentum=0.9)
   windows, expected = reference(double)
   tx = optax.chain(
     tokacc.token_weighted_multistep(sgd(), K, compensated=True),
@@ -534,7 +532,7 @@ def test_linear_stage_before_the_accumulator():
   """A stage before the accumulator sees unreduced partial sums: a linear
   one with a reduced constant is exact; a Python float is refused by JAX
   (the README says to put such stages inside ``inner``)."""
-  double = optax.sgd(2 * harness.LEARNING_RATE, momentum=0.9)
+  double = optax.sgd(2 * helpers.LEARNING_RATE, momentum=0.9)
   windows, expected = reference(double)
   with jax.set_mesh(ddp_mesh()):
     two = jax.reshard(jnp.float32(2.0), P(reduced={'data'}))
@@ -550,7 +548,7 @@ def test_mixed_precision_bf16_params():
   """bfloat16 parameters and gradients typed reduced/unreduced, a float32
   accumulator, AdamW with float32 moments: dtypes and types kept, close to
   full-batch training in float32."""
-  inner = optax.adamw(harness.LEARNING_RATE, mu_dtype=jnp.float32)
+  inner = optax.adamw(helpers.LEARNING_RATE, mu_dtype=jnp.float32)
   windows, expected = reference(inner)
   tx = tokacc.token_weighted_multistep(inner, K)
   params, state = run(tx, micro_batches(windows), dtype=jnp.bfloat16)
@@ -581,17 +579,17 @@ def test_flax_train_state():
 
   @jax.jit
   def step(ts, batch, emit_now):
-    loss, grads = jax.value_and_grad(harness.loss_sum)(ts.params, batch)
+    loss, grads = jax.value_and_grad(helpers.loss_sum)(ts.params, batch)
     return ts.apply_gradients(
       grads=grads,
-      num_tokens=harness.token_count(batch),
+      num_tokens=helpers.token_count(batch),
       loss=loss,
       emit_now=emit_now,
     )
 
   with jax.set_mesh(mesh):
     data = NamedSharding(mesh, P('data'))
-    params = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    params = place_params(helpers.init_params(), mesh, LAYOUTS['ddp'][1])
     ts = tokacc_flax.TrainState.create(apply_fn=None, params=params, tx=tx)
     for batch, emit_now in micro_batches(windows):
       batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
@@ -606,9 +604,9 @@ def test_microbatched_value_and_grad_and_token_cross_entropy():
   steps with unreduced gradients, equal full-batch training."""
   classes = 3
   rng = np.random.default_rng(3)
-  params = {'w': rng.normal(size=(harness.FEATURES, classes))}
+  params = {'w': rng.normal(size=(helpers.FEATURES, classes))}
   params = jax.tree.map(lambda x: x.astype(np.float32), params)
-  windows = harness.make_windows(WINDOW_SIZES, 4)
+  windows = helpers.make_windows(WINDOW_SIZES, 4)
 
   def labels(batch):
     y = (np.abs(batch['y']) * 10).astype(np.int32) % classes
@@ -622,13 +620,13 @@ def test_microbatched_value_and_grad_and_token_cross_entropy():
   optimizer = sgd()
   opt_state = optimizer.init(params)
   expected = params
-  # The round-off bound of harness.full_batch_with_bounds (derived there):
+  # The round-off bound of helpers.full_batch (derived there):
   # per window 2 * 2 (n + m) u of its largest update (n counted tokens, m
   # the roundings of a token's term: 8 features, 3 classes, as the harness
   # model's TERM_ROUNDINGS), plus a rounding of each parameter in each run.
   u = 2.0**-24
   n = max(sum(int(np.sum(b['mask'])) for b in w) for w in windows)
-  relative = 2 * 2 * (n + harness.TERM_ROUNDINGS) * u
+  relative = 2 * 2 * (n + helpers.TERM_ROUNDINGS) * u
   atol = 0.0
   for window in windows:
     batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
@@ -684,13 +682,13 @@ def checkpoint_training(variant, start, stop, train_state=None):
   initial parameters, or from ``train_state``; returns (params, state)."""
   layout, make_tx = CHECKPOINT_VARIANTS[variant]
   tx = make_tx()
-  windows = harness.make_windows(WINDOW_SIZES, 4)
+  windows = helpers.make_windows(WINDOW_SIZES, 4)
   sequence = list(micro_batches(windows))
   mesh = LAYOUTS[layout][0]()
   data = NamedSharding(mesh, P(batch_axes(mesh)))
   step = _checkpoint_step(variant)
   if train_state is None:
-    params = place_params(harness.init_params(), mesh, LAYOUTS[layout][1])
+    params = place_params(helpers.init_params(), mesh, LAYOUTS[layout][1])
     train_state = (params, tx.init(params))
   for batch, emit_now in sequence[start:stop]:
     batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
@@ -721,7 +719,7 @@ def restore_merged(path, variant):
 
   layout, make_tx = CHECKPOINT_VARIANTS[variant]
   mesh = LAYOUTS[layout][0]()
-  params = place_params(harness.init_params(), mesh, LAYOUTS[layout][1])
+  params = place_params(helpers.init_params(), mesh, LAYOUTS[layout][1])
   like = (params, make_tx().init(params))
   target = jax.tree.map(
     ocp.utils.to_shape_dtype_struct, tokacc.to_checkpoint(like)
@@ -833,9 +831,9 @@ def test_unreduced_gradients_with_a_state_of_replicated_params():
   mesh = ddp_mesh()
   with jax.set_mesh(mesh):
     replicated = place_params(
-      harness.init_params(), mesh, LAYOUTS['replicated'][1]
+      helpers.init_params(), mesh, LAYOUTS['replicated'][1]
     )
-    reduced = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    reduced = place_params(helpers.init_params(), mesh, LAYOUTS['ddp'][1])
     state = tx.init(replicated)
     with pytest.raises(TypeError, match=r'U:data.*accumulator.*tx\.init'):
       _one_update(tx, reduced, state, _ddp_grads(reduced))
@@ -850,7 +848,7 @@ def test_state_restored_with_another_type():
   tx = tokacc.token_weighted_multistep(sgd(), K)
   mesh = ddp_mesh()
   with jax.set_mesh(mesh):
-    params = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    params = place_params(helpers.init_params(), mesh, LAYOUTS['ddp'][1])
     state = tx.init(params)
     broken = state._replace(acc_tokens=jnp.zeros([], jnp.int32))
     with pytest.raises(TypeError, match='restored with another type'):
@@ -869,7 +867,7 @@ def test_gradients_unreduced_over_an_axis_the_parameter_is_split_on():
   mesh = ddp_mesh()
   with jax.set_mesh(mesh):
     params = place_params(
-      harness.init_params(), mesh, {'w': P('data'), 'v': P('data')}
+      helpers.init_params(), mesh, {'w': P('data'), 'v': P('data')}
     )
     state = tx.init(params)
     grads = jax.jit(
@@ -886,7 +884,7 @@ def test_from_checkpoint_refuses_a_tree_of_other_shapes():
   tx = tokacc.token_weighted_multistep(sgd(), K)
   mesh = ddp_mesh()
   with jax.set_mesh(mesh):
-    params = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    params = place_params(helpers.init_params(), mesh, LAYOUTS['ddp'][1])
     state = tx.init(params)
     saved = tokacc.to_checkpoint(state).state
     assert saved.grad_sums['w'].shape == (4, 8, 8)
@@ -908,12 +906,12 @@ def test_nnx_optimizer_with_reduced_parameters():
       self.v = nnx.Param(jnp.asarray(params['v']))
 
     def __call__(self, batch):
-      return harness.loss_sum({'w': self.w[...], 'v': self.v[...]}, batch)
+      return helpers.loss_sum({'w': self.w[...], 'v': self.v[...]}, batch)
 
   windows, expected = reference(sgd())
   mesh = ddp_mesh()
   with jax.set_mesh(mesh):
-    placed = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    placed = place_params(helpers.init_params(), mesh, LAYOUTS['ddp'][1])
     model = Model(placed)
     optimizer = Optimizer(
       model, tokacc.token_weighted_multistep(sgd(), K), wrt=nnx.Param
@@ -925,7 +923,7 @@ def test_nnx_optimizer_with_reduced_parameters():
       optimizer.update(
         model,
         grads,
-        num_tokens=harness.token_count(batch),
+        num_tokens=helpers.token_count(batch),
         loss=loss,
         emit_now=emit_now,
       )
@@ -983,7 +981,7 @@ def test_a_data_axis_of_one_device():
   mesh = jax.make_mesh((1,), ('data',), devices=jax.devices()[:1])
   with jax.set_mesh(mesh):
     data = NamedSharding(mesh, P('data'))
-    params = place_params(harness.init_params(), mesh, LAYOUTS['ddp'][1])
+    params = place_params(helpers.init_params(), mesh, LAYOUTS['ddp'][1])
     state = tx.init(params)
     assert str(jax.typeof(state.grad_sums['w'])) == 'float32[8,8]'
     specs = tokacc.state_partition_specs(tx, params)
@@ -1004,9 +1002,9 @@ def test_ddp_micro_step_copies_nothing_parameter_sized():
   mesh = make_mesh()
   tx = tokacc.token_weighted_multistep(harness.adamw(), K)
   with jax.set_mesh(mesh):
-    params = place_params(harness.init_params(), mesh, specs)
+    params = place_params(helpers.init_params(), mesh, specs)
     state = tx.init(params)
-    batch = harness.make_windows((1,), 4)[0][0]
+    batch = helpers.make_windows((1,), 4)[0][0]
     batch = jax.device_put(batch, NamedSharding(mesh, P('data')))
     text = (
       make_step(tx, 'unreduced')

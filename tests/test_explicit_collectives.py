@@ -19,12 +19,12 @@ micro-step's path. The configuration also trains exactly as full-batch SGD
 (``test_reduction_modes.reference_and_bound``).
 """
 
+import helpers
 import hlo
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import multihost_worker as harness
 import numpy as np
 import optax
 import pytest
@@ -57,7 +57,7 @@ PARTIAL = test_explicit.U_DATA  # P(unreduced={'data'}): per-device sums
 def init_params():
   """A linear model with two outputs per token: ``x @ w``."""
   rng = np.random.default_rng(11)
-  return {'w': rng.normal(size=(harness.FEATURES, OUTPUTS)).astype(np.float32)}
+  return {'w': rng.normal(size=(helpers.FEATURES, OUTPUTS)).astype(np.float32)}
 
 
 def loss_sum(params, batch):
@@ -92,7 +92,7 @@ def make_windows(window_sizes):
   """The harness's windows (unequal counts per device and micro-step,
   devices without tokens) with two targets per token."""
   rng = np.random.default_rng(12)
-  windows = harness.make_windows(window_sizes, NUM_DEVICES, seed=3)
+  windows = helpers.make_windows(window_sizes, NUM_DEVICES, seed=3)
   return [
     [
       dict(
@@ -146,7 +146,7 @@ def assert_one_reduction_when_closing(sites):
   collectives)."""
   closing = [site for site, path in sites if closing_only(path)]
   assert [site.collective for site in closing] == ['all-reduce'], closing
-  assert ('f32', (harness.FEATURES, OUTPUTS)) in closing[0].shapes
+  assert ('f32', (helpers.FEATURES, OUTPUTS)) in closing[0].shapes
 
 
 def test_user_loss_and_grad_alone_issue_no_collective():

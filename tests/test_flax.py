@@ -94,7 +94,7 @@ def round_off_bounds(params, losses, gradient_norms) -> list[Expected]:
   gradient, doubled by the update (linear in it: momentum SGD; or
   homogeneous of degree 0: a global-norm clip that binds), relative to the
   window's largest update, plus a rounding of each parameter in each run.
-  As ``multihost_worker.full_batch_with_bounds``, the window's loss, a sum
+  As ``helpers.full_batch``, the window's loss, a sum
   of n one-signed terms, is within 2 (n + m) u of it relatively, taken at
   parameters up to the previous windows' ``atol`` apart: the 1-norm of its
   gradient times that, doubled for the second-order term.

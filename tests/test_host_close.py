@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import chex
 from flax import nnx
+import helpers
 import hlo
 import jax
 from jax import lax
@@ -95,7 +96,7 @@ def sizes_schedule(gradient_step):
 def loss_mean(params, batch):
   """The token-mean loss (over at least one token) for ``'mean'``."""
   count = jnp.maximum(jnp.sum(batch['mask']), 1.0)
-  return harness.loss_sum(params, batch) / count
+  return helpers.loss_sum(params, batch) / count
 
 
 class Case(NamedTuple):
@@ -198,7 +199,7 @@ def micro_steps(windows, deciders, nan=None):
 
 def fused_step(tx, mean=False):
   """A training step as users write it, one program per ``close``."""
-  loss_fn = loss_mean if mean else harness.loss_sum
+  loss_fn = loss_mean if mean else helpers.loss_sum
 
   def step(params, state, batch, close):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -206,7 +207,7 @@ def fused_step(tx, mean=False):
       grads,
       state,
       params,
-      num_tokens=harness.token_count(batch),
+      num_tokens=helpers.token_count(batch),
       loss=loss,
       close=close,
     )
@@ -229,7 +230,7 @@ def split_step(tx, mean=False):
   state, updates)``.
   """
   value_and_grad = jax.jit(
-    jax.value_and_grad(loss_mean if mean else harness.loss_sum)
+    jax.value_and_grad(loss_mean if mean else helpers.loss_sum)
   )
   apply = jax.jit(optax.apply_updates)
 
@@ -241,7 +242,7 @@ def split_step(tx, mean=False):
 
   def step(params, state, batch, close, num_tokens=None):
     if num_tokens is None:
-      num_tokens = harness.token_count(batch)
+      num_tokens = helpers.token_count(batch)
     loss, grads = value_and_grad(params, batch)
     updates, state = update(grads, state, params, num_tokens, loss, close)
     return apply(params, updates), state, updates
@@ -250,7 +251,7 @@ def split_step(tx, mean=False):
 
 
 def windows64():
-  return harness.make_windows(SIZES, NUM_DEVICES, np.float64)
+  return helpers.make_windows(SIZES, NUM_DEVICES, np.float64)
 
 
 @functools.cache
@@ -263,14 +264,15 @@ def full_batch(reference, without=None):
     windows = windows64()
     if without is not None:
       del windows[without]
-    params, losses = harness.train_full_batch(
-      reference(), harness.init_params(np.float64), windows
+    expected = helpers.full_batch(
+      reference(), helpers.init_params(np.float64), windows
     )
+    params, losses = expected.params, expected.losses
     return jax.tree.map(np.asarray, params), np.asarray(losses)
 
 
 def device_params(dtype):
-  return jax.tree.map(jnp.asarray, harness.init_params(dtype))
+  return jax.tree.map(jnp.asarray, helpers.init_params(dtype))
 
 
 def window_tokens(window):
@@ -287,7 +289,7 @@ def movement_bound(expected, dtype):
   ulp of the parameters they move; another half ulp per window covers that
   and its effect on the next windows' gradients.
   """
-  start = harness.init_params()
+  start = helpers.init_params()
   largest = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(expected))
   ulp = 2.0 ** (np.floor(np.log2(largest)) - jnp.finfo(dtype).nmant)
   moved = max(
@@ -360,11 +362,11 @@ def test_reduce_on_plateau_sees_the_host_closed_window():
   ``window_loss`` is the token-mean loss of the window at the parameters
   its gradients were taken at. float32: ``test_window_rules``' reference."""
   sizes = (2, 3, 1, 3, 2, 1, 3, 2)
-  windows = harness.make_windows(sizes, NUM_DEVICES, seed=4)
+  windows = helpers.make_windows(sizes, NUM_DEVICES, seed=4)
   expected = rules.full_batch_with_value(rules.plateau_inner(), windows)
   expected_scales = [rules.plateau_scale(s) for _, s in expected]
   assert min(expected_scales) < 1.0, 'the plateau must act on these data'
-  loss_sum = jax.jit(harness.loss_sum)
+  loss_sum = jax.jit(helpers.loss_sum)
   tx = accumulate(rules.plateau_inner(), EVERY_K, None)
   step = fused_step(tx)
   params = device_params(np.float32)
@@ -383,7 +385,7 @@ def test_reduce_on_plateau_sees_the_host_closed_window():
     assert float(state.last_loss) == float(tokacc.window_loss(state))
     assert rules.plateau_scale(state.inner_state) == expected_scales[w]
     expected_params = expected[w][0]
-    before = expected[w - 1][0] if w else harness.init_params()
+    before = expected[w - 1][0] if w else helpers.init_params()
     travelled += max(
       float(jnp.max(jnp.abs(e - b)))
       for e, b in zip(jax.tree.leaves(expected_params), jax.tree.leaves(before))
@@ -403,10 +405,10 @@ def test_bfloat16_parameters_stay_close_to_float32_training():
   updates stay bfloat16, and host-closed windows stay within the rounding
   bound of ``movement_bound`` of float32 full-batch training (which they
   really move further than)."""
-  windows = harness.make_windows(SIZES, NUM_DEVICES)
-  expected, _ = harness.train_full_batch(
-    explicit.sgd(), harness.init_params(), windows
-  )
+  windows = helpers.make_windows(SIZES, NUM_DEVICES)
+  expected = helpers.full_batch(
+    explicit.sgd(), helpers.init_params(), windows
+  ).params
   tx = accumulate(explicit.sgd(), EVERY_K, None)
   step = fused_step(tx)
   params = device_params(jnp.bfloat16)
@@ -450,7 +452,7 @@ MIX_CASES = {
   'bfloat16_adamw': (
     Case(
       lambda k, a: accumulate(
-        optax.adamw(harness.LEARNING_RATE, mu_dtype=jnp.float32), k, a
+        optax.adamw(helpers.LEARNING_RATE, mu_dtype=jnp.float32), k, a
       ),
       None,
     ),
@@ -545,7 +547,7 @@ def assert_close_run(actual, expected):
 
 def run_split(tx, dtype, deciders, case):
   """Every micro-step's ``(params, state, updates)`` of a split run."""
-  windows = harness.make_windows(SIZES, NUM_DEVICES)
+  windows = helpers.make_windows(SIZES, NUM_DEVICES)
   step = split_step(tx, case.mean)
   params = device_params(dtype)
   state = tx.init(params)
@@ -657,7 +659,7 @@ def shard_map_step(tx, mesh, mean=False):
   per ``close``: parameters replicated and ``pcast`` to varying before
   differentiating (so that autodiff does not reduce every micro-step), the
   state laid out by ``state_partition_specs``."""
-  loss_fn = loss_mean if mean else harness.loss_sum
+  loss_fn = loss_mean if mean else helpers.loss_sum
   specs = harness.state_specs(tx, 'data')
 
   def local_step(params, state, batch, close):
@@ -667,7 +669,7 @@ def shard_map_step(tx, mesh, mean=False):
       grads,
       state,
       params,
-      num_tokens=harness.token_count(batch),
+      num_tokens=helpers.token_count(batch),
       loss=loss,
       close=close,
     )
@@ -689,27 +691,27 @@ def train_shard_map(tx, windows, mean=False, nan=None):
   replicated = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P('data'))
   params = jax.tree.map(
-    lambda x: harness.put(x, replicated), harness.init_params(np.float64)
+    lambda x: helpers.put(x, replicated), helpers.init_params(np.float64)
   )
   state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
   step = shard_map_step(tx, mesh, mean)
   for batch, close in micro_steps(windows, 'hhh', nan):
-    batch = jax.tree.map(lambda x: harness.put(x, data), batch)
+    batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
     params, state = step(params, state, batch, close)
   assert step._cache_size() == 2
-  return harness.fetch(params), state
+  return helpers.fetch(params), state
 
 
 def pmap_step(tx):
   """A ``jax.pmap`` step over the first 4 devices, ``close`` static."""
 
   def step(params, state, batch, close):
-    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     updates, state = tx.update(
       grads,
       state,
       params,
-      num_tokens=harness.token_count(batch),
+      num_tokens=helpers.token_count(batch),
       loss=loss,
       close=close,
     )
@@ -729,7 +731,7 @@ def train_pmap(tx, windows):
 
   params = jax.tree.map(
     lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
-    harness.init_params(np.float64),
+    helpers.init_params(np.float64),
   )
   state = jax.pmap(tx.init, devices=jax.devices()[:NUM_DEVICES])(params)
   step = pmap_step(tx)
@@ -808,7 +810,7 @@ def train_explicit(tx, layout, windows, nan=None):
   mesh = make_mesh()
   with jax.set_mesh(mesh):
     data = NamedSharding(mesh, P(explicit.batch_axes(mesh)))
-    params = explicit.place_params(harness.init_params(np.float64), mesh, specs)
+    params = explicit.place_params(helpers.init_params(np.float64), mesh, specs)
     state = tx.init(params)
     step = explicit_step(tx, EXPLICIT_SPELLINGS[layout])
     for batch, close in micro_steps(windows, 'hhh', nan):
@@ -872,7 +874,7 @@ def check_programs(texts, reduction_shapes=None):
 
 
 def gradient_shapes(dtype='f32'):
-  return [(dtype, np.shape(p)) for p in jax.tree.leaves(harness.init_params())]
+  return [(dtype, np.shape(p)) for p in jax.tree.leaves(helpers.init_params())]
 
 
 # One all-reduce per window: each gradient leaf, the token count's four
@@ -887,7 +889,7 @@ def test_single_device_programs():
   step = fused_step(tx)
   params = device_params(np.float32)
   state = tx.init(params)
-  batch = harness.make_windows((1,), NUM_DEVICES)[0][0]
+  batch = helpers.make_windows((1,), NUM_DEVICES)[0][0]
   texts = {
     close: step.lower(params, state, batch, close).compile().as_text()
     for close in (False, True, None)
@@ -903,11 +905,11 @@ def test_shard_map_programs():
   mesh = data_mesh()
   tx = accumulate(harness.adamw(), EVERY_K, 'data')
   params = jax.tree.map(
-    lambda x: harness.put(x, NamedSharding(mesh, P())), harness.init_params()
+    lambda x: helpers.put(x, NamedSharding(mesh, P())), helpers.init_params()
   )
   state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
   batch = jax.device_put(
-    harness.make_windows((1,), NUM_DEVICES)[0][0],
+    helpers.make_windows((1,), NUM_DEVICES)[0][0],
     NamedSharding(mesh, P('data')),
   )
   step = shard_map_step(tx, mesh)
@@ -929,10 +931,10 @@ def test_explicit_ddp_programs():
   mesh = make_mesh()
   tx = accumulate(harness.adamw(), EVERY_K, None)
   with jax.set_mesh(mesh):
-    params = explicit.place_params(harness.init_params(), mesh, specs)
+    params = explicit.place_params(helpers.init_params(), mesh, specs)
     state = tx.init(params)
     batch = jax.device_put(
-      harness.make_windows((1,), NUM_DEVICES)[0][0],
+      helpers.make_windows((1,), NUM_DEVICES)[0][0],
       NamedSharding(mesh, P('data')),
     )
     step = explicit_step(tx, 'unreduced')
@@ -964,14 +966,14 @@ def test_micro_step_program_leaves_parameters_untouched():
   micro-step returns its parameters."""
   tx = accumulate(harness.adamw(), EVERY_K, None)
   params = device_params(np.float32)
-  batch = harness.make_windows((1,), NUM_DEVICES)[0][0]
+  batch = helpers.make_windows((1,), NUM_DEVICES)[0][0]
   text = compiled_micro_step(fused_step(tx), params, tx.init(params), batch)
   assert_returns_its_parameters(text)
   mesh = data_mesh()
   tx = accumulate(harness.adamw(), EVERY_K, 'data')
   replicated = NamedSharding(mesh, P())
   params = jax.tree.map(
-    lambda x: harness.put(x, replicated), harness.init_params()
+    lambda x: helpers.put(x, replicated), helpers.init_params()
   )
   state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
   batch = jax.device_put(batch, NamedSharding(mesh, P('data')))
@@ -996,10 +998,10 @@ def test_explicit_micro_step_program_leaves_parameters_untouched(layout):
   tx = accumulate(harness.adamw(), EVERY_K, None)
   step = explicit_step(tx, EXPLICIT_SPELLINGS[layout])
   with jax.set_mesh(mesh):
-    params = explicit.place_params(harness.init_params(), mesh, specs)
+    params = explicit.place_params(helpers.init_params(), mesh, specs)
     state = tx.init(params)
     batch = jax.device_put(
-      harness.make_windows((1,), NUM_DEVICES)[0][0],
+      helpers.make_windows((1,), NUM_DEVICES)[0][0],
       NamedSharding(mesh, P(explicit.batch_axes(mesh))),
     )
     text = compiled_micro_step(step, params, state, batch)
@@ -1031,19 +1033,19 @@ def test_two_programs_in_all():
 
   def step(params, state, batch, close):
     traces.append(close)
-    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     updates, state = tx.update(
       grads,
       state,
       params,
-      num_tokens=harness.token_count(batch),
+      num_tokens=helpers.token_count(batch),
       loss=loss,
       close=close,
     )
     return optax.apply_updates(params, updates), state
 
   step = jax.jit(step, static_argnames='close')
-  windows = harness.make_windows(SIZES * 2, NUM_DEVICES)
+  windows = helpers.make_windows(SIZES * 2, NUM_DEVICES)
   params = device_params(np.float32)
   state = tx.init(params)
   for batch, close in micro_steps(windows, 'h' * len(windows)):

@@ -23,6 +23,7 @@ calls of the same window.
 import contextlib
 import functools
 
+import helpers
 import hlo
 import jax
 from jax import lax
@@ -138,13 +139,13 @@ def test_one_device_host_closed_equals_device_decided(make_inner, k):
   program only) and a window of two micro-batches."""
   tx = tokacc.token_weighted_multistep(make_inner(), k)
   step = jax.jit(
-    user_step(tx, harness.loss_sum, harness.token_count),
+    user_step(tx, helpers.loss_sum, helpers.token_count),
     static_argnames='close',
   )
-  params = jax.tree.map(jnp.asarray, harness.init_params())
-  window = harness.make_windows((k,), NUM_DEVICES, seed=3)[0]
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
+  window = helpers.make_windows((k,), NUM_DEVICES, seed=3)[0]
   host, device = host_and_device(step, params, tx.init(params), window)
-  assert_same_window(host, device, harness.init_params())
+  assert_same_window(host, device, helpers.init_params())
 
 
 def shard_map_run(mesh):
@@ -156,7 +157,7 @@ def shard_map_run(mesh):
   def varying(params):  # so that autodiff does not reduce every micro-step
     return jax.tree.map(lambda p: lax.pcast(p, 'data', to='varying'), params)
 
-  per_device = user_step(tx, harness.loss_sum, harness.token_count, varying)
+  per_device = user_step(tx, helpers.loss_sum, helpers.token_count, varying)
 
   def step(params, state, batch, close):
     return jax.shard_map(
@@ -168,7 +169,7 @@ def shard_map_run(mesh):
 
   replicated = NamedSharding(mesh, P())
   params = jax.tree.map(
-    lambda x: harness.put(x, replicated), harness.init_params()
+    lambda x: helpers.put(x, replicated), helpers.init_params()
   )
   state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
   data = NamedSharding(mesh, P('data'))
@@ -192,7 +193,7 @@ def explicit_ddp_run(mesh):
   step = user_step(
     tx, lambda p, b: loss_sum(explicit.forward_params(p), b), count
   )
-  params = explicit.place_params(harness.init_params(), mesh, specs)
+  params = explicit.place_params(helpers.init_params(), mesh, specs)
   data = NamedSharding(mesh, P('data'))
   return jax.jit(step, static_argnames='close'), params, tx.init(params), data
 
@@ -215,7 +216,7 @@ def window_for(make_run):
   counts per device, some devices without any."""
   if make_run is zero1_run:
     return zero1.make_windows()[0][:2]
-  return harness.make_windows((2,), NUM_DEVICES, seed=3)[0]
+  return helpers.make_windows((2,), NUM_DEVICES, seed=3)[0]
 
 
 DATA_PARALLEL = {
@@ -300,11 +301,11 @@ def test_sign_of_the_zero_updates_of_close_false(placement):
 def test_sign_of_the_zero_updates_on_one_device():
   tx = tokacc.token_weighted_multistep(momentum_sgd(), 2)
   step = jax.jit(
-    user_step(tx, harness.loss_sum, harness.token_count),
+    user_step(tx, helpers.loss_sum, helpers.token_count),
     static_argnames='close',
   )
-  params = jax.tree.map(jnp.asarray, harness.init_params())
-  batch = harness.make_windows((1,), NUM_DEVICES)[0][0]
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
+  batch = helpers.make_windows((1,), NUM_DEVICES)[0][0]
   new_params, _, updates = step(params, tx.init(params), batch, False)
   assert all_negative_zeros(updates)
   same_bits(new_params, params, 'parameters')
@@ -348,11 +349,11 @@ def test_close_none_counts_the_host_calls_of_its_window(name):
   closes, closing = COUNTED[name]
   tx = tokacc.token_weighted_multistep(momentum_sgd(), 3)
   step = jax.jit(
-    user_step(tx, harness.loss_sum, harness.token_count),
+    user_step(tx, helpers.loss_sum, helpers.token_count),
     static_argnames='close',
   )
-  params = jax.tree.map(jnp.asarray, harness.init_params())
-  window = harness.make_windows((len(closes),), NUM_DEVICES, seed=5)[0]
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
+  window = helpers.make_windows((len(closes),), NUM_DEVICES, seed=5)[0]
   host_closes = [m == closing for m in range(len(closes))]
   runs = []
   for decisions in (closes, host_closes):

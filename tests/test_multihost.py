@@ -85,7 +85,7 @@ def test_two_processes_equal_full_batch(tmp_path):
   num_devices = NUM_PROCESSES * LOCAL_DEVICES
   assert int(result['num_devices']) == num_devices
 
-  windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
   expected = full_batch(windows)
   for prefix in ('shard_map', 'jit'):
     assert_equals_full_batch(result, prefix, expected)
@@ -100,7 +100,7 @@ def test_two_processes_hsdp_equal_full_batch(tmp_path):
   num_devices = NUM_PROCESSES * LOCAL_DEVICES
   assert int(result['num_devices']) == num_devices
 
-  windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
   expected = full_batch(windows)
   for layout in worker.MULTIHOST_HSDP_LAYOUTS:
     assert_equals_full_batch(result, layout, expected)
@@ -115,17 +115,15 @@ def test_two_processes_explicit_ddp_equal_full_batch(tmp_path):
   run_workers(out, mode='explicit')
   result = dict(np.load(out))
   num_devices = NUM_PROCESSES * LOCAL_DEVICES
-  windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
   assert_equals_full_batch(result, 'explicit', full_batch(windows))
 
 
 def full_batch(windows):
-  """``worker.full_batch_with_bounds`` with AdamW: full-batch training, and
+  """``helpers.full_batch`` with AdamW: full-batch training, and
   how far float32 round-off can take a run of the same windows from it
   (relative to each window's largest update; derived there)."""
-  return worker.full_batch_with_bounds(
-    worker.adamw(), worker.init_params(), windows
-  )
+  return helpers.full_batch(worker.adamw(), helpers.init_params(), windows)
 
 
 def assert_equals_full_batch(result, prefix, expected, with_loss=True):
@@ -154,13 +152,13 @@ def test_two_processes_zero1_equal_full_batch(tmp_path):
   result = dict(np.load(out))
   num_devices = NUM_PROCESSES * LOCAL_DEVICES
   assert int(result['num_devices']) == num_devices
-  features = worker.FEATURES
+  features = helpers.FEATURES
   assert tuple(result['zero1_mu_shard_w']) == (
     features // num_devices,
     features,
   )
   assert tuple(result['zero1_mu_shard_v']) == (features // num_devices,)
-  windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
   assert_equals_full_batch(result, 'zero1', full_batch(windows))
 
 
@@ -174,7 +172,7 @@ def test_two_processes_token_budget_equal_full_batch(tmp_path):
   run_workers(out, mode='budget')
   result = dict(np.load(out))
   num_devices = NUM_PROCESSES * LOCAL_DEVICES
-  windows = worker.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
   stream = [batch for window in windows for batch in window]
   counts = [int(np.sum(batch['mask'])) for batch in stream]
   sizes = window_sizes(counts, worker.MULTIHOST_BUDGET, worker.MULTIHOST_K)

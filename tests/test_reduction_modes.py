@@ -27,12 +27,12 @@ refused at trace time (issue 22, defect 3).
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import helpers
 import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import multihost_worker as harness
 import numpy as np
 import optax
 import pytest
@@ -65,7 +65,7 @@ def init_params():
   """A linear per-token regression: ``x @ w + b``."""
   rng = np.random.default_rng(7)
   return {
-    'w': rng.normal(size=(harness.FEATURES,)).astype(np.float32),
+    'w': rng.normal(size=(helpers.FEATURES,)).astype(np.float32),
     'b': np.float32(rng.normal()),
   }
 
@@ -179,7 +179,7 @@ def train(reduction, variant, k, windows):
       params, state = step(params, state, place(batch))
     assert np.all(np.asarray(tokacc.has_updated(state)))
     matrix = np.broadcast_to(
-      as_matrix(params), (NUM_DEVICES, harness.FEATURES + 1, 1)
+      as_matrix(params), (NUM_DEVICES, helpers.FEATURES + 1, 1)
     )
     loss = np.broadcast_to(tokacc.window_loss(state), (NUM_DEVICES,))
     trajectory.append((matrix, loss))
@@ -273,7 +273,7 @@ def full_batch(windows):
 def random_windows(k):
   """Unequal counts per device and micro-step; device 1 counts no token on
   the first micro-step of each window, device 2 none in the first window."""
-  windows = harness.make_windows(WINDOW_SIZES[k], NUM_DEVICES, seed=k)
+  windows = helpers.make_windows(WINDOW_SIZES[k], NUM_DEVICES, seed=k)
   counts = [
     per_device(batch['mask']).reshape(NUM_DEVICES, -1).sum(axis=1)
     for window in windows
@@ -287,8 +287,8 @@ def random_windows(k):
 def smallest_case():
   """One window of one micro-step, 1, 2, 3 and 4 counted tokens on the
   devices (issue 22's smallest failing case)."""
-  window = harness.make_windows((1,), NUM_DEVICES, seed=5)[0]
-  mask = np.zeros((NUM_DEVICES, harness.LOCAL_TOKENS), np.float32)
+  window = helpers.make_windows((1,), NUM_DEVICES, seed=5)[0]
+  mask = np.zeros((NUM_DEVICES, helpers.LOCAL_TOKENS), np.float32)
   for device in range(NUM_DEVICES):
     mask[device, : device + 1] = 1
   batch = dict(window[0], mask=mask.reshape(window[0]['mask'].shape))

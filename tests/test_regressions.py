@@ -119,7 +119,7 @@ def loss_atol(expected: Reference, window) -> float:
   """How far a window's loss, taken at parameters within ``expected.atol``
   of ``expected.params``, can be from ``full_batch_loss`` at them.
 
-  As ``multihost_worker.full_batch_with_bounds``: a sum of n one-signed
+  As ``helpers.full_batch``: a sum of n one-signed
   terms of m roundings each, within 2 (n + m) u of it relatively; and the
   parameters' difference moves it by at most the 1-norm of its gradient
   times ``expected.atol``, plus a second-order term (twice both covers it).
@@ -223,7 +223,7 @@ K = 3
 # (window, micro-step, device) whose micro-batch has a NaN gradient: one in
 # the middle of the first window, one on the emitting step of the second.
 REJECTED = ((0, 1, 1), (1, 2, 3))
-ROWS = harness.SEQS
+ROWS = helpers.SEQS
 
 
 def rows(device):
@@ -262,9 +262,9 @@ def train_pmap(windows, devices):
   tx = make_tx()
 
   def step(params, state, batch):
-    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     updates, state = tx.update(
-      grads, state, params, num_tokens=harness.token_count(batch), loss=loss
+      grads, state, params, num_tokens=helpers.token_count(batch), loss=loss
     )
     return optax.apply_updates(params, updates), state
 
@@ -274,7 +274,7 @@ def train_pmap(windows, devices):
   params = replicate(
     jax.tree.map(
       lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
-      harness.init_params(),
+      helpers.init_params(),
     )
   )
   state = jax.pmap(tx.init, axis_name='data', devices=devices)(params)
@@ -295,32 +295,32 @@ def train_shard_map(windows, devices):
     axis_types=(jax.sharding.AxisType.Auto,),
     devices=devices,
   )
-  state = harness.shard_map_state(tx, harness.init_params(), mesh, 'data')
+  state = harness.shard_map_state(tx, helpers.init_params(), mesh, 'data')
   step = harness.shard_map_step(tx, mesh, 'data', state, with_emit_now=False)
   params = jax.tree.map(
-    lambda x: harness.put(x, NamedSharding(mesh, P())), harness.init_params()
+    lambda x: helpers.put(x, NamedSharding(mesh, P())), helpers.init_params()
   )
   data = NamedSharding(mesh, P('data'))
   for window in windows:
     for batch in window:
-      batch = jax.tree.map(lambda x: harness.put(x, data), batch)
+      batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
       params, state = step(params, state, batch)
   params = jax.tree.map(
     lambda x: np.broadcast_to(np.asarray(x), (NUM_DEVICES,) + x.shape), params
   )
-  return params, harness.fetch(state)
+  return params, helpers.fetch(state)
 
 
 def main():
   devices = jax.devices()[:NUM_DEVICES]
-  windows = harness.make_windows((K, K), NUM_DEVICES)
+  windows = helpers.make_windows((K, K), NUM_DEVICES)
   poisoned, reference = poisoned_and_reference(windows)
   train = train_pmap if MODE == 'pmap' else train_shard_map
   params, state = train(poisoned, devices)
-  # Within the round-off bounds that harness.full_batch_with_bounds
+  # Within the round-off bounds that helpers.full_batch
   # derives (relative to each window's largest update).
-  expected = harness.full_batch_with_bounds(
-    harness.adamw(), harness.init_params(), reference
+  expected = helpers.full_batch(
+    harness.adamw(), helpers.init_params(), reference
   )
   for device in range(NUM_DEVICES):
     for name in ('w', 'v'):

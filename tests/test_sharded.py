@@ -24,6 +24,7 @@ import math
 from typing import NamedTuple
 
 import chex
+import helpers
 import hlo
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ AUTO = jax.sharding.AxisType.Auto
 
 
 def sgd():
-  return optax.sgd(harness.LEARNING_RATE, momentum=0.9)
+  return optax.sgd(helpers.LEARNING_RATE, momentum=0.9)
 
 
 def clipped_sgd():
@@ -97,7 +98,7 @@ LAYOUTS = {
 
 
 def windows_and_params():
-  return harness.make_windows(WINDOW_SIZES, NUM_DEVICES), harness.init_params()
+  return helpers.make_windows(WINDOW_SIZES, NUM_DEVICES), helpers.init_params()
 
 
 @functools.cache
@@ -105,17 +106,17 @@ def full_batch(optimizer_name):
   """Single-device full-batch training with
   ``REFERENCE_OPTIMIZERS[optimizer_name]``: its final parameters and last
   window's loss, and how far float32 round-off can take a sharded run from
-  them (``harness.full_batch_with_bounds`` derives the bounds: relative to
+  them (``helpers.full_batch`` derives the bounds: relative to
   each window's largest update, so that they hold on any CPU)."""
   windows, params = windows_and_params()
   optimizer = REFERENCE_OPTIMIZERS[optimizer_name]()
-  return harness.full_batch_with_bounds(optimizer, params, windows)
+  return helpers.full_batch(optimizer, params, windows)
 
 
 def assert_within_round_off(params, expected):
   """``params`` (global arrays) are ``expected.params`` up to round-off."""
   chex.assert_trees_all_close(
-    harness.fetch(params), expected.params, rtol=0, atol=expected.atol
+    helpers.fetch(params), expected.params, rtol=0, atol=expected.atol
   )
 
 
@@ -139,12 +140,12 @@ def train_fsdp(tx, params, windows, mesh):
 
   @jax.jit
   def step(params, state, batch, emit_now):
-    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     updates, state = tx.update(
       grads,
       state,
       params,
-      num_tokens=harness.token_count(batch),
+      num_tokens=helpers.token_count(batch),
       loss=loss,
       emit_now=emit_now,
     )
@@ -153,7 +154,7 @@ def train_fsdp(tx, params, windows, mesh):
   for w, window in enumerate(windows):
     for m, batch in enumerate(window):
       emit_now = w == len(windows) - 1 and m == len(window) - 1
-      batch = jax.tree.map(lambda x: harness.put(x, data), batch)
+      batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
       params, state = step(params, state, batch, jnp.asarray(emit_now))
   return params, state
 
@@ -286,7 +287,7 @@ def adamw_and_sgd():
 def factored_adafactor():
   """Adafactor with ``w``'s second moment factored into a row and a column
   (leaves of ``tree_map_params`` that are not shaped like ``w``)."""
-  return optax.adafactor(harness.LEARNING_RATE, min_dim_size_to_factor=2)
+  return optax.adafactor(helpers.LEARNING_RATE, min_dim_size_to_factor=2)
 
 
 REFERENCE_OPTIMIZERS.update(
@@ -512,13 +513,13 @@ def compiled_hsdp_step(layout, with_emit_now):
     build = harness.partial_manual_step
   step = build(tx, mesh, specs, state_specs, with_emit_now=with_emit_now)
   data = NamedSharding(mesh, P(harness.HSDP_AXES))
-  batch = jax.tree.map(lambda x: harness.put(x, data), windows[0][0])
+  batch = jax.tree.map(lambda x: helpers.put(x, data), windows[0][0])
   flags = ()
   if with_emit_now:
     flag_axes = 'replica' if partial_manual else harness.HSDP_AXES
     count = mesh.shape['replica'] if partial_manual else mesh.size
     flags = (
-      harness.put(np.zeros(count, bool), NamedSharding(mesh, P(flag_axes))),
+      helpers.put(np.zeros(count, bool), NamedSharding(mesh, P(flag_axes))),
     )
   lowered = step.lower(global_params, state, batch, *flags)
   return lowered.compile().as_text(), mesh
@@ -612,7 +613,7 @@ def test_clip_by_global_norm_in_fully_manual_hsdp_sees_the_shard_norm():
   actual, _ = train('hsdp_manual_sharded', clipped_sgd(), params, windows)
   assert_within_round_off(actual, shard_local)
   # Far outside the round-off bound of the global-norm reference too.
-  assert max_difference(harness.fetch(actual), expected) > 0.01
+  assert max_difference(helpers.fetch(actual), expected) > 0.01
 
 
 def test_clip_by_global_norm_in_fully_manual_hsdp_with_replicated_params():

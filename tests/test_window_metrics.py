@@ -70,19 +70,19 @@ AUTO = jax.sharding.AxisType.Auto
 WINDOW_SIZES = test_explicit.WINDOW_SIZES  # the last closed by emit_now
 U = np.finfo(np.float32).eps / 2
 # a token's forward and backward pass (either model)
-TERM_ROUNDINGS = 2 * (harness.FEATURES + zero1.OUTPUTS) + 8
+TERM_ROUNDINGS = 2 * (helpers.FEATURES + zero1.OUTPUTS) + 8
 
 
 def gamma(m):
   return m * U / (1 - m * U)
 
 
-def momentum_sgd(lr=harness.LEARNING_RATE):
+def momentum_sgd(lr=helpers.LEARNING_RATE):
   return optax.sgd(lr, momentum=0.9)
 
 
 def reference(
-  windows, params_before, lr, loss_sum=harness.loss_sum, inner=None
+  windows, params_before, lr, loss_sum=helpers.loss_sum, inner=None
 ):
   """Per window: full-batch ``(loss, tokens, grad_norm, update_norm)`` at
   the recorded parameters, and the bounds on the two norms (see the
@@ -125,7 +125,7 @@ def reference(
   return out
 
 
-def assert_metrics(records, windows, lr=harness.LEARNING_RATE, **kwargs):
+def assert_metrics(records, windows, lr=helpers.LEARNING_RATE, **kwargs):
   """``records``: per window, the parameters before it (host values) and
   ``window_metrics`` after it; with ``window_norms='per_leaf'`` each
   leaf's norms too."""
@@ -180,14 +180,14 @@ def recorder(windows):
 def single_step(tx):
   @functools.partial(jax.jit, static_argnames='close')
   def step(params, state, batch, emit_now=False, close=None):
-    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     if close is not None:
       emit_now = False
     updates, state = tx.update(
       grads,
       state,
       params,
-      num_tokens=harness.token_count(batch),
+      num_tokens=helpers.token_count(batch),
       loss=loss,
       emit_now=emit_now,
       close=close,
@@ -201,7 +201,7 @@ def run_single(windows, host_closes, window_norms=True):
   tx = tokacc.token_weighted_multistep(
     momentum_sgd(), K, window_norms=window_norms
   )
-  params = jax.tree.map(jnp.asarray, harness.init_params())
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
   state = tx.init(params)
   step = single_step(tx)
   on_step, records = recorder(windows)
@@ -223,10 +223,10 @@ def run_shard_map(windows, window_norms=True):
   tx = tokacc.token_weighted_multistep(
     momentum_sgd(), K, axis_name='data', window_norms=window_norms
   )
-  params = harness.init_params()
+  params = helpers.init_params()
   state = harness.shard_map_state(tx, params, mesh, 'data')
   params = jax.tree.map(
-    lambda x: harness.put(x, NamedSharding(mesh, P())), params
+    lambda x: helpers.put(x, NamedSharding(mesh, P())), params
   )
   step = harness.shard_map_step(tx, mesh, 'data', state)
   data = NamedSharding(mesh, P('data'))
@@ -236,8 +236,8 @@ def run_shard_map(windows, window_norms=True):
     for m, batch in enumerate(window):
       flags = np.zeros(4, bool)
       flags[-1] = w == len(windows) - 1 and m == len(window) - 1
-      batch = jax.tree.map(lambda x: harness.put(x, data), batch)
-      params, state = step(params, state, batch, harness.put(flags, data))
+      batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
+      params, state = step(params, state, batch, helpers.put(flags, data))
       on_step(params, state)
   return records
 
@@ -249,7 +249,7 @@ def run_gspmd_fsdp(windows, window_norms=True):
   )
   on_step, records = recorder(windows)
   harness.train_sharded_jit(
-    tx, harness.init_params(), windows, mesh, 'fsdp', on_step=on_step
+    tx, helpers.init_params(), windows, mesh, 'fsdp', on_step=on_step
   )
   return records
 
@@ -262,7 +262,7 @@ def run_explicit(windows, layout, window_norms=True):
   make_mesh, specs = test_explicit.LAYOUTS[layout]
   with jax.set_mesh(make_mesh()):
     on_step(
-      test_explicit.place_params(harness.init_params(), make_mesh(), specs),
+      test_explicit.place_params(helpers.init_params(), make_mesh(), specs),
       None,
     )
   test_explicit.train(layout, tx, windows, on_step=on_step)
@@ -278,7 +278,7 @@ def run_explicit(windows, layout, window_norms=True):
 def test_equal_full_batch(placement, window_norms):
   """The global norms, and with ``window_norms='per_leaf'`` each leaf's
   (issue 41), against full batch."""
-  windows = harness.make_windows(WINDOW_SIZES, 4)
+  windows = helpers.make_windows(WINDOW_SIZES, 4)
   if placement.startswith('single'):
     records = run_single(windows, placement == 'single_host', window_norms)
   elif placement == 'shard_map':
@@ -308,7 +308,7 @@ def test_explicit_fsdp_on_every_jax(monkeypatch):
 
   layout = (mesh, {'w': P('fsdp'), 'v': P('fsdp')})
   monkeypatch.setitem(test_explicit.LAYOUTS, 'fsdp_explicit', layout)
-  windows = harness.make_windows(WINDOW_SIZES, 4)
+  windows = helpers.make_windows(WINDOW_SIZES, 4)
   records = run_explicit(windows, 'fsdp_explicit')
   assert len(records) == len(windows)
   assert_metrics(records, windows)
@@ -378,7 +378,7 @@ def test_nan_before_the_first_window_kept_by_empty_and_dropped_windows():
   # gradient times the learning rate (exact in float32 up to one rounding)
   np.testing.assert_allclose(emitted[2], 5.0, rtol=4 * U)
   np.testing.assert_allclose(
-    emitted[3], harness.LEARNING_RATE * 5.0, rtol=4 * U
+    emitted[3], helpers.LEARNING_RATE * 5.0, rtol=4 * U
   )
   for counts in ((0, 0), (-1, 1)):  # empty, then dropped
     for n in counts:

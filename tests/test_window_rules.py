@@ -13,6 +13,7 @@ unequal token counts per device and micro-step.
 """
 
 import chex
+import helpers
 import hlo
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ TOLERANCE = 1e-5
 
 
 def assert_within_round_off(params, expected):
-  """``params`` are ``expected.params`` (``harness.full_batch_with_bounds``)
+  """``params`` are ``expected.params`` (``helpers.full_batch``)
   within its bound, relative to each window's largest update; it holds for
   an ``inner`` linear in the gradients (SGD, SAM's SGD steps) or homogeneous
   of degree 0 in them (AdamW)."""
@@ -74,14 +75,14 @@ def full_batch_with_value(optimizer, windows):
   @jax.jit
   def step(params, opt_state, batch):
     num_tokens = jnp.sum(batch['mask'])
-    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     grads = jax.tree.map(lambda g: g / num_tokens, grads)
     updates, opt_state = optimizer.update(
       grads, opt_state, params, value=loss / num_tokens
     )
     return optax.apply_updates(params, updates), opt_state
 
-  params = jax.tree.map(jnp.asarray, harness.init_params())
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
   opt_state = optimizer.init(params)
   history = []
   for window in windows:
@@ -98,13 +99,13 @@ def single_device(tx, windows, on_window=None):
 
   @jax.jit
   def step(params, state, batch):
-    loss, grads = jax.value_and_grad(harness.loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     updates, state = tx.update(
-      grads, state, params, num_tokens=harness.token_count(batch), loss=loss
+      grads, state, params, num_tokens=helpers.token_count(batch), loss=loss
     )
     return optax.apply_updates(params, updates), state
 
-  params = jax.tree.map(jnp.asarray, harness.init_params())
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
   state = tx.init(params)
   micro_batches = [batch for window in windows for batch in window]
   for micro_steps, batch in enumerate(micro_batches, start=1):
@@ -121,7 +122,7 @@ def test_reduce_on_plateau_sees_the_window_loss():
   """Over 8 windows the plateau scale of ``inner`` follows full-batch
   training step for step, and halves at least once (so the decisions are
   really compared)."""
-  windows = harness.make_windows(PLATEAU_WINDOWS, NUM_DEVICES, seed=4)
+  windows = helpers.make_windows(PLATEAU_WINDOWS, NUM_DEVICES, seed=4)
   expected = full_batch_with_value(plateau_inner(), windows)
   expected_scales = [plateau_scale(s) for _, s in expected]
   assert min(expected_scales) < 1.0, expected_scales
@@ -140,7 +141,7 @@ def test_reduce_on_plateau_sees_the_window_loss():
 
 def test_window_loss_is_what_inner_sees():
   """``value`` is exactly ``window_loss``: inner records it in its state."""
-  windows = harness.make_windows((K, K), NUM_DEVICES, seed=4)
+  windows = helpers.make_windows((K, K), NUM_DEVICES, seed=4)
   tx = tokacc.token_weighted_multistep(plateau_inner(), K)
   losses = []
 
@@ -155,11 +156,11 @@ def test_window_loss_is_what_inner_sees():
 
 
 def test_lbfgs_without_line_search():
-  windows = harness.make_windows((K,) * 4, NUM_DEVICES, seed=2)
+  windows = helpers.make_windows((K,) * 4, NUM_DEVICES, seed=2)
   optimizer = optax.lbfgs(learning_rate=0.05, linesearch=None)
-  expected, _ = harness.train_full_batch(
-    optimizer, harness.init_params(), windows
-  )
+  expected = helpers.full_batch(
+    optimizer, helpers.init_params(), windows
+  ).params
   tx = tokacc.token_weighted_multistep(
     optax.lbfgs(learning_rate=0.05, linesearch=None), K
   )
@@ -242,16 +243,16 @@ def shard_map_training(tx, windows):
     devices=jax.devices()[:NUM_DEVICES],
   )
   params, state = harness.train_shard_map(
-    tx, harness.init_params(), windows, mesh, 'data'
+    tx, helpers.init_params(), windows, mesh, 'data'
   )
-  return harness.fetch(params), state
+  return helpers.fetch(params), state
 
 
 def explicit_training(tx, windows):
   mesh = jax.make_mesh(
     (NUM_DEVICES,), ('data',), devices=jax.devices()[:NUM_DEVICES]
   )
-  params, _ = harness.train_explicit(tx, harness.init_params(), windows, mesh)
+  params, _ = harness.train_explicit(tx, helpers.init_params(), windows, mesh)
   return params
 
 
@@ -261,7 +262,7 @@ def test_reduce_on_plateau_under_data_parallelism(mode):
   over all of them (the harness closes the last window with emit_now)."""
   if mode == 'explicit' and not _typed_sharding.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
-  windows = harness.make_windows(PLATEAU_WINDOWS, NUM_DEVICES, seed=4)
+  windows = helpers.make_windows(PLATEAU_WINDOWS, NUM_DEVICES, seed=4)
   expected = full_batch_with_value(plateau_inner(), windows)
   expected_params = expected[-1][0]
   assert min(plateau_scale(s) for _, s in expected) < 1.0
@@ -302,7 +303,7 @@ def budget_windows(k, seed=5):
   capped by k = 3, one closed by the budget after 2 micro-steps)."""
   micro = [
     b
-    for w in harness.make_windows((4, 4, 4), NUM_DEVICES, seed=seed)
+    for w in helpers.make_windows((4, 4, 4), NUM_DEVICES, seed=seed)
     for b in w
   ]
   counts = [int(np.sum(b['mask'])) for b in micro]
@@ -320,8 +321,8 @@ def test_budget_closes_windows_where_the_tokens_reach_it():
   k = BUDGET_K
   windows, sizes = budget_windows(k)
   assert len(set(sizes)) > 1 and max(sizes) == k and min(sizes) < k
-  expected = harness.full_batch_with_bounds(
-    harness.adamw(), harness.init_params(), windows[:-1]
+  expected = helpers.full_batch(
+    harness.adamw(), helpers.init_params(), windows[:-1]
   )
   tx = tokacc.token_weighted_multistep(
     harness.adamw(), k, tokens_per_update=BUDGET
@@ -344,9 +345,7 @@ def test_budget_over_all_devices(mode):
     pytest.skip('reduced/unreduced types need jax >= 0.10')
   k = BUDGET_K
   windows, sizes = budget_windows(k)
-  expected = harness.full_batch_with_bounds(
-    harness.adamw(), harness.init_params(), windows
-  )
+  expected = helpers.full_batch(harness.adamw(), helpers.init_params(), windows)
   flat = [[b for w in windows for b in w]]  # the transform finds the windows
   if mode == 'shard_map':
     tx = tokacc.token_weighted_multistep(
@@ -375,7 +374,7 @@ def pmap_training(k, windows):
   step = dp.pmap_step(tx, devices=devices)
   params = jax.tree.map(
     lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
-    harness.init_params(),
+    helpers.init_params(),
   )
   state = jax.pmap(tx.init, devices=devices)(params)
   micro = [b for w in windows for b in w]
@@ -399,8 +398,8 @@ def test_budget_costs_one_scalar_all_reduce_per_micro_step():
     axis_types=(jax.sharding.AxisType.Auto,),
     devices=jax.devices()[:NUM_DEVICES],
   )
-  params = harness.init_params()
-  batch = harness.make_windows((1,), NUM_DEVICES)[0][0]
+  params = helpers.init_params()
+  batch = helpers.make_windows((1,), NUM_DEVICES)[0][0]
   for budget, expected in ((None, []), (BUDGET, [(('f32', (4,)),)])):
     tx = tokacc.token_weighted_multistep(
       harness.adamw(), K, axis_name='data', tokens_per_update=budget
@@ -427,14 +426,14 @@ def test_budget_survives_a_mid_window_checkpoint(tmp_path):
   step = jax.jit(
     lambda p, s, b: (lambda out: (optax.apply_updates(p, out[0]), out[1]))(
       tx.update(
-        jax.grad(harness.loss_sum)(p, b),
+        jax.grad(helpers.loss_sum)(p, b),
         s,
         p,
-        num_tokens=harness.token_count(b),
+        num_tokens=helpers.token_count(b),
       )
     )
   )
-  params = jax.tree.map(jnp.asarray, harness.init_params())
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
   train_state = (params, tx.init(params))
   stop = 1
   for batch in micro[:stop]:
@@ -460,10 +459,8 @@ def test_inner_that_takes_no_value_gets_none():
       optax.sgd(0.05), optax.sgd(0.05), sync_period=2, opaque_mode=False
     )
 
-  windows = harness.make_windows((K,) * 4, NUM_DEVICES, seed=2)
-  expected = harness.full_batch_with_bounds(
-    sam(), harness.init_params(), windows
-  )
+  windows = helpers.make_windows((K,) * 4, NUM_DEVICES, seed=2)
+  expected = helpers.full_batch(sam(), helpers.init_params(), windows)
   tx = tokacc.token_weighted_multistep(sam(), K)
   params, _ = single_device(tx, windows)  # passes loss= on every micro-step
   assert_within_round_off(params, expected)
