@@ -758,6 +758,8 @@ def test_resume_mid_window_is_bit_identical(tmp_path, variant):
     chex.assert_trees_all_equal(host(resumed), host(expected))
 
 
+# Per process; loaded 2 cores (issue 33).
+CHILD_LIMIT_S = 600
 _CHILD = """
 import sys
 import jax
@@ -783,6 +785,7 @@ def child(role, path, variant):
 
 
 @pytest.mark.timeout(1500)  # two processes of up to 600 s each
+@pytest.mark.waits_on_processes(2 * CHILD_LIMIT_S)  # one after the other
 @pytest.mark.slow  # starts Python processes
 def test_resume_mid_window_in_new_processes(tmp_path):
   variant = 'hsdp_compensated_skip'
@@ -795,7 +798,7 @@ def test_resume_mid_window_in_new_processes(tmp_path):
       [sys.executable, '-c', code, role, path, variant],
       capture_output=True,
       text=True,
-      timeout=600,  # per process; loaded 2 cores (issue 33)
+      timeout=CHILD_LIMIT_S,
       env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]

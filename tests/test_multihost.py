@@ -18,13 +18,17 @@ import multihost_worker as worker
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # each test starts Python processes
-
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 2
 # Per worker process: 83 s on 2 loaded cores (load 17), 58 s CPU for the
 # module; 600 s is 7x (issue 33).
 TIMEOUT_S = 600
+
+pytestmark = [
+  pytest.mark.slow,  # each test starts Python processes
+  # run_workers waits on each process in turn
+  pytest.mark.waits_on_processes(NUM_PROCESSES * TIMEOUT_S),
+]
 
 
 def free_port():

@@ -341,6 +341,7 @@ main()
 """
 
 
+@pytest.mark.waits_on_processes(TIMEOUT_S)
 @pytest.mark.slow  # starts a Python process
 @pytest.mark.parametrize('mode', ['pmap', 'shard_map'])
 def test_1_data_parallel_skip_closes_window_everywhere(mode):

@@ -456,6 +456,7 @@ TRAINER_LIMIT_S = 10
 
 
 @pytest.mark.timeout(2 * TRAINER_LIMIT_S)
+@pytest.mark.waits_on_processes(TRAINER_LIMIT_S)
 def test_acc_grads_warning_shows_under_default_filters(tmp_path):
   """Issue 41: a plain ``python train.py`` whose library module reads
   ``acc_grads`` under ``jit`` prints the warning once, at that module's
