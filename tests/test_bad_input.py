@@ -17,12 +17,6 @@ import pytest
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding as tokacc_explicit
 
-# A hang (devices in different branches of a collective) fails the test
-# instead of stalling the run (pytest-timeout, thread method: pyproject).
-# Sized far above a run on 2 cores loaded by 8x (load average 17, issue
-# 33: the slowest in-process multi-device tests took <= 25 s there).
-pytestmark = pytest.mark.timeout(300)
-
 PARAMS = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
 GRADS = {'w': jnp.full((2, 3), 0.5), 'b': jnp.ones(3)}
 

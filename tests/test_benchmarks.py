@@ -79,11 +79,6 @@ PATTERNS = {
   'explicit_hsdp': 'explicit HSDP',
 }
 
-pytestmark = [
-  pytest.mark.slow,  # starts a Python process
-  helpers.needs_repository('benchmarks'),
-]
-
 
 # Wall-clock limits of the scripts run here, each at least 5 times a quiet
 # 2-core run's (issue 33: a limit near the run's time fails on a machine
@@ -99,6 +94,16 @@ pytestmark = [
 QUICK_RUN_LIMIT_S = 2000
 EXPLICIT_RUN_LIMIT_S = 600
 DEVICE_CHECK_LIMIT_S = 900
+
+pytestmark = [
+  pytest.mark.slow,  # starts a Python process
+  helpers.needs_repository('benchmarks'),
+  # the most a test waits on: its module fixtures' runs (under -k, one test
+  # may start all three)
+  pytest.mark.waits_on_processes(
+    QUICK_RUN_LIMIT_S + EXPLICIT_RUN_LIMIT_S + DEVICE_CHECK_LIMIT_S
+  ),
+]
 
 
 def run_script(name, *args, limit_s):

@@ -34,12 +34,6 @@ import pytest
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
 
-# A hang (devices in different branches of a collective) fails the test
-# instead of stalling the run (pytest-timeout, thread method: pyproject).
-# Sized far above a run on 2 cores loaded by 8x (load average 17, issue
-# 33: the slowest in-process multi-device tests took <= 25 s there).
-pytestmark = pytest.mark.timeout(300)
-
 # The float32 sums of small integers are exact; the division by the count
 # is rounded once (relative error <= 2**-24), and a count above 2**24 once
 # more when cast to float32 (2**-24 again). Two roundings, and room for the

@@ -12,12 +12,6 @@ import pytest
 
 import optax_tokacc as tokacc
 
-# A hang (devices in different branches of a collective) fails the test
-# instead of stalling the run (pytest-timeout, thread method: pyproject).
-# Sized far above a run on 2 cores loaded by 8x (load average 17, issue
-# 33: the slowest in-process multi-device tests took <= 25 s there).
-pytestmark = pytest.mark.timeout(300)
-
 WINDOW = 2048  # micro-steps in the one long window
 SIZE = 256  # gradient entries
 

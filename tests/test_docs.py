@@ -241,6 +241,7 @@ BLOCKS = docs_blocks() if DOCS.exists() else []
 
 @needs_docs
 @pytest.mark.slow  # each block runs in a Python process
+@pytest.mark.waits_on_processes(TIMEOUT_S)
 @pytest.mark.parametrize('block', BLOCKS, ids=[block.id for block in BLOCKS])
 def test_docs_block_runs(block, tmp_path):
   run_block(block, tmp_path)

@@ -35,11 +35,6 @@ EXAMPLE_SCRIPTS = sorted(
 # Tiny model and data: a few seconds per run, most of it compilation.
 TINY = ('--seq-len', '32', '--d-model', '16', '--layers', '1')
 
-pytestmark = [
-  pytest.mark.slow,  # each test starts Python processes
-  helpers.needs_repository('examples'),
-]
-
 
 # A hang guard for every example run, not a speed check: the tiny sizes
 # used here finish in well under 2 minutes on a quiet 2-core machine (the
@@ -114,6 +109,13 @@ MESH_RUNS = {
   'fsdp=4': ('--mesh', 'fsdp=4', '--micro-batch-size', 1),
   'replica=2,fsdp=2': ('--mesh', 'replica=2,fsdp=2', '--micro-batch-size', 1),
 }
+
+pytestmark = [
+  pytest.mark.slow,  # each test starts Python processes
+  helpers.needs_repository('examples'),
+  # the most a test waits on: train_lm_runs' processes, each in turn
+  pytest.mark.waits_on_processes(len(MESH_RUNS) * EXAMPLE_LIMIT_S),
+]
 # Faster XLA compilation on CPU: most of a tiny run is compiling.
 FAST_COMPILE = {
   'XLA_FLAGS': '--xla_backend_optimization_level=0 '

@@ -34,17 +34,10 @@ import test_reduction_modes as reference
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
 
-# A hang (devices in different branches of a collective) fails the test
-# instead of stalling the run (pytest-timeout, thread method: pyproject).
-# Sized far above a run on 2 cores loaded by 8x (load average 17, issue
-# 33: the slowest in-process multi-device tests took <= 25 s there).
-pytestmark = [
-  pytest.mark.skipif(
-    not _typed_sharding.SUPPORTED,
-    reason='reduced/unreduced types need jax >= 0.10',
-  ),
-  pytest.mark.timeout(300),
-]
+pytestmark = pytest.mark.skipif(
+  not _typed_sharding.SUPPORTED,
+  reason='reduced/unreduced types need jax >= 0.10',
+)
 
 K = 4
 WINDOW_SIZES = (K, K, K)

@@ -64,12 +64,6 @@ import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
 from optax_tokacc import flax as tokacc_flax
 
-# A hang (devices in different branches of a collective) fails the test
-# instead of stalling the run (pytest-timeout, thread method: pyproject).
-# Sized far above a run on 2 cores loaded by 8x (load average 17, issue
-# 33: the slowest in-process multi-device tests took <= 25 s there).
-pytestmark = pytest.mark.timeout(300)
-
 NUM_DEVICES = 4
 SIZES = (2, 3, 1)  # micro-batches of each window, as the host closes them
 EVERY_K = 2  # the schedule, which the host-closed windows do not follow

@@ -40,11 +40,6 @@ import test_explicit as explicit
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
 
-# Collectives on several devices: a hang (devices in different branches)
-# fails instead of stalling the run. The slowest test here takes 14 s on a
-# quiet 2-core machine (-n 0); 120 s is more than 8 times that.
-pytestmark = pytest.mark.timeout(120)
-
 NUM_DEVICES = 4
 EXPLICIT_ONLY = pytest.mark.skipif(
   not _typed_sharding.SUPPORTED,

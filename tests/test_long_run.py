@@ -13,12 +13,6 @@ import test_multistep
 
 import optax_tokacc as tokacc
 
-# A hang (devices in different branches of a collective) fails the test
-# instead of stalling the run (pytest-timeout, thread method: pyproject).
-# Sized far above a run on 2 cores loaded by 8x (load average 17, issue
-# 33: the slowest in-process multi-device tests took <= 25 s there).
-pytestmark = pytest.mark.timeout(300)
-
 INT32_MAX = 2**31 - 1
 UNIT_ROUND_OFF = test_multistep.UNIT_ROUND_OFF  # float32
 NUM_MICRO_STEPS = 3000

@@ -18,13 +18,19 @@ import multihost_worker as worker
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # each test starts Python processes
+from optax_tokacc import _typed_sharding
 
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 2
 # Per worker process: 83 s on 2 loaded cores (load 17), 58 s CPU for the
 # module; 600 s is 7x (issue 33).
 TIMEOUT_S = 600
+
+pytestmark = [
+  pytest.mark.slow,  # each test starts Python processes
+  # run_workers waits on each process in turn
+  pytest.mark.waits_on_processes(NUM_PROCESSES * TIMEOUT_S),
+]
 
 
 def free_port():
@@ -109,7 +115,7 @@ def test_two_processes_hsdp_equal_full_batch(tmp_path):
 def test_two_processes_explicit_ddp_equal_full_batch(tmp_path):
   """Explicit sharding under plain ``jax.jit``, parameters typed reduced
   over the data axis of both processes' devices."""
-  if not worker.tokacc._explicit.SUPPORTED:
+  if not _typed_sharding.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
   out = tmp_path / 'result.npz'
   run_workers(out, mode='explicit')
@@ -145,7 +151,7 @@ def test_two_processes_zero1_equal_full_batch(tmp_path):
   over it by ``init_sharded(..., shard_optimizer_over=('data',))``, so that
   each device holds a quarter of them; training equals full-batch AdamW.
   A hang in a collective fails the test after ``TIMEOUT_S``."""
-  if not worker.tokacc._explicit.SUPPORTED:
+  if not _typed_sharding.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
   out = tmp_path / 'result.npz'
   run_workers(out, mode='zero1')

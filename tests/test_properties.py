@@ -14,16 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 import test_multistep
 
 import optax_tokacc as tokacc
-
-# A hang (devices in different branches of a collective) fails the test
-# instead of stalling the run (pytest-timeout, thread method: pyproject).
-# Sized far above a run on 2 cores loaded by 8x (load average 17, issue
-# 33: the slowest in-process multi-device tests took <= 25 s there).
-pytestmark = pytest.mark.timeout(300)
 
 MAX_TOKENS = 6  # token positions per micro-batch
 FEATURES = 3

@@ -50,6 +50,7 @@ def test_readme_has_a_quickstart_program():
 
 
 @pytest.mark.slow  # each block runs in a Python process
+@pytest.mark.waits_on_processes(test_docs.TIMEOUT_S)
 @pytest.mark.parametrize('block', BLOCKS, ids=[block.id for block in BLOCKS])
 def test_readme_block_runs(block, tmp_path):
   assert not block.skip, 'every block of the README is a complete program'

@@ -28,12 +28,6 @@ from test_multistep import Reference
 import optax_tokacc as tokacc
 from optax_tokacc import flax as tokacc_flax
 
-# A hang (devices in different branches of a collective) fails the test
-# instead of stalling the run (pytest-timeout, thread method: pyproject).
-# Sized far above a run on 2 cores loaded by 8x (load average 17, issue
-# 33: the slowest in-process multi-device tests took <= 25 s there).
-pytestmark = pytest.mark.timeout(1200)  # above 2 x TIMEOUT_S below
-
 FEATURES = 3
 SEQS, SEQ_LEN = 2, 4  # a micro-batch holds up to 8 counted tokens
 K = 3
@@ -341,6 +335,7 @@ main()
 """
 
 
+@pytest.mark.waits_on_processes(TIMEOUT_S)
 @pytest.mark.slow  # starts a Python process
 @pytest.mark.parametrize('mode', ['pmap', 'shard_map'])
 def test_1_data_parallel_skip_closes_window_everywhere(mode):

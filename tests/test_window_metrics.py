@@ -52,12 +52,6 @@ import test_explicit
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
 
-# Collectives on several devices (shard_map, explicit sharding): a hang
-# (devices in different branches of a collective) fails the test instead of
-# stalling the run (pytest-timeout, thread method: pyproject). The slowest
-# test here takes 10.4 s on a quiet 2-core run (issue 33): 300 s is 29x.
-pytestmark = pytest.mark.timeout(300)
-
 # Explicit sharding (parameters typed reduced) and ZeRO-1 need jax >= 0.10.
 needs_explicit = pytest.mark.skipif(
   not _typed_sharding.SUPPORTED,
@@ -482,7 +476,7 @@ print('updates', int(tokacc.find_state(state).gradient_step))
 TRAINER_LIMIT_S = 10
 
 
-@pytest.mark.timeout(2 * TRAINER_LIMIT_S)
+@pytest.mark.waits_on_processes(TRAINER_LIMIT_S)
 def test_acc_grads_warning_shows_under_default_filters(tmp_path):
   """Issue 41: a plain ``python train.py`` whose library module reads
   ``acc_grads`` under ``jit`` prints the warning once, at that module's

@@ -25,12 +25,6 @@ import pytest
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
 
-# A hang (devices in different branches of a collective) fails the test
-# instead of stalling the run (pytest-timeout, thread method: pyproject).
-# Sized far above a run on 2 cores loaded by 8x (load average 17, issue
-# 33: the slowest in-process multi-device tests took <= 25 s there).
-pytestmark = pytest.mark.timeout(300)
-
 K = 3
 NUM_DEVICES = 4
 # Not derived, for the two inners that full_batch_with_bounds's argument

@@ -30,12 +30,6 @@ import test_boundaries as boundaries
 
 import optax_tokacc as tokacc
 
-# A hang (devices in different branches of a collective) fails the test
-# instead of stalling the run (pytest-timeout, thread method: pyproject).
-# Sized far above a run on 2 cores loaded by 8x (load average 17, issue
-# 33: the slowest in-process multi-device tests took <= 25 s there).
-pytestmark = pytest.mark.timeout(300)
-
 # Sums of small numbers exact in float32, one rounded division by the count
 # (see test_boundaries).
 DIVISION_RTOL = boundaries.DIVISION_RTOL
