@@ -221,7 +221,14 @@ def _check_same_leaves(expected: dict, saved: dict) -> None:
     )
 
 
-def _refuse_leaf(path, shape, dtype, x, legacy: dict, saved: dict) -> None:
+def _refuse_leaf(
+  path: tuple[str, ...],
+  shape: tuple[int, ...],
+  dtype: Any,
+  x: Any,
+  legacy: dict,
+  saved: dict,
+) -> None:
   """The error for a saved leaf that does not fit its target ``x``."""
   for prefix, node in legacy.items():
     if path[: len(prefix)] == prefix:

@@ -21,7 +21,7 @@ back (TwoSum in at least float32), so that a low-precision accumulator keeps
 about twice its precision over long windows.
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ def _compensated_add(
   return new_total, new_error.astype(total.dtype)
 
 
-def _restarted(trees, restart: jax.Array, select: bool = False):
+def _restarted(trees: Any, restart: jax.Array, select: bool = False) -> Any:
   """``trees``, or zeros like them if ``restart``, in a ``lax.cond``.
 
   Not a select fused into the add: a select on a scalar puts a broadcast in
@@ -87,7 +87,7 @@ def accumulate(
   return jax.tree.transpose(jax.tree.structure(grad_sums), None, added)
 
 
-def window_sums(window, compensated: bool) -> optax.Updates:
+def window_sums(window: Any, compensated: bool) -> optax.Updates:
   """The window's sums (``_base.Window``): with compensation, ``total +
   error`` in >= float32."""
   if not compensated:

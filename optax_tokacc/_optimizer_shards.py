@@ -36,7 +36,13 @@ from optax_tokacc import _base
 from optax_tokacc import _typed_sharding
 
 
-def state_specs(params, param_specs, shard_over, axis_name, mesh) -> Any:
+def state_specs(
+  params: optax.Params,
+  param_specs: Any,
+  shard_over: Any,
+  axis_name: Optional[_base.AxisName],
+  mesh: Optional[jax.sharding.Mesh],
+) -> Any:
   """The specs of ``inner``'s parameter-shaped state, per parameter, with
   ``shard_optimizer_over=shard_over``: the parameter's spec, sharded over
   the axes on its first dimension that is not already split and that the
@@ -130,7 +136,12 @@ def _scattered(
   return target if target and _typed_sharding.unreduced(leaf) >= axes else None
 
 
-def _targets(inner, inner_state, grads, axes) -> tuple:
+def _targets(
+  inner: optax.GradientTransformation,
+  inner_state: optax.OptState,
+  grads: optax.Updates,
+  axes: frozenset,
+) -> tuple:
   """Per gradient leaf, the ``ShardTarget`` its parameter's state gives."""
   leaves, treedef = jax.tree.flatten(grads)
   found = [set() for _ in leaves]

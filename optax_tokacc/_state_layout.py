@@ -156,7 +156,14 @@ def state_partition_specs(
   return jax.tree.map(keep, specs)
 
 
-def _specs(tx, params, param_specs, axis_name, shard_over, mesh) -> Any:
+def _specs(
+  tx: optax.GradientTransformation,
+  params: optax.Params,
+  param_specs: Optional[Any],
+  axis_name: Optional[_base.AxisName],
+  shard_over: Optional[Any],
+  mesh: Optional[jax.sharding.Mesh],
+) -> Any:
   """:func:`state_partition_specs` but ``manual_axes``: the full layout."""
   # None: the specs in the parameters' types
   param_specs = (

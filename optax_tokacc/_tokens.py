@@ -32,7 +32,9 @@ _PART_BITS = 11
 _MASK = (1 << _PART_BITS) - 1
 
 
-def as_count(num_tokens: jax.typing.ArrayLike, token_dtype) -> jax.Array:
+def as_count(
+  num_tokens: jax.typing.ArrayLike, token_dtype: jax.typing.DTypeLike
+) -> jax.Array:
   """``num_tokens`` in ``token_dtype``, or -1 if it is not a valid count.
 
   Under an integer ``token_dtype`` a valid count is a whole number in
@@ -77,7 +79,9 @@ def to_parts(count: jax.Array) -> jax.Array:
   return jnp.stack([p.astype(jnp.float32) for p in [*parts, count < 0]])
 
 
-def from_parts(parts: jax.Array, token_dtype) -> tuple[jax.Array, jax.Array]:
+def from_parts(
+  parts: jax.Array, token_dtype: jax.typing.DTypeLike
+) -> tuple[jax.Array, jax.Array]:
   """The total count of summed :func:`to_parts`, and whether it is valid."""
   no_invalid = parts[-1] == 0
   if not jnp.issubdtype(token_dtype, jnp.integer):

@@ -149,7 +149,14 @@ class TrainState(train_state.TrainState, _Accumulating):
   _PLAIN = 'flax.training.train_state.TrainState'
 
   @classmethod
-  def create(cls, *, apply_fn, params, tx, **kwargs) -> 'TrainState':
+  def create(
+    cls,
+    *,
+    apply_fn: Any,
+    params: Any,
+    tx: optax.GradientTransformation,
+    **kwargs: Any,
+  ) -> 'TrainState':
     """Creates a state with ``step=0``, ``micro_step=0`` and ``tx``'s state.
 
     Args:
