@@ -109,11 +109,12 @@ def row_counts(state: Any) -> list[int]:
   leaves = jax.tree.leaves(per_device(state))
   if layout != _TYPED:
     return [leading(x) for x in leaves]
-  mesh_sizes = lambda x: dict(getattr(_typed_sharding.mesh_of(x), 'shape', {}))  # noqa: E731
-  return [
-    int(np.prod([mesh_sizes(x)[a] for a in _typed_sharding.unreduced(x)]))
-    for x in leaves
-  ]
+
+  def devices(x):  # those whose partial sums x holds: 1 for a whole leaf
+    sizes = dict(getattr(_typed_sharding.mesh_of(x), 'shape', {}))
+    return int(np.prod([sizes[a] for a in _typed_sharding.unreduced(x)]))
+
+  return [devices(x) for x in leaves]
 
 
 def put_back(state: Any, ref: Any) -> Any:
@@ -193,8 +194,7 @@ def _window_totals(rows: dict[str, Any], at_boundary: bool) -> dict[str, Any]:
   grads, errors = rows['grad_sums'], rows['acc_compensation']
   compensated = bool(jax.tree.leaves(errors))
   if at_boundary:
-    zeros = lambda x: jnp.zeros_like(x[0])  # noqa: E731
-    grad_totals, error_totals = jax.tree.map(zeros, (grads, errors))
+    grad_totals, error_totals = jax.tree.map(_zeros_of_a_row, (grads, errors))
   elif compensated:
     merged = jax.tree.map(_compensated.merge_rows, grads, errors)
     structure = jax.tree.structure(grads)
@@ -215,6 +215,10 @@ def _window_totals(rows: dict[str, Any], at_boundary: bool) -> dict[str, Any]:
     'acc_loss': jnp.sum(rows['acc_loss'], axis=0),
     'skip_state': jax.tree.map(_combined, rows['skip_state']),
   }
+
+
+def _zeros_of_a_row(rows: jax.Array) -> jax.Array:
+  return jnp.zeros_like(rows[0])
 
 
 def _combined(rows: jax.Array) -> jax.Array:
