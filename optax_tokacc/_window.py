@@ -48,10 +48,17 @@ def stored_norms(norms: _base.WindowNorms) -> tuple[Any, Any]:
 
 
 def nan_norms(config: _base.Config, grads: optax.Updates) -> _base.WindowNorms:
-  """The norms of no window: NaN, in the trees ``config`` asks for."""
-  nan = jnp.full([], jnp.nan, jnp.float32)
-  leaves = jax.tree.map(lambda _: nan, grads) if config.leaf_norms else ()
-  return _base.WindowNorms(nan, nan, leaves, leaves)
+  """The norms of no window: NaN, in the trees ``config`` asks for, each
+  its own array (``init``'s state is donated whole: a buffer held twice
+  cannot be)."""
+
+  def nan(_=None):
+    return jnp.full([], jnp.nan, jnp.float32)
+
+  def leaves():
+    return jax.tree.map(nan, grads) if config.leaf_norms else ()
+
+  return _base.WindowNorms(nan(), nan(), leaves(), leaves())
 
 
 def micro_batch(

@@ -388,6 +388,29 @@ def test_nan_before_the_first_window_kept_by_empty_and_dropped_windows():
   assert int(state.dropped_windows) == 1
 
 
+@pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
+def test_a_state_from_init_is_donated_whole(window_norms):
+  """``tx.init``'s state holds each NaN norm in its own array, so that a
+  step that donates it runs (a buffer held by two leaves cannot be
+  donated: 4b3827a's init failed on its first donated call)."""
+  params = {'w': jnp.ones(3), 'b': jnp.zeros(2)}
+  tx = tokacc.token_weighted_multistep(
+    optax.adamw(1e-3), 2, window_norms=window_norms
+  )
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state):
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, state = tx.update(grads, state, params, num_tokens=3)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  buffers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)]
+  assert len(set(buffers)) == len(buffers)
+  params, state = step(jax.tree.map(jnp.copy, params), state)
+  assert int(state.mini_step) == 1
+
+
 def chex_equal(a, b):
   for x, y in zip(a, b):
     np.testing.assert_array_equal(x, y)
