@@ -39,6 +39,7 @@ saved (micro-step, tokens, the sum of the gradient sums)::
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import resource
@@ -317,23 +318,26 @@ def _checked(saved, restored):
   return 'ok'
 
 
-def measure(args, model_name, flow, package, folder):
-  """The rows of one model and flow: each pair's save and restore."""
+def measure(args, model_name, flows, folder):
+  """The rows of one model: each pair's save and restore, by each flow
+  (name -> its package's folder) in turn, so that load spreads over all."""
   options = ['--models', model_name, '--repeats', args.repeats]
   options += ['--quick'] if args.quick else []
   saves, rows = {}, []
-  for saved_on, restored_on in args.pairs:
+  for (saved_on, restored_on), flow in itertools.product(args.pairs, flows):
     print(
       f'  {model_name} {flow}: {saved_on} -> {restored_on}', file=sys.stderr
     )
-    if saved_on not in saves:
+    if (flow, saved_on) not in saves:
       path = os.path.join(folder, f'{model_name}_{flow}_{saved_on}')
       worker_args = ['--worker', 'save', '--devices', saved_on, '--path', path]
-      saves[saved_on] = _run_worker(flow, package, *worker_args, *options)
-    saved = saves[saved_on]
+      saves[flow, saved_on] = _run_worker(
+        flow, flows[flow], *worker_args, *options
+      )
+    saved = saves[flow, saved_on]
     worker_args = ['--worker', 'restore', '--devices', restored_on]
     worker_args += ['--path', saved['path']]
-    restored = _run_worker(flow, package, *worker_args, *options)
+    restored = _run_worker(flow, flows[flow], *worker_args, *options)
     rows.append(
       {
         'model': model_name,
@@ -399,8 +403,7 @@ def main(argv=None):
   rows = []
   try:
     for model_name in args.models:
-      for flow, package in flows.items():
-        rows += measure(args, model_name, flow, package, folder)
+      rows += measure(args, model_name, flows, folder)
   finally:
     shutil.rmtree(folder, ignore_errors=True)
   load.append(os.getloadavg())
