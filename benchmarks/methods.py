@@ -100,9 +100,16 @@ def multisteps(case):
   return _optax(case, optax.MultiSteps(case.adamw, case.k), loss='mean')
 
 
-def tokacc_apply_updates(case):
+def tokacc_apply_updates(case, **options):
   """``token_weighted_multistep(adamw, k)``, ``optax.apply_updates``."""
-  return _optax(case, tokacc.token_weighted_multistep(case.adamw, case.k))
+  tx = tokacc.token_weighted_multistep(case.adamw, case.k, **options)
+  return _optax(case, tx)
+
+
+def tokacc_per_leaf(case):
+  """``tokacc`` with ``window_norms='per_leaf'``: each leaf's gradient
+  and update norm at the close, beside the global ones."""
+  return tokacc_apply_updates(case, window_norms='per_leaf')
 
 
 def tokacc_chain(case):
@@ -175,6 +182,12 @@ def tokacc_host_no_norms(case):
   """``tokacc_host`` with ``window_norms=False`` (no gradient or update
   norm at the close: the opt-out for the host's closing program)."""
   return tokacc_host(case, window_norms=False)
+
+
+def tokacc_host_per_leaf(case):
+  """``tokacc_host`` with ``window_norms='per_leaf'`` (each leaf's norms
+  in the host's closing program)."""
+  return tokacc_host(case, window_norms='per_leaf')
 
 
 def microbatched(case):
@@ -312,10 +325,12 @@ METHODS = {
   'ideal': ideals.ideal,
   'multisteps': multisteps,
   'tokacc': tokacc_apply_updates,
+  'tokacc_per_leaf': tokacc_per_leaf,
   'tokacc_chain': tokacc_chain,
   'tokacc_device': tokacc_device,
   'tokacc_host': tokacc_host,
   'tokacc_host_no_norms': tokacc_host_no_norms,
+  'tokacc_host_per_leaf': tokacc_host_per_leaf,
   'tokacc_flax': _flax('tokacc_flax'),
   'tokacc_nnx': _flax('tokacc_nnx'),
   'microbatched': microbatched,

@@ -35,10 +35,12 @@ METHODS = (  # in run.py's order
   'ideal',
   'multisteps',
   'tokacc',
+  'tokacc_per_leaf',
   'tokacc_chain',
   'tokacc_device',
   'tokacc_host',
   'tokacc_host_no_norms',
+  'tokacc_host_per_leaf',
   'tokacc_flax',
   'tokacc_nnx',
   'microbatched',
@@ -94,6 +96,9 @@ PATTERNS = {
 QUICK_RUN_LIMIT_S = 2000
 EXPLICIT_RUN_LIMIT_S = 600
 DEVICE_CHECK_LIMIT_S = 900
+# checkpoint.py --quick --models mlp with this checkout as the baseline:
+# 12 processes, 30 CPU s (28 s wall at load average 2-4).
+CHECKPOINT_LIMIT_S = 600
 
 pytestmark = [
   pytest.mark.slow,  # starts a Python process
@@ -481,3 +486,63 @@ def test_device_check_without_an_accelerator_says_so_in_one_line(tmp_path):
   lines = result.stderr.strip().splitlines()
   assert lines[-1].startswith('device_check: no accelerator found'), lines
   assert 'Traceback' not in result.stderr
+
+
+CHECKPOINT_PAIRS = {(1, 1), (4, 4), (4, 2), (4, 1)}
+
+
+@pytest.fixture(scope='module')
+def checkpoint_results(tmp_path_factory):
+  """``python -m benchmarks.checkpoint --quick --models mlp``, with this
+  checkout as the ``--baseline`` (0.5.0's flow on today's package: the
+  same save, a target without the saved rows)."""
+  out = tmp_path_factory.mktemp('checkpoint') / 'checkpoint.json'
+  result = run_script(
+    'checkpoint',
+    '--quick',
+    '--models',
+    'mlp',
+    '--baseline',
+    REPO,
+    '--out',
+    out,
+    limit_s=CHECKPOINT_LIMIT_S,
+  )
+  assert result.returncode == 0, result.stdout + result.stderr
+  return json.loads(out.read_text()), result.stdout
+
+
+def test_checkpoint_times_save_and_restore_on_any_devices(checkpoint_results):
+  """Today's flow restores on as many devices and on fewer (the merge),
+  each part timed, the window checked; 0.5.0's target, with as many rows
+  as the devices at hand, restores only on as many."""
+  results, stdout = checkpoint_results
+  rows = {
+    (row['flow'], row['saved_on'], row['restored_on']): row
+    for row in results['rows']
+  }
+  assert set(rows) == {
+    (flow, *pair) for flow in ('0.5.0', 'now') for pair in CHECKPOINT_PAIRS
+  }
+  restore_parts = {
+    'now': {
+      'orbax_metadata',
+      'checkpoint_target',
+      'orbax_restore',
+      'from_checkpoint',
+    },
+    '0.5.0': {'target', 'orbax_restore', 'from_checkpoint'},
+  }
+  for (flow, saved_on, restored_on), row in rows.items():
+    assert set(row['save_s']) == {'to_checkpoint', 'orbax_save'}, row
+    assert row['checkpoint_bytes'] > 0
+    table_row = f'| mlp | {saved_on} -> {restored_on} | {flow} |'
+    assert table_row in stdout
+    if flow == '0.5.0' and saved_on != restored_on:
+      assert 'is not compatible with the stored shape' in row['check'], row
+      continue
+    assert row['check'] == 'ok', row
+    assert set(row['restore_s']) == restore_parts[flow], row
+    seconds = [*row['save_s'].values(), *row['restore_s'].values()]
+    assert all(s > 0 for each in seconds for s in each), row
+  assert results['machine']['commit'] and results['load_average']
