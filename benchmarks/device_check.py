@@ -205,9 +205,7 @@ def run_tests(args, device, seconds):
     'no:cacheprovider',
     '-n',
     str(workers),
-    '--timeout',
-    '120',
-    *tests,
+    *tests,  # each with the tests' own limit (tests/conftest.py)
   ]
   env = dict(
     os.environ,
