@@ -159,17 +159,37 @@ def merged(state: Any, ref: Any) -> Any:
       'eagerly: call it outside jax.jit.'
     )
   rows = jax.tree.map(_gathered, per_device(state))
-  totals = _window_totals(rows, at_boundary=int(state.mini_step) == 0)
+  at_boundary = int(state.mini_step) == 0
   layout = layout_of(ref)
-  shares = {
-    name: jax.tree.map(
-      functools.partial(_spread, layout, everywhere=name == 'skip_state'),
-      totals[name],
-      getattr(ref, name),
-    )
-    for name in PER_DEVICE
-  }
+  refs = per_device(ref)
+
+  def merge(rows):
+    totals = _window_totals(rows, at_boundary)
+    return {
+      name: jax.tree.map(
+        functools.partial(_spread, layout, everywhere=name == 'skip_state'),
+        totals[name],
+        refs[name],
+      )
+      for name in PER_DEVICE
+    }
+
+  if layout == _PMAP:  # op by op, then placed as pmap holds its values
+    shares = _placed(merge(rows), refs)
+  else:  # one program for every leaf
+    shardings = jax.tree.map(_out_sharding, refs)
+    shares = jax.jit(merge, out_shardings=shardings)(rows)
   return _whole_fields(state, ref)._replace(**shares)
+
+
+def _out_sharding(ref: Any) -> Any:
+  """Where a merged leaf is put: ``ref``'s sharding, or where its types
+  say (partial sums typed unreduced, reduced types, shapes without one)."""
+  sharding = getattr(ref, 'sharding', None)
+  typed = _typed_sharding.unreduced(ref) or _typed_sharding.reduced(ref)
+  if isinstance(sharding, jax.NamedSharding) and not typed:
+    return sharding
+  return None
 
 
 def _gathered(x: Any) -> Any:
@@ -235,19 +255,12 @@ def _spread(layout: str, total: jax.Array, ref: Any, everywhere: bool) -> Any:
   if layout == _TYPED:
     if _typed_sharding.unreduced(ref) and not everywhere:
       return _on_first_device(total, ref)
-    return _placed(total, ref)
+    return _typed_sharding.like(total, ref)
   shape = jnp.shape(ref)  # (devices, [1,] *total's shape)
+  if everywhere:
+    return jnp.broadcast_to(total, shape)
   first = (0,) * (len(shape) - jnp.ndim(total))
-
-  def build(t):
-    if everywhere:
-      return jnp.broadcast_to(t, shape)
-    return jnp.zeros(shape, t.dtype).at[first].set(t)
-
-  sharding = getattr(ref, 'sharding', None)
-  if isinstance(sharding, jax.NamedSharding):  # built on the devices
-    return jax.jit(build, out_shardings=sharding)(total)
-  return _placed(build(total), ref)
+  return jnp.zeros(shape, total.dtype).at[first].set(total)
 
 
 def _on_first_device(total: jax.Array, ref: Any) -> jax.Array:
