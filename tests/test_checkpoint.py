@@ -110,6 +110,7 @@ def uninterrupted(variant):
   return train(make_step(tx), (params, tx.init(params)), 0, NUM_MICRO_STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   'variant, stop_at', [('adamw_clip', 6), ('compensated_skip', 9)]
 )
@@ -141,6 +142,7 @@ def as_saved_by_0_4(opt_state):
   return fields
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_before_the_rename_resumes_bit_identical(tmp_path):
   """The CHANGELOG's recipe for a checkpoint saved by 0.4 (before
   ``acc_grads`` became ``grad_sums``): restore into a target shaped like the

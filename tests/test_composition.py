@@ -344,7 +344,10 @@ INNER_OPTIMIZERS = {
 # (name, whether the step passes loss=): every optimizer with it, sam also
 # without it (its update takes no value=, so inner is then given none).
 INNER_CASES = [
-  pytest.param(name, True, id=name) for name in sorted(INNER_OPTIMIZERS)
+  pytest.param(
+    name, True, id=name, marks=pytest.mark.slow if name == 'muon' else ()
+  )
+  for name in sorted(INNER_OPTIMIZERS)
 ]
 INNER_CASES.append(pytest.param('sam', False, id='sam_without_loss'))
 

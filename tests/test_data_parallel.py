@@ -131,8 +131,18 @@ def check_against_full_batch(mode, make_optimizer, dtype):
   return windows
 
 
-@pytest.mark.parametrize('optimizer_name', sorted(OPTIMIZERS))
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize(
+  ('mode', 'optimizer_name'),
+  [
+    pytest.param(
+      mode,
+      name,
+      marks=pytest.mark.slow if (mode, name) == ('pmap', 'adamw') else (),
+    )
+    for mode in MODES
+    for name in sorted(OPTIMIZERS)
+  ],
+)
 def test_equals_full_batch_float32(mode, optimizer_name):
   windows = check_against_full_batch(
     mode, OPTIMIZERS[optimizer_name], np.float32
@@ -147,7 +157,11 @@ def test_equals_full_batch_float32(mode, optimizer_name):
   assert all(len(set(c.tolist())) > 1 for c in counts)
 
 
-@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize(
+  'mode',
+  [pytest.param('pmap', marks=pytest.mark.slow)]
+  + [mode for mode in MODES if mode != 'pmap'],
+)
 def test_equals_full_batch_float64(mode):
   with jax.enable_x64(True):
     check_against_full_batch(mode, harness.adamw, np.float64)

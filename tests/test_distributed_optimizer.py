@@ -316,6 +316,7 @@ def test_state_is_sharded_and_a_fixed_point_of_the_step(
   assert jax.tree.map(lambda x: str(jax.typeof(x)), trained) == types
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('layout', sorted(LAYOUTS))
 def test_checkpoint_mid_window_resumes_bit_identically(layout):
   windows = make_windows()
@@ -463,7 +464,15 @@ def one_window(make_inner, shard_over):
 NORMS = ('lamb', 'adafactor')
 
 
-@pytest.mark.parametrize('name', sorted(COMPOSITIONS))
+@pytest.mark.parametrize(
+  'name',
+  [
+    pytest.param(
+      name, marks=pytest.mark.slow if name == 'apply_if_finite' else ()
+    )
+    for name in sorted(COMPOSITIONS)
+  ],
+)
 def test_compositions_equal_explicit_ddp(name):
   """Every ``inner`` of the list runs on the shards and gives explicit
   DDP's parameters and state after a window: bit for bit where ``inner``

@@ -25,6 +25,9 @@ import test_multistep
 
 import optax_tokacc as tokacc
 
+# Each test takes 5 s or more of a core (--durations=0).
+pytestmark = pytest.mark.slow
+
 FEATURES, WIDTH = 3, 4
 SEQS, SEQ_LEN = 2, 4  # a micro-batch holds up to 8 counted tokens
 K = 3

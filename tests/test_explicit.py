@@ -201,8 +201,20 @@ def plain(tree):
   )
 
 
-@pytest.mark.parametrize('spelling', ['replicated', 'unreduced'])
-@pytest.mark.parametrize('layout', ['ddp', 'hsdp', 'fsdp', 'replicated'])
+@pytest.mark.parametrize(
+  ('layout', 'spelling'),
+  [
+    pytest.param(
+      layout,
+      spelling,
+      marks=pytest.mark.slow
+      if (layout, spelling) == ('ddp', 'replicated')
+      else (),
+    )
+    for spelling in ('replicated', 'unreduced')
+    for layout in ('ddp', 'hsdp', 'fsdp', 'replicated')
+  ],
+)
 def test_equals_full_batch(layout, spelling):
   if layout in ('fsdp', 'replicated') and spelling == 'unreduced':
     pytest.skip('one spelling suffices where gradients are not unreduced')
@@ -239,8 +251,18 @@ STATE_BUILDERS = {
 }
 
 
-@pytest.mark.parametrize('way', sorted(STATE_BUILDERS))
-@pytest.mark.parametrize('layout', ['ddp', 'hsdp', 'fsdp', 'replicated'])
+@pytest.mark.parametrize(
+  ('layout', 'way'),
+  [
+    pytest.param(
+      layout,
+      way,
+      marks=pytest.mark.slow if (layout, way) == ('hsdp', 'restored') else (),
+    )
+    for way in sorted(STATE_BUILDERS)
+    for layout in ('ddp', 'hsdp', 'fsdp', 'replicated')
+  ],
+)
 def test_every_way_to_build_the_state_trains_exactly(layout, way):
   """Each way users build the state trains as full batch does, and the
   step keeps the state's types and shardings (a fixed point)."""
@@ -272,6 +294,7 @@ def typed(tree):
   )
 
 
+@pytest.mark.slow
 def test_clip_by_global_norm_sees_the_global_norm():
   """Clipping inside ``inner`` acts (the norm is above 1) and is exact:
   it sees the norm of the reduced window gradient, not of a partial sum."""
@@ -592,6 +615,7 @@ def test_flax_train_state():
     assert int(ts.step) == len(WINDOW_SIZES)
 
 
+@pytest.mark.slow
 def test_microbatched_value_and_grad_and_token_cross_entropy():
   """In-step micro-batches of a token cross-entropy, accumulated across
   steps with unreduced gradients, equal full-batch training."""
@@ -729,6 +753,7 @@ def host(train_state):
   return jax.tree.map(np.asarray, tokacc.to_checkpoint(train_state))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('variant', sorted(CHECKPOINT_VARIANTS))
 def test_resume_mid_window_is_bit_identical(tmp_path, variant):
   layout = CHECKPOINT_VARIANTS[variant][0]
@@ -964,6 +989,7 @@ def test_token_cross_entropy_partial_sums_need_no_collective():
   assert sites == []
 
 
+@pytest.mark.slow
 def test_a_data_axis_of_one_device():
   """On a mesh whose data axis has one device (the same code on one
   accelerator), partial sums over it are the sum: the state holds no

@@ -233,6 +233,7 @@ def linen_reference_run(clipping):
   return list(zip(states, losses, bounds)), grad_norms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(('every_k', 'in_chain', 'clipping'), FULL_BATCH_CASES)
 def test_linen_train_state_equals_full_batch(every_k, in_chain, clipping):
   state = linen_state(
@@ -264,6 +265,7 @@ def test_linen_train_state_equals_full_batch(every_k, in_chain, clipping):
   assert linen_train_step._cache_size() == compiled, 'retraced'
 
 
+@pytest.mark.slow
 def test_linen_emit_now_is_forwarded():
   state = linen_state(tokacc_flax.TrainState, multistep(4, True))
   micro_batches = split(make_batch(0), 4)
@@ -372,6 +374,7 @@ def nnx_reference_run(clipping):
   return list(zip(params[1:], losses, steps, bounds)), grad_norms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(('every_k', 'in_chain', 'clipping'), FULL_BATCH_CASES)
 def test_nnx_optimizer_equals_full_batch(every_k, in_chain, clipping):
   model = NnxLM(nnx.Rngs(0))

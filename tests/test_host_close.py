@@ -558,6 +558,7 @@ def run_split(tx, dtype, deciders, case):
 WITHOUT_FMA_LIMIT_S = 300  # about 15 s on a quiet 2-core machine
 
 
+@pytest.mark.slow
 @pytest.mark.waits_on_processes(WITHOUT_FMA_LIMIT_S)
 @pytest.mark.parametrize('name', sorted(MIX_CASES))
 def test_host_and_device_decisions_mix_bit_for_bit(name):
@@ -622,6 +623,7 @@ def bit_for_bit_without_fma(name):
 # Windows that emit nothing.
 
 
+@pytest.mark.slow
 def test_closing_a_window_without_tokens():
   """``close=True`` on a window that counted no token: -0.0 updates (the
   parameters keep their bits), the inner state kept, no optimizer step, no
@@ -654,6 +656,7 @@ def test_closing_a_window_without_tokens():
     chex.assert_trees_all_close(params, expected, atol=F64_TOLERANCE)
 
 
+@pytest.mark.slow
 def test_closing_a_window_with_an_invalid_count():
   """A window holding an invalid count (negative, or fractional under the
   int32 counter) is dropped when the host closes it: -0.0 updates, the
@@ -782,6 +785,7 @@ def train_pmap(tx, windows):
   return params, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   'name', ['plain', 'skip_not_finite_compensated', 'mean']
 )
@@ -802,6 +806,7 @@ def test_shard_map_equals_full_batch(name):
     assert int(tokacc.find_state(state).gradient_step) == len(SIZES)
 
 
+@pytest.mark.slow
 def test_pmap_equals_full_batch():
   with jax.enable_x64(True):
     windows = windows64()
@@ -924,6 +929,7 @@ def gradient_shapes(dtype='f32'):
 WINDOW_REDUCTION = gradient_shapes() + [('f32', (4,)), ('f32', ())]
 
 
+@pytest.mark.slow
 def test_single_device_programs():
   """Also: the program of ``close=None`` does hold the ``conditional``
   and AdamW's ``sqrt`` (in its branch) that the checks look for."""
@@ -941,6 +947,7 @@ def test_single_device_programs():
   check_programs(texts)
 
 
+@pytest.mark.slow
 def test_shard_map_programs():
   """Under ``shard_map`` with ``axis_name``: no collective on a micro-step,
   one all-reduce in the closing program, outside any branch."""
@@ -1193,7 +1200,9 @@ def flax_run(framework, tx, feeds, closes):
   return trace
 
 
-@pytest.mark.parametrize('framework', ['linen', 'nnx'])
+@pytest.mark.parametrize(
+  'framework', ['linen', pytest.param('nnx', marks=pytest.mark.slow)]
+)
 def test_flax_host_closed_equals_device_decided(framework):
   """The host closes windows of 2, 3 and 1 micro-batches: the same
   parameters (bit for bit), steps and flags as the device deciding with a

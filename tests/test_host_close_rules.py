@@ -235,7 +235,13 @@ def placed(make_mesh, make_run, with_mesh):
     yield make_run(mesh) + (fetch,)
 
 
-@pytest.mark.parametrize('placement', sorted(DATA_PARALLEL))
+@pytest.mark.parametrize(
+  'placement',
+  [
+    pytest.param(p, marks=pytest.mark.slow if p == 'shard_map' else ())
+    for p in sorted(DATA_PARALLEL)
+  ],
+)
 def test_data_parallel_host_closed_equals_device_decided(placement):
   """The issue's data-parallel case: ``sgd(1.0, momentum=0.9)``, k = 2,
   one window, unequal token counts per device (some devices count none)."""
@@ -334,7 +340,18 @@ COUNTED = {
 }
 
 
-@pytest.mark.parametrize('name', sorted(COUNTED))
+@pytest.mark.parametrize(
+  'name',
+  [
+    pytest.param(
+      name,
+      marks=pytest.mark.slow
+      if name == 'two host calls, then the device'
+      else (),
+    )
+    for name in sorted(COUNTED)
+  ],
+)
 def test_close_none_counts_the_host_calls_of_its_window(name):
   """``close=False`` calls count toward k (``mini_step``): the first
   ``close=None`` call at which the window holds k micro-batches, these
@@ -367,7 +384,13 @@ def test_close_none_counts_the_host_calls_of_its_window(name):
   same_bits(mixed[closing][3].last_loss, host[closing][3].last_loss, 'loss')
 
 
-@pytest.mark.parametrize('placement', sorted(DATA_PARALLEL))
+@pytest.mark.parametrize(
+  'placement',
+  [
+    pytest.param(p, marks=pytest.mark.slow if p == 'shard_map' else ())
+    for p in sorted(DATA_PARALLEL)
+  ],
+)
 def test_the_mean_is_one_reciprocal_in_both_programs(placement):
   """In the compiled programs of ``close=True`` and of ``close=None``, the
   only divisions are of scalars (the reciprocal of the window's count, the

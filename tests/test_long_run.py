@@ -77,6 +77,7 @@ def train_full_batch(params, x, y, mask):
   return params, largest_updates, jnp.max(largest_params)
 
 
+@pytest.mark.slow
 def test_long_run_with_empty_and_non_finite_micro_batches():
   """3,000 micro-steps with empty and NaN/inf micro-batches (rejected): the
   counters, and the parameters against full-batch training on the windows

@@ -56,7 +56,9 @@ def reference_mean_loss(params, batch):
   return -jnp.sum(jnp.where(counted, picked, 0)) / counted.sum()
 
 
-@pytest.mark.parametrize('microbatch_size', [1, 2, 4, 8])
+@pytest.mark.parametrize(
+  'microbatch_size', [pytest.param(1, marks=pytest.mark.slow), 2, 4, 8]
+)
 def test_equals_full_batch_sum(microbatch_size):
   params, batch = init_params(), make_batch(8)
   grad_fn = jax.jit(
@@ -87,6 +89,7 @@ def largest(tree) -> float:
   return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.slow
 def test_gradients_keep_the_parameter_dtype():
   params = init_params(jnp.bfloat16)
   grad_fn = jax.jit(tokacc.microbatched_value_and_grad(loss_fn, 2))
@@ -95,6 +98,7 @@ def test_gradients_keep_the_parameter_dtype():
   assert loss_sum.dtype == jnp.float32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('every_k', [1, 2])
 def test_composes_with_token_weighted_multistep(every_k):
   """Micro-batches inside and across steps equal full-batch training."""

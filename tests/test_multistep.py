@@ -191,8 +191,20 @@ def assert_relative_close(actual, expected, rtol):
     np.testing.assert_array_less(np.abs(a - e).max() / scale, rtol)
 
 
-@pytest.mark.parametrize('optimizer_name', sorted(OPTIMIZERS))
-@pytest.mark.parametrize('use_jit', [True, False])
+@pytest.mark.parametrize(
+  ('use_jit', 'optimizer_name'),
+  [
+    pytest.param(
+      use_jit,
+      name,
+      marks=pytest.mark.slow
+      if not use_jit or (use_jit, name) == (True, 'adam')
+      else (),
+    )
+    for name in sorted(OPTIMIZERS)
+    for use_jit in (True, False)
+  ],
+)
 def test_equals_full_batch_float32(optimizer_name, use_jit):
   optimizer = OPTIMIZERS[optimizer_name]
   windows = make_windows()
@@ -205,7 +217,13 @@ def test_equals_full_batch_float32(optimizer_name, use_jit):
   assert int(state.last_tokens) == sum(TOKEN_COUNTS[-1])
 
 
-@pytest.mark.parametrize('optimizer_name', sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+  'optimizer_name',
+  [
+    pytest.param(name, marks=pytest.mark.slow if name == 'adam' else ())
+    for name in sorted(OPTIMIZERS)
+  ],
+)
 def test_equals_full_batch_float64(optimizer_name):
   optimizer = OPTIMIZERS[optimizer_name]
   with jax.enable_x64(True):
@@ -312,6 +330,7 @@ def test_inner_optimizer_runs_once_per_window():
   assert int(adam_state.count) == len(windows)
 
 
+@pytest.mark.slow
 def test_micro_steps_return_zero_updates_and_keep_inner_state():
   """Micro-steps return zeros and leave SGD's momentum alone; the closing
   step hands it the window's full-batch gradient (unequal token counts)."""
@@ -380,6 +399,7 @@ def test_as_element_of_optax_chain():
   assert_within_round_off(actual, expected)
 
 
+@pytest.mark.slow
 def test_inner_inject_hyperparams_with_schedule():
   """A learning-rate schedule inside `inner` advances once per window."""
 
@@ -407,6 +427,7 @@ def test_inner_hyperparams_can_be_changed_in_state():
   chex.assert_trees_all_close(updates, jax.tree.map(lambda g: -0.25 * g, grads))
 
 
+@pytest.mark.slow
 def test_outer_inject_hyperparams():
   """`every_k_schedule` as an injected (static) hyperparameter."""
   params = init_params()
@@ -461,6 +482,7 @@ def test_zero_token_window_emits_nothing():
   assert_within_round_off(params, expected)
 
 
+@pytest.mark.slow
 def test_skip_not_finite_drops_micro_batch_without_poisoning():
   windows = make_windows()
   params = init_params()
@@ -572,7 +594,9 @@ def test_compiles_once():
   assert int(state.gradient_step) == 6
 
 
-@pytest.mark.parametrize('use_scan', [False, True])
+@pytest.mark.parametrize(
+  'use_scan', [pytest.param(False, marks=pytest.mark.slow), True]
+)
 def test_bfloat16_grads_accumulate_in_float32(use_scan):
   params = init_params(jnp.bfloat16)
   tx = tokacc.token_weighted_multistep(optax.sgd(1.0), every_k_schedule=64)

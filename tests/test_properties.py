@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import test_multistep
 
 import optax_tokacc as tokacc
@@ -165,6 +166,7 @@ def make_data(tokens, seed):
   return x, y, mask
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
 @hypothesis.given(scenarios())
 def test_equals_full_batch_training(scenario):

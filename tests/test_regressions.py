@@ -365,6 +365,7 @@ def test_1_data_parallel_skip_closes_window_everywhere(mode):
   )
 
 
+@pytest.mark.slow
 def test_1_without_axis_name_a_rejected_micro_batch_does_not_advance():
   """As optax.MultiSteps: the window takes K accepted micro-batches."""
   windows = make_windows()
@@ -449,6 +450,7 @@ MIXED_PRECISION = {
 }
 
 
+@pytest.mark.slow
 def test_2_adam_bf16_params_under_pmap():
   """Both settings of MIXED_PRECISION in one pmapped step over 2 devices."""
   devices = jax.devices()[:2]
@@ -777,7 +779,14 @@ def test_6_emit_now_of_wrong_kind_is_refused(emit_now):
     one_update(adam_tx(), 3, emit_now=emit_now)
 
 
-@pytest.mark.parametrize('kind', ['python_bool', 'np_bool', 'traced_bool'])
+@pytest.mark.parametrize(
+  'kind',
+  [
+    pytest.param('python_bool', marks=pytest.mark.slow),
+    'np_bool',
+    'traced_bool',
+  ],
+)
 def test_6_emit_now_closes_the_window(kind):
   inner = optax.adam(LEARNING_RATE)
   tx = adam_tx()

@@ -225,7 +225,9 @@ def check_layout(layout, optimizer, params, state):
 # Exactness against single-device full-batch training.
 
 
-@pytest.mark.parametrize('layout', ['fsdp'] + sorted(LAYOUTS))
+@pytest.mark.parametrize(
+  'layout', [pytest.param('fsdp', marks=pytest.mark.slow)] + sorted(LAYOUTS)
+)
 def test_equals_full_batch(layout):
   """AdamW here; SGD with momentum in the clipping tests below."""
   windows, params = windows_and_params()
@@ -289,7 +291,10 @@ REFERENCE_OPTIMIZERS.update(
 )
 
 
-@pytest.mark.parametrize('optimizer', ['masked_adamw', 'multi', 'adafactor'])
+@pytest.mark.parametrize(
+  'optimizer',
+  ['masked_adamw', 'multi', pytest.param('adafactor', marks=pytest.mark.slow)],
+)
 def test_fsdp_with_masked_or_factored_inner_state(optimizer):
   """``optax.masked`` and ``optax.multi_transform`` (and so
   ``optax.contrib.muon``) keep ``MaskedNode``'s in their state where a

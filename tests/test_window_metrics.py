@@ -263,12 +263,31 @@ def run_explicit(windows, layout, window_norms=True):
   return records
 
 
+# the cases that take 5 s or more of a core (--durations=0)
+SLOW_METRICS = {
+  (True, 'gspmd_fsdp'),
+  ('per_leaf', 'gspmd_fsdp'),
+  (True, 'single'),
+  ('per_leaf', 'single_host'),
+  ('per_leaf', 'fsdp'),
+  ('per_leaf', 'hsdp'),
+}
+
+
 @pytest.mark.parametrize(
-  'placement',
-  ['single', 'single_host', 'shard_map', 'gspmd_fsdp']
-  + [pytest.param(p, marks=needs_explicit) for p in EXPLICIT],
+  ('window_norms', 'placement'),
+  [
+    pytest.param(
+      window_norms,
+      placement,
+      marks=(needs_explicit,) * (placement in EXPLICIT)
+      + (pytest.mark.slow,) * ((window_norms, placement) in SLOW_METRICS),
+    )
+    for placement in ('single', 'single_host', 'shard_map', 'gspmd_fsdp')
+    + EXPLICIT
+    for window_norms in (True, 'per_leaf')
+  ],
 )
-@pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
 def test_equal_full_batch(placement, window_norms):
   """The global norms, and with ``window_norms='per_leaf'`` each leaf's
   (issue 41), against full batch."""
@@ -310,7 +329,9 @@ def test_explicit_fsdp_on_every_jax(monkeypatch):
 
 @needs_explicit
 @pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
-@pytest.mark.parametrize('host_closes', [False, True])
+@pytest.mark.parametrize(
+  'host_closes', [pytest.param(False, marks=pytest.mark.slow), True]
+)
 @pytest.mark.parametrize('layout', sorted(zero1.LAYOUTS))
 def test_zero1_equals_full_batch(layout, host_closes, window_norms):
   """ZeRO-1: the norms of the shards summed over the devices (clip, then

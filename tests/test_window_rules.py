@@ -149,6 +149,7 @@ def test_window_loss_is_what_inner_sees():
   assert float(first_inner[1].best_value) == first_loss
 
 
+@pytest.mark.slow
 def test_lbfgs_without_line_search():
   windows = helpers.make_windows((K,) * 4, NUM_DEVICES, seed=2)
   optimizer = optax.lbfgs(learning_rate=0.05, linesearch=None)
@@ -250,7 +251,9 @@ def explicit_training(tx, windows):
   return params
 
 
-@pytest.mark.parametrize('mode', ['shard_map', 'explicit'])
+@pytest.mark.parametrize(
+  'mode', [pytest.param('shard_map', marks=pytest.mark.slow), 'explicit']
+)
 def test_reduce_on_plateau_under_data_parallelism(mode):
   """With the batch split over 4 devices, ``value`` is the token-mean loss
   over all of them (the harness closes the last window with emit_now)."""
@@ -331,7 +334,10 @@ def test_budget_closes_windows_where_the_tokens_reach_it():
   assert_within_round_off(params, expected)
 
 
-@pytest.mark.parametrize('mode', ['shard_map', 'explicit', 'pmap'])
+@pytest.mark.parametrize(
+  'mode',
+  [pytest.param('shard_map', marks=pytest.mark.slow), 'explicit', 'pmap'],
+)
 def test_budget_over_all_devices(mode):
   """The budget counts the tokens of every device; every device closes at
   the same micro-step (the last window closes early by emit_now)."""
@@ -381,6 +387,7 @@ def pmap_training(k, windows):
   return jax.tree.map(lambda x: np.asarray(x[0]), params)
 
 
+@pytest.mark.slow
 def test_budget_costs_one_scalar_all_reduce_per_micro_step():
   """Under shard_map the budget needs the window's count over all devices
   on every micro-step: one all-reduce of four float32 scalars (the count's
@@ -406,6 +413,7 @@ def test_budget_costs_one_scalar_all_reduce_per_micro_step():
     assert every_step == expected
 
 
+@pytest.mark.slow
 def test_budget_survives_a_mid_window_checkpoint(tmp_path):
   """The window's tokens so far are the state's ``acc_tokens``: a restored
   state closes its window where the uninterrupted run does."""

@@ -88,7 +88,9 @@ GRADS = [[1.0, -2.0], [5.0, 6.0], [3.0, 4.0]]
 # Rule 1: the window's loss.
 
 
-@pytest.mark.parametrize('loss_reduction', ['sum', 'mean'])
+@pytest.mark.parametrize(
+  'loss_reduction', [pytest.param('sum', marks=pytest.mark.slow), 'mean']
+)
 def test_every_counted_micro_batch_brings_its_loss(loss_reduction):
   """With every loss passed, the window's loss is the token-mean loss;
   missing on one micro-batch with tokens, it is NaN (never a number that
