@@ -206,21 +206,31 @@ def find_instruction(module, name):
   raise ValueError(f'No instruction {name!r} in the HLO module.')
 
 
-def reachable_opcodes(module, computation=None):
+def reachable_opcodes(module, computation=None, into_branches=True):
   """Opcodes of every instruction ``computation`` (the entry: None) runs,
-  its callees and branches included, with their counts."""
+  its callees included, with their counts; the conditionals' branches too,
+  unless ``into_branches`` is False (then: what runs on every call)."""
   opcodes = collections.Counter()
-  stack, seen = [computation or module.entry], set()
+  for instruction in reachable_instructions(module, computation, into_branches):
+    opcodes[instruction.opcode] += 1
+  return opcodes
+
+
+def reachable_instructions(module, computation=None, into_branches=True):
+  """Every instruction ``computation`` (the entry: None) runs, as
+  :func:`reachable_opcodes` counts them."""
+  found, stack, seen = [], [computation or module.entry], set()
   while stack:
     name = stack.pop()
     if name in seen or name not in module.computations:
       continue
     seen.add(name)
     for instruction in module.computations[name]:
-      opcodes[instruction.opcode] += 1
+      found.append(instruction)
       stack.extend(instruction.callees)
-      stack.extend(instruction.branches)
-  return opcodes
+      if into_branches:
+        stack.extend(instruction.branches)
+  return found
 
 
 def returns_its_parameters(module):
@@ -273,6 +283,21 @@ def collective_sites(module):
 
   visit(module.entry, (), frozenset())
   return sites
+
+
+def compiled_collectives(hlo_text):
+  """:func:`collective_sites` of compiled HLO text."""
+  return collective_sites(parse_hlo(hlo_text))
+
+
+def on_every_call(sites):
+  """The collectives of ``sites`` outside every conditional's branches."""
+  return [site for site, path in sites if not path]
+
+
+def in_branches(sites):
+  """The collectives of ``sites`` inside a conditional's branch."""
+  return [site for site, path in sites if path]
 
 
 def device_groups(text, num_devices):
@@ -343,7 +368,7 @@ def group_axes(groups, mesh_axes):
   return ','.join(names) or '-'
 
 
-def _where(path):
+def where(path):
   """When a collective at ``path`` runs: on every micro-step, on the
   closing step only (branch 1 of every conditional on its path: the taken
   branch of ``lax.cond(emit, ...)``), or in another branch (counted as on
@@ -353,6 +378,13 @@ def _where(path):
   if all(index == 1 for _, index in path):
     return 'closing step'
   return 'other branch'
+
+
+def closing_only(path):
+  """Whether a collective at ``path`` runs on the closing step only: in
+  branch 1 (``lax.cond``'s true branch) of every conditional leading to
+  it."""
+  return where(path) == 'closing step'
 
 
 def collective_records(hlo_text, mesh_axes):
@@ -368,7 +400,7 @@ def collective_records(hlo_text, mesh_axes):
     records.append(
       {
         'kind': instruction.collective,
-        'where': _where(path),
+        'where': where(path),
         'axes': group_axes(groups, mesh_axes),
         'group_size': group_size,
         'bytes': payload,

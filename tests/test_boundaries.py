@@ -26,19 +26,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import multihost_worker as harness
 import numpy as np
 import optax
+import placements
 import pytest
 
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
 
-# The float32 sums of small integers are exact; the division by the count
-# is rounded once (relative error <= 2**-24), and a count above 2**24 once
-# more when cast to float32 (2**-24 again). Two roundings, and room for the
-# float64 reference's own (2**-53): 3 * 2**-24.
-DIVISION_RTOL = 3 * 2.0**-24
 NUM_DEVICES = 4
 PARAMS = {'w': jnp.zeros(2)}
 
@@ -46,21 +41,6 @@ PARAMS = {'w': jnp.zeros(2)}
 def grads_of(i):
   """The token-summed gradients of micro-batch ``i``: small integers."""
   return {'w': jnp.array([i + 1.0, 2.0 * i - 3.0])}
-
-
-def closing_steps(counts, k_of, budget=None):
-  """Reference: the micro-steps (from 1) at which windows close.
-
-  A window closes after ``k_of(window index)`` micro-steps, or at the first
-  micro-step at which its tokens reach ``budget``.
-  """
-  closes, size, total, window = [], 0, 0, 0
-  for step, count in enumerate(counts, start=1):
-    size, total = size + 1, total + count
-    if size == k_of(window) or (budget is not None and total >= budget):
-      closes.append(step)
-      size, total, window = 0, 0, window + 1
-  return closes
 
 
 def reference_update(counts, start, stop):
@@ -98,7 +78,9 @@ def assert_updates_match(history, counts):
   for stop in closed_at(history):
     updates, _ = history[stop - 1]
     expected = reference_update(counts, start, stop)
-    np.testing.assert_allclose(updates['w'], expected, rtol=DIVISION_RTOL)
+    np.testing.assert_allclose(
+      updates['w'], expected, rtol=helpers.DIVISION_RTOL
+    )
     start = stop
 
 
@@ -121,7 +103,7 @@ def test_budget_boundary(case):
   never reached), and not one micro-step earlier."""
   counts = BUDGET_COUNTS[case]
   k = 8
-  expected = closing_steps(counts, lambda _: k, BUDGET)
+  expected = helpers.closing_steps(counts, lambda _: k, BUDGET)
   assert expected == ([3, 5] if case == 'exactly' else [4, 7])
   tx = tokacc.token_weighted_multistep(
     optax.sgd(1.0), k, tokens_per_update=BUDGET
@@ -141,7 +123,9 @@ def test_budget_reached_on_the_kth_micro_step_closes_once():
     optax.sgd(1.0), 3, tokens_per_update=BUDGET
   )
   history = run(tx, counts)
-  assert closed_at(history) == closing_steps(counts, lambda _: 3, BUDGET)
+  assert closed_at(history) == helpers.closing_steps(
+    counts, lambda _: 3, BUDGET
+  )
   assert closed_at(history) == [3, 6]
   assert int(history[-1][1].gradient_step) == 2
   assert_updates_match(history, counts)
@@ -165,7 +149,7 @@ def test_k_boundary(name):
   optimizer step, as in ``optax.MultiSteps``)."""
   schedule, k_of = SCHEDULES[name]
   counts = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3]
-  expected = closing_steps(counts, k_of)
+  expected = helpers.closing_steps(counts, k_of)
   assert expected == ([3, 6, 9, 12] if name == 'k=3' else [2, 6, 9, 12])
   history = run(
     tokacc.token_weighted_multistep(optax.sgd(1.0), schedule), counts
@@ -222,7 +206,7 @@ def test_zero_count_under_mean_adds_nothing():
     updates, state = step({'w': mean}, state, jnp.int32(count))
   assert bool(tokacc.has_updated(state))
   expected = -(2 * np.asarray(means[0]) + 3 * np.asarray(means[2])) / 5
-  np.testing.assert_allclose(updates['w'], expected, rtol=DIVISION_RTOL)
+  np.testing.assert_allclose(updates['w'], expected, rtol=helpers.DIVISION_RTOL)
 
 
 @pytest.mark.parametrize('loss_reduction', ['sum', 'mean'])
@@ -299,7 +283,7 @@ def test_int32_overflow_drops_the_window(counts):
   np.testing.assert_allclose(
     history[3][0]['w'],
     reference_update(counts + [3, 1], 2, 4),
-    rtol=DIVISION_RTOL,
+    rtol=helpers.DIVISION_RTOL,
   )
 
 
@@ -361,8 +345,8 @@ def shard_map_steps(batches):
     devices=jax.devices()[:NUM_DEVICES],
   )
   tx = budget_tx('data')
-  state = harness.shard_map_state(tx, helpers.init_params(), mesh, 'data')
-  step = harness.shard_map_step(tx, mesh, 'data', state, with_emit_now=False)
+  state = placements.shard_map_state(tx, helpers.init_params(), mesh, 'data')
+  step = placements.shard_map_step(tx, mesh, 'data', with_emit_now=False)
   params = jax.tree.map(
     lambda x: helpers.put(x, NamedSharding(mesh, P())), helpers.init_params()
   )
@@ -378,11 +362,9 @@ def shard_map_steps(batches):
 
 def pmap_steps(batches):
   """``(gradient_step, last_tokens)`` after each micro-step, pmap."""
-  import test_data_parallel as dp  # noqa: PLC0415
-
   devices = jax.devices()[:NUM_DEVICES]
   tx = budget_tx('data')
-  step = dp.pmap_step(tx, with_emit_now=False, devices=devices)
+  step = placements.pmap_step(tx, with_emit_now=False, devices=devices)
   params = jax.tree.map(
     lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
     helpers.init_params(),
@@ -401,7 +383,7 @@ def pmap_steps(batches):
 
 def explicit_steps(batches):
   """``(gradient_step, last_tokens)`` after each micro-step, explicit
-  sharding (parameters typed reduced, as ``harness.train_explicit``)."""
+  sharding (parameters typed reduced, as ``placements.train_explicit``)."""
   mesh = jax.make_mesh(
     (NUM_DEVICES,), ('data',), devices=jax.devices()[:NUM_DEVICES]
   )
@@ -415,7 +397,7 @@ def explicit_steps(batches):
       for name, value in helpers.init_params().items()
     }
     state = tx.init(params)
-    step = harness.global_step(tx)
+    step = placements.global_step(tx)
     data = NamedSharding(mesh, P('data'))
     for batch in batches:
       batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
@@ -434,7 +416,8 @@ def test_budget_boundary_over_devices(case, mode):
   counts = DEVICE_COUNTS[case]
   totals = [sum(c) for c in counts]
   assert (
-    closing_steps(totals, lambda _: 8, DEVICE_BUDGET) == (DEVICE_CLOSES[case])
+    helpers.closing_steps(totals, lambda _: 8, DEVICE_BUDGET)
+    == (DEVICE_CLOSES[case])
   )
   batches = [batch_with_counts(c, seed) for seed, c in enumerate(counts)]
   run_steps = {
@@ -482,7 +465,9 @@ def test_int32_max_tokens_over_devices_are_valid():
   assert int(state.last_tokens) == INT32_MAX
   assert int(state.dropped_windows) == 0
   np.testing.assert_allclose(
-    updates['w'], reference_update(counts, 0, NUM_DEVICES), rtol=DIVISION_RTOL
+    updates['w'],
+    reference_update(counts, 0, NUM_DEVICES),
+    rtol=helpers.DIVISION_RTOL,
   )
 
 
@@ -500,5 +485,45 @@ def test_int32_overflow_over_devices_drops_the_window():
   np.testing.assert_allclose(
     next_updates['w'],
     reference_update([1, 2, 3, 4], 0, NUM_DEVICES),
-    rtol=DIVISION_RTOL,
+    rtol=helpers.DIVISION_RTOL,
   )
+
+
+# An invalid count with tokens_per_update over devices.
+
+
+def reference_budget_close(counts_per_step, budget, k):
+  """Reference: the micro-step (from 1) at which a window with invalid
+  counts closes. A device's tokens count 0 toward the budget from the
+  micro-step of its first invalid count to the window's end."""
+  invalid = set()
+  total = 0
+  for step, counts in enumerate(counts_per_step, start=1):
+    invalid |= {d for d, n in enumerate(counts) if n < 0}
+    total = sum(
+      sum(c[d] for c in counts_per_step[:step])
+      for d in range(len(counts))
+      if d not in invalid
+    )
+    if total >= budget or step == k:
+      return step
+  return None
+
+
+def test_invalid_count_with_budget_over_devices():
+  """pmap over 4 devices: device 2's invalid count makes its tokens count
+  0 (9, then 17, then 20 over the others), so the window closes at
+  micro-step 3 on every device, not at 2 (where 22 tokens counted with
+  device 2's 5 would), and is dropped on every device: rule 2 of "Rules
+  of the window" (docs/getting_started.md; issue 22)."""
+  counts = [[2, 3, -1, 4], [3, 3, 5, 2], [1, 1, 1, 1]]
+  assert reference_budget_close(counts, 20, 8) == 3
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(1.0), 8, axis_name='data', tokens_per_update=20
+  )
+  history = pmap_counts(tx, counts, every_device=True)
+  for step, (updates, state) in enumerate(history, start=1):
+    np.testing.assert_array_equal(state.dropped_windows, int(step == 3))
+    np.testing.assert_array_equal(state.mini_step, step % 3)
+    np.testing.assert_array_equal(state.gradient_step, 0)
+    assert np.all(np.signbit(updates['w'])) and not np.any(updates['w'])

@@ -16,7 +16,7 @@ transform's conditional), i.e. on every call or in the branch a micro-step
 takes. Controls: the user's loss and gradient compiled alone have no
 collective at all, and the step without ``loss=`` has none on the
 micro-step's path. The configuration also trains exactly as full-batch SGD
-(``test_reduction_modes.reference_and_bound``).
+(``helpers.linear_reference``).
 """
 
 import helpers
@@ -27,9 +27,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
+import placements
 import pytest
-import test_explicit
-import test_reduction_modes as reference
 
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
@@ -44,18 +43,18 @@ WINDOW_SIZES = (K, K, K)
 NUM_DEVICES = 4
 OUTPUTS = 2
 LEARNING_RATE = 0.05
-PARTIAL = test_explicit.U_DATA  # P(unreduced={'data'}): per-device sums
+PARTIAL = placements.U_DATA  # P(unreduced={'data'}): per-device sums
 
 
 def init_params():
-  """A linear model with two outputs per token: ``x @ w``."""
-  rng = np.random.default_rng(11)
-  return {'w': rng.normal(size=(helpers.FEATURES, OUTPUTS)).astype(np.float32)}
+  """The linear model with two outputs per token, no bias (``helpers``)."""
+  return helpers.linear_params(OUTPUTS, seed=11, bias=False)
 
 
 def loss_sum(params, batch):
-  """Squared error summed over the outputs, then over the counted tokens
-  into a partial sum per device (issue 22's spelling)."""
+  """``helpers.linear_loss_sum`` as issue 22 writes it: the squared error
+  summed over the outputs, then over the counted tokens into a partial sum
+  per device."""
   error = batch['x'] @ params['w'] - batch['y']
   per_token = jnp.sum(error**2, axis=-1)
   return jnp.einsum('bt,bt->', per_token, batch['mask'], out_sharding=PARTIAL)
@@ -82,26 +81,16 @@ def make_step(tx, with_loss):
 
 
 def make_windows(window_sizes):
-  """The harness's windows (unequal counts per device and micro-step,
+  """``helpers.make_windows`` (unequal counts per device and micro-step,
   devices without tokens) with two targets per token."""
-  rng = np.random.default_rng(12)
   windows = helpers.make_windows(window_sizes, NUM_DEVICES, seed=3)
-  return [
-    [
-      dict(
-        batch,
-        y=rng.normal(size=batch['y'].shape + (OUTPUTS,)).astype(np.float32),
-      )
-      for batch in window
-    ]
-    for window in windows
-  ]
+  return helpers.with_outputs(windows, OUTPUTS, seed=12)
 
 
 def placed(mesh):
   """The parameters typed reduced over 'data', a placer of batches."""
   data = NamedSharding(mesh, P('data'))
-  params = jax.device_put(init_params(), test_explicit.DDP)
+  params = jax.device_put(init_params(), placements.DDP)
   return params, lambda batch: jax.device_put(batch, data)
 
 
@@ -124,7 +113,7 @@ def on_micro_step_path(sites):
 
 def compiled_step_sites(with_loss):
   tx = tokacc.token_weighted_multistep(optax.sgd(LEARNING_RATE), K)
-  mesh = test_explicit.ddp_mesh()
+  mesh = placements.explicit_ddp_mesh()
   with jax.set_mesh(mesh):
     params, place = placed(mesh)
     batch = place(make_windows((1,))[0][0])
@@ -145,7 +134,7 @@ def assert_one_reduction_when_closing(sites):
 def test_user_loss_and_grad_alone_issue_no_collective():
   """Control: the loss, its gradient and the count, without the transform,
   are partial sums computed with no collective."""
-  mesh = test_explicit.ddp_mesh()
+  mesh = placements.explicit_ddp_mesh()
   with jax.set_mesh(mesh):
     params, place = placed(mesh)
     batch = place(make_windows((1,))[0][0])
@@ -182,10 +171,10 @@ def test_micro_step_with_loss_issues_no_collective():
 def test_with_loss_equals_full_batch_sgd():
   """The same configuration trains as full-batch SGD on each window's
   token-mean loss, window after window, within the float32 round-off bound
-  of ``reference_and_bound``; the window loss too."""
+  of ``helpers.linear_reference``; the window loss too."""
   windows = make_windows(WINDOW_SIZES)
   tx = tokacc.token_weighted_multistep(optax.sgd(LEARNING_RATE), K)
-  mesh = test_explicit.ddp_mesh()
+  mesh = placements.explicit_ddp_mesh()
   trajectory = []
   with jax.set_mesh(mesh):
     params, place = placed(mesh)
@@ -195,11 +184,7 @@ def test_with_loss_equals_full_batch_sgd():
       for batch in window:
         params, state = step(params, state, place(batch))
       assert bool(tokacc.has_updated(state))
-      w = test_explicit.plain(params)['w'].astype(np.float64)
-      trajectory.append(([w], np.asarray(tokacc.window_loss(state))))
-  expected = reference.reference_and_bound(
-    init_params()['w'].astype(np.float64),
-    [reference.counted_tokens(window, OUTPUTS) for window in windows],
-    LEARNING_RATE,
-  )
-  reference.check_trajectory(trajectory, expected)
+      theta = helpers.linear_theta(placements.plain(params))
+      trajectory.append(([theta], np.asarray(tokacc.window_loss(state))))
+  expected = helpers.linear_reference(init_params(), windows, LEARNING_RATE)
+  helpers.assert_within_linear_bound(trajectory, expected)

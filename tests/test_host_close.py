@@ -45,29 +45,25 @@ import sys
 from typing import NamedTuple
 
 import chex
-from flax import nnx
 import helpers
 import hlo
 import jax
-from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import multihost_worker as harness
 import numpy as np
 import optax
+import placements
 import pytest
-import test_distributed_optimizer as zero1
-import test_explicit as explicit
-import test_flax
-import test_window_rules as rules
 
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
-from optax_tokacc import flax as tokacc_flax
 
 NUM_DEVICES = 4
 SIZES = (2, 3, 1)  # micro-batches of each window, as the host closes them
+# every_k_schedule that agrees with the host (for runs that mix host and
+# device)
+sizes_schedule = helpers.schedule_of(SIZES)
 EVERY_K = 2  # the schedule, which the host-closed windows do not follow
 NAN_DEVICE = 2  # the device whose rows of the rejected micro-batch hold a NaN
 # float64 runs against the float64 full-batch reference: both add the same
@@ -80,13 +76,6 @@ NAN_DEVICE = 2  # the device whose rows of the rejected micro-batch hold a NaN
 # wrongly in a window of at most 96 moves its gradient by about 1e-2.
 F64_TOLERANCE = 1e-11
 AUTO = jax.sharding.AxisType.Auto
-
-
-def sizes_schedule(gradient_step):
-  """``every_k_schedule`` that agrees with the host: window ``w`` holds
-  ``SIZES[w]`` micro-batches (for runs that mix host and device)."""
-  sizes = jnp.asarray(SIZES, jnp.int32)
-  return sizes[jnp.minimum(gradient_step, len(SIZES) - 1)]
 
 
 def loss_mean(params, batch):
@@ -113,42 +102,42 @@ def accumulate(inner, every_k, axis_name, **options):
 
 
 CASES = {
-  'plain': Case(lambda k, a: accumulate(harness.adamw(), k, a), harness.adamw),
+  'plain': Case(lambda k, a: accumulate(helpers.adamw(), k, a), helpers.adamw),
   'skip_not_finite': Case(
     lambda k, a: accumulate(
-      harness.adamw(), k, a, should_skip_update_fn=tokacc.skip_not_finite
+      helpers.adamw(), k, a, should_skip_update_fn=tokacc.skip_not_finite
     ),
-    harness.adamw,
+    helpers.adamw,
     with_nan=True,
   ),
   'compensated': Case(
-    lambda k, a: accumulate(harness.adamw(), k, a, compensated=True),
-    harness.adamw,
+    lambda k, a: accumulate(helpers.adamw(), k, a, compensated=True),
+    helpers.adamw,
   ),
   'mean': Case(
-    lambda k, a: accumulate(harness.adamw(), k, a, loss_reduction='mean'),
-    harness.adamw,
+    lambda k, a: accumulate(helpers.adamw(), k, a, loss_reduction='mean'),
+    helpers.adamw,
     mean=True,
   ),
   # Both options at once (data parallel runs, to keep them few).
   'skip_not_finite_compensated': Case(
     lambda k, a: accumulate(
-      harness.adamw(),
+      helpers.adamw(),
       k,
       a,
       should_skip_update_fn=tokacc.skip_not_finite,
       compensated=True,
     ),
-    harness.adamw,
+    helpers.adamw,
     with_nan=True,
   ),
   # A linear stage before the accumulator (it sees each micro-batch's
   # gradient) and one after it (it sees the emitted updates).
   'chain': Case(
     lambda k, a: optax.chain(
-      optax.scale(2.0), accumulate(explicit.sgd(), k, a), optax.scale(3.0)
+      optax.scale(2.0), accumulate(helpers.sgd(), k, a), optax.scale(3.0)
     ),
-    lambda: optax.chain(optax.scale(2.0), explicit.sgd(), optax.scale(3.0)),
+    lambda: optax.chain(optax.scale(2.0), helpers.sgd(), optax.scale(3.0)),
   ),
 }
 SINGLE_DEVICE_CASES = (
@@ -164,7 +153,7 @@ def rejected_batch(batch):
   """A micro-batch that ``skip_not_finite`` rejects: a NaN in the rows of
   ``NAN_DEVICE``, no counted token on any device (so that it adds nothing
   wherever it is rejected, and full-batch training simply leaves it out)."""
-  nan = explicit.with_nan(batch, NAN_DEVICE)
+  nan = placements.with_nan(batch, NAN_DEVICE)
   return dict(nan, mask=np.zeros_like(batch['mask']))
 
 
@@ -359,11 +348,13 @@ def test_reduce_on_plateau_sees_the_host_closed_window():
   its gradients were taken at. float32: ``test_window_rules``' reference."""
   sizes = (2, 3, 1, 3, 2, 1, 3, 2)
   windows = helpers.make_windows(sizes, NUM_DEVICES, seed=4)
-  expected = rules.full_batch_with_value(rules.plateau_inner(), windows)
-  expected_scales = [rules.plateau_scale(s) for _, s in expected]
+  expected = helpers.full_batch(
+    helpers.plateau_inner(), helpers.init_params(), windows, with_value=True
+  ).windows
+  expected_scales = [helpers.plateau_scale(w.opt_state) for w in expected]
   assert min(expected_scales) < 1.0, 'the plateau must act on these data'
   loss_sum = jax.jit(helpers.loss_sum)
-  tx = accumulate(rules.plateau_inner(), EVERY_K, None)
+  tx = accumulate(helpers.plateau_inner(), EVERY_K, None)
   step = fused_step(tx)
   params = device_params(np.float32)
   state = tx.init(params)
@@ -379,9 +370,9 @@ def test_reduce_on_plateau_sees_the_host_closed_window():
       tokacc.window_loss(state), expected_loss, rtol=1e-5
     )
     assert float(state.last_loss) == float(tokacc.window_loss(state))
-    assert rules.plateau_scale(state.inner_state) == expected_scales[w]
-    expected_params = expected[w][0]
-    before = expected[w - 1][0] if w else helpers.init_params()
+    assert helpers.plateau_scale(state.inner_state) == expected_scales[w]
+    expected_params = expected[w].params
+    before = expected[w - 1].params if w else helpers.init_params()
     travelled += max(
       float(jnp.max(jnp.abs(e - b)))
       for e, b in zip(jax.tree.leaves(expected_params), jax.tree.leaves(before))
@@ -403,9 +394,9 @@ def test_bfloat16_parameters_stay_close_to_float32_training():
   really move further than)."""
   windows = helpers.make_windows(SIZES, NUM_DEVICES)
   expected = helpers.full_batch(
-    explicit.sgd(), helpers.init_params(), windows
+    helpers.sgd(), helpers.init_params(), windows
   ).params
-  tx = accumulate(explicit.sgd(), EVERY_K, None)
+  tx = accumulate(helpers.sgd(), EVERY_K, None)
   step = fused_step(tx)
   params = device_params(jnp.bfloat16)
   state = tx.init(params)
@@ -434,7 +425,7 @@ MIX_CASES = {
   'skip_compensated_plateau': (
     Case(
       lambda k, a: accumulate(
-        rules.plateau_inner(),
+        helpers.plateau_inner(),
         k,
         a,
         should_skip_update_fn=tokacc.skip_not_finite,
@@ -471,16 +462,6 @@ NOT_BIT_FOR_BIT = {
 SCRATCH = ('grad_sums', 'acc_compensation')
 
 
-def same_bits(actual, expected, what):
-  """Bit-for-bit equality of two trees (unlike ==, tells -0.0 from 0.0,
-  and a NaN equals itself)."""
-  assert jax.tree.structure(actual) == jax.tree.structure(expected), what
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    a, e = np.asarray(a), np.asarray(e)
-    assert a.dtype == e.dtype and a.shape == e.shape, what
-    assert a.tobytes() == e.tobytes(), (what, a, e)
-
-
 def assert_same_run(actual, expected):
   """Every micro-step of two runs gave the same bits: updates, parameters,
   and every field of the accumulator's state except the accumulator's
@@ -490,13 +471,13 @@ def assert_same_run(actual, expected):
     (params, state, updates),
     (e_params, e_state, e_updates),
   ) in enumerate(zip(actual, expected)):
-    same_bits(params, e_params, f'params after call {i}')
-    same_bits(updates, e_updates, f'updates of call {i}')
+    helpers.assert_same_bits(params, e_params, f'params after call {i}')
+    helpers.assert_same_bits(updates, e_updates, f'updates of call {i}')
     state, e_state = tokacc.find_state(state), tokacc.find_state(e_state)
     for field in state._fields:
       if field in SCRATCH and int(e_state.mini_step) == 0:
         continue
-      same_bits(
+      helpers.assert_same_bits(
         getattr(state, field), getattr(e_state, field), f'{field} at {i}'
       )
 
@@ -632,8 +613,8 @@ def test_closing_a_window_without_tokens():
   with jax.enable_x64(True):
     windows = windows64()
     empty = [dict(b, mask=np.zeros_like(b['mask'])) for b in windows[1]]
-    expected, _ = full_batch(harness.adamw, without=1)
-    tx = accumulate(harness.adamw(), EVERY_K, None)
+    expected, _ = full_batch(helpers.adamw, without=1)
+    tx = accumulate(helpers.adamw(), EVERY_K, None)
     step = split_step(tx)
     params = device_params(np.float64)
     state = tx.init(params)
@@ -645,10 +626,14 @@ def test_closing_a_window_without_tokens():
     assert all(
       np.all(np.signbit(u)) and not np.any(u) for u in jax.tree.leaves(updates)
     )
-    same_bits(params, before_params, 'parameters')
-    same_bits(state.inner_state, before.inner_state, 'inner state')
+    helpers.assert_same_bits(params, before_params, 'parameters')
+    helpers.assert_same_bits(
+      state.inner_state, before.inner_state, 'inner state'
+    )
     for field in ('gradient_step', 'dropped_windows', 'last_loss'):
-      same_bits(getattr(state, field), getattr(before, field), field)
+      helpers.assert_same_bits(
+        getattr(state, field), getattr(before, field), field
+      )
     assert not bool(tokacc.has_updated(state)) and int(state.mini_step) == 0
     for batch, close in micro_steps(windows[2:], 'h'):
       params, state, _ = step(params, state, batch, close)
@@ -664,8 +649,8 @@ def test_closing_a_window_with_an_invalid_count():
   full-batch training without it."""
   with jax.enable_x64(True):
     windows = windows64()
-    expected, _ = full_batch(explicit.sgd, without=1)
-    tx = accumulate(explicit.sgd(), EVERY_K, None)
+    expected, _ = full_batch(helpers.sgd, without=1)
+    tx = accumulate(helpers.sgd(), EVERY_K, None)
     step = split_step(tx)
     params = device_params(np.float64)
     state = tx.init(params)
@@ -681,8 +666,10 @@ def test_closing_a_window_with_an_invalid_count():
       assert int(state.gradient_step) == int(before.gradient_step)
       assert not bool(tokacc.has_updated(state))
       assert all(np.all(np.signbit(u)) for u in jax.tree.leaves(updates))
-      same_bits(params, before_params, 'parameters')
-      same_bits(state.inner_state, before.inner_state, 'inner state')
+      helpers.assert_same_bits(params, before_params, 'parameters')
+      helpers.assert_same_bits(
+        state.inner_state, before.inner_state, 'inner state'
+      )
       for batch, close in micro_steps(windows[2:], 'h'):
         params, state, _ = step(params, state, batch, close)
       assert int(state.gradient_step) == 2
@@ -693,81 +680,26 @@ def test_closing_a_window_with_an_invalid_count():
 # devices' micro-batches (float64).
 
 
-def data_mesh():
-  return jax.make_mesh(
-    (NUM_DEVICES,), ('data',), (AUTO,), devices=jax.devices()[:NUM_DEVICES]
-  )
-
-
-def shard_map_step(tx, mesh, mean=False):
-  """A jitted step of per-device code under ``jax.shard_map``, one program
-  per ``close``: parameters replicated and ``pcast`` to varying before
-  differentiating (so that autodiff does not reduce every micro-step), the
-  state laid out by ``state_partition_specs``."""
-  loss_fn = loss_mean if mean else helpers.loss_sum
-  specs = harness.state_specs(tx, 'data')
-
-  def local_step(params, state, batch, close):
-    varying = jax.tree.map(lambda p: lax.pcast(p, 'data', to='varying'), params)
-    loss, grads = jax.value_and_grad(loss_fn)(varying, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=helpers.token_count(batch),
-      loss=loss,
-      close=close,
-    )
-    return optax.apply_updates(params, updates), state
-
-  def step(params, state, batch, close):
-    return jax.shard_map(
-      functools.partial(local_step, close=close),
-      mesh=mesh,
-      in_specs=(P(), specs, P('data')),
-      out_specs=(P(), specs),
-    )(params, state, batch)
-
-  return jax.jit(step, static_argnames='close')
-
-
 def train_shard_map(tx, windows, mean=False, nan=None):
-  mesh = data_mesh()
+  mesh = placements.data_mesh(NUM_DEVICES)
   replicated = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P('data'))
   params = jax.tree.map(
     lambda x: helpers.put(x, replicated), helpers.init_params(np.float64)
   )
   state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
-  step = shard_map_step(tx, mesh, mean)
+  step = placements.shard_map_step(
+    tx,
+    mesh,
+    'data',
+    with_emit_now=False,
+    loss_fn=loss_mean if mean else helpers.loss_sum,
+  )
   for batch, close in micro_steps(windows, 'hhh', nan):
     batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
-    params, state = step(params, state, batch, close)
+    params, state = step(params, state, batch, close=close)
   assert step._cache_size() == 2
   return helpers.fetch(params), state
-
-
-def pmap_step(tx):
-  """A ``jax.pmap`` step over the first 4 devices, ``close`` static."""
-
-  def step(params, state, batch, close):
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=helpers.token_count(batch),
-      loss=loss,
-      close=close,
-    )
-    return optax.apply_updates(params, updates), state
-
-  return jax.pmap(
-    step,
-    axis_name='data',
-    static_broadcasted_argnums=3,
-    devices=jax.devices()[:NUM_DEVICES],
-  )
 
 
 def train_pmap(tx, windows):
@@ -779,7 +711,9 @@ def train_pmap(tx, windows):
     helpers.init_params(np.float64),
   )
   state = jax.pmap(tx.init, devices=jax.devices()[:NUM_DEVICES])(params)
-  step = pmap_step(tx)
+  step = placements.pmap_step(
+    tx, devices=jax.devices()[:NUM_DEVICES], host_closes=True
+  )
   for batch, close in micro_steps(windows, 'hhh'):
     params, state = step(params, state, jax.tree.map(per_device, batch), close)
   return params, state
@@ -810,8 +744,8 @@ def test_shard_map_equals_full_batch(name):
 def test_pmap_equals_full_batch():
   with jax.enable_x64(True):
     windows = windows64()
-    expected, losses = full_batch(harness.adamw)
-    tx = accumulate(harness.adamw(), EVERY_K, 'data')
+    expected, losses = full_batch(helpers.adamw)
+    tx = accumulate(helpers.adamw(), EVERY_K, 'data')
     params, state = train_pmap(tx, windows)
     for device in range(NUM_DEVICES):
       chex.assert_trees_all_close(
@@ -824,26 +758,7 @@ def test_pmap_equals_full_batch():
       )
 
 
-def explicit_step(tx, spelling):
-  """``test_explicit``'s step (plain ``jax.jit`` on an explicit mesh), one
-  program per ``close``. ``spelling``: the count and loss ``'replicated'``
-  (a scalar all-reduce in the forward pass) or ``'unreduced'`` (none)."""
-  loss_sum = explicit.loss_fn(spelling)
-
-  def step(params, state, batch, close):
-    loss, grads = jax.value_and_grad(
-      lambda p: loss_sum(explicit.forward_params(p), batch)
-    )(params)
-    num_tokens, loss = explicit.counts_and_loss(batch, spelling, loss)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=num_tokens, loss=loss, close=close
-    )
-    return optax.apply_updates(params, updates), state
-
-  return jax.jit(step, static_argnames='close')
-
-
-# layout of ``test_explicit.LAYOUTS``: how the step spells the count
+# layout of ``test_placements.EXPLICIT_LAYOUTS``: how the step spells the count
 EXPLICIT_SPELLINGS = {
   'ddp': 'unreduced',
   'hsdp': 'unreduced',
@@ -853,18 +768,20 @@ EXPLICIT_SPELLINGS = {
 
 
 def train_explicit(tx, layout, windows, nan=None):
-  make_mesh, specs = explicit.LAYOUTS[layout]
+  make_mesh, specs, _ = placements.EXPLICIT_LAYOUTS[layout]
   mesh = make_mesh()
   with jax.set_mesh(mesh):
-    data = NamedSharding(mesh, P(explicit.batch_axes(mesh)))
-    params = explicit.place_params(helpers.init_params(np.float64), mesh, specs)
+    data = NamedSharding(mesh, P(placements.batch_axes(mesh)))
+    params = placements.place_params(
+      helpers.init_params(np.float64), mesh, specs
+    )
     state = tx.init(params)
-    step = explicit_step(tx, EXPLICIT_SPELLINGS[layout])
+    step = placements.explicit_step(tx, EXPLICIT_SPELLINGS[layout])
     for batch, close in micro_steps(windows, 'hhh', nan):
       batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
-      params, state = step(params, state, batch, close)
+      params, state = step(params, state, batch, close=close)
     assert step._cache_size() == 2
-    return explicit.plain(params), float(tokacc.window_loss(state))
+    return placements.plain(params), float(tokacc.window_loss(state))
 
 
 EXPLICIT_CASES = [(layout, 'plain') for layout in ('ddp', 'hsdp', 'fsdp')]
@@ -933,7 +850,7 @@ WINDOW_REDUCTION = gradient_shapes() + [('f32', (4,)), ('f32', ())]
 def test_single_device_programs():
   """Also: the program of ``close=None`` does hold the ``conditional``
   and AdamW's ``sqrt`` (in its branch) that the checks look for."""
-  tx = accumulate(harness.adamw(), EVERY_K, None)
+  tx = accumulate(helpers.adamw(), EVERY_K, None)
   step = fused_step(tx)
   params = device_params(np.float32)
   state = tx.init(params)
@@ -951,8 +868,8 @@ def test_single_device_programs():
 def test_shard_map_programs():
   """Under ``shard_map`` with ``axis_name``: no collective on a micro-step,
   one all-reduce in the closing program, outside any branch."""
-  mesh = data_mesh()
-  tx = accumulate(harness.adamw(), EVERY_K, 'data')
+  mesh = placements.data_mesh(NUM_DEVICES)
+  tx = accumulate(helpers.adamw(), EVERY_K, 'data')
   params = jax.tree.map(
     lambda x: helpers.put(x, NamedSharding(mesh, P())), helpers.init_params()
   )
@@ -961,9 +878,9 @@ def test_shard_map_programs():
     helpers.make_windows((1,), NUM_DEVICES)[0][0],
     NamedSharding(mesh, P('data')),
   )
-  step = shard_map_step(tx, mesh)
+  step = placements.shard_map_step(tx, mesh, 'data', with_emit_now=False)
   texts = {
-    close: step.lower(params, state, batch, close).compile().as_text()
+    close: step.lower(params, state, batch, close=close).compile().as_text()
     for close in (False, True)
   }
   check_programs(texts, WINDOW_REDUCTION)
@@ -976,19 +893,19 @@ def test_shard_map_programs():
 def test_explicit_ddp_programs():
   """Parameters typed reduced, count and loss unreduced: no collective on
   a micro-step, one all-reduce in the closing program."""
-  make_mesh, specs = explicit.LAYOUTS['ddp']
+  make_mesh, specs, _ = placements.EXPLICIT_LAYOUTS['ddp']
   mesh = make_mesh()
-  tx = accumulate(harness.adamw(), EVERY_K, None)
+  tx = accumulate(helpers.adamw(), EVERY_K, None)
   with jax.set_mesh(mesh):
-    params = explicit.place_params(helpers.init_params(), mesh, specs)
+    params = placements.place_params(helpers.init_params(), mesh, specs)
     state = tx.init(params)
     batch = jax.device_put(
       helpers.make_windows((1,), NUM_DEVICES)[0][0],
       NamedSharding(mesh, P('data')),
     )
-    step = explicit_step(tx, 'unreduced')
+    step = placements.explicit_step(tx, 'unreduced')
     texts = {
-      close: step.lower(params, state, batch, close).compile().as_text()
+      close: step.lower(params, state, batch, close=close).compile().as_text()
       for close in (False, True)
     }
   check_programs(texts, WINDOW_REDUCTION)
@@ -1013,20 +930,25 @@ def test_micro_step_program_leaves_parameters_untouched():
   """On one device and under ``shard_map``, XLA removes the user's add of
   the host's -0.0 zero updates (through their negation): the compiled
   micro-step returns its parameters."""
-  tx = accumulate(harness.adamw(), EVERY_K, None)
+  tx = accumulate(helpers.adamw(), EVERY_K, None)
   params = device_params(np.float32)
   batch = helpers.make_windows((1,), NUM_DEVICES)[0][0]
   text = compiled_micro_step(fused_step(tx), params, tx.init(params), batch)
   assert_returns_its_parameters(text)
-  mesh = data_mesh()
-  tx = accumulate(harness.adamw(), EVERY_K, 'data')
+  mesh = placements.data_mesh(NUM_DEVICES)
+  tx = accumulate(helpers.adamw(), EVERY_K, 'data')
   replicated = NamedSharding(mesh, P())
   params = jax.tree.map(
     lambda x: helpers.put(x, replicated), helpers.init_params()
   )
   state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
   batch = jax.device_put(batch, NamedSharding(mesh, P('data')))
-  text = compiled_micro_step(shard_map_step(tx, mesh), params, state, batch)
+  text = compiled_micro_step(
+    placements.shard_map_step(tx, mesh, 'data', with_emit_now=False),
+    params,
+    state,
+    batch,
+  )
   assert_returns_its_parameters(text)
 
 
@@ -1042,16 +964,16 @@ def test_explicit_micro_step_program_leaves_parameters_untouched(layout):
   its -0.0 zeros were typed through a sharding constraint, which kept XLA
   from folding ``p + -0.0``, so every micro-step copied and rewrote every
   parameter (2.5x the ideal's micro-step on 4 devices)."""
-  make_mesh, specs = explicit.LAYOUTS[layout]
+  make_mesh, specs, _ = placements.EXPLICIT_LAYOUTS[layout]
   mesh = make_mesh()
-  tx = accumulate(harness.adamw(), EVERY_K, None)
-  step = explicit_step(tx, EXPLICIT_SPELLINGS[layout])
+  tx = accumulate(helpers.adamw(), EVERY_K, None)
+  step = placements.explicit_step(tx, EXPLICIT_SPELLINGS[layout])
   with jax.set_mesh(mesh):
-    params = explicit.place_params(helpers.init_params(), mesh, specs)
+    params = placements.place_params(helpers.init_params(), mesh, specs)
     state = tx.init(params)
     batch = jax.device_put(
       helpers.make_windows((1,), NUM_DEVICES)[0][0],
-      NamedSharding(mesh, P(explicit.batch_axes(mesh))),
+      NamedSharding(mesh, P(placements.batch_axes(mesh))),
     )
     text = compiled_micro_step(step, params, state, batch)
   assert_returns_its_parameters(text)
@@ -1061,15 +983,15 @@ def test_explicit_micro_step_program_leaves_parameters_untouched(layout):
   not _typed_sharding.SUPPORTED,
   reason='reduced/unreduced types need jax >= 0.10',
 )
-@pytest.mark.parametrize('layout', sorted(zero1.LAYOUTS))
+@pytest.mark.parametrize('layout', sorted(placements.ZERO1_LAYOUTS))
 def test_zero1_micro_step_program_leaves_parameters_untouched(layout):
   """The same with the optimizer's state sharded (the distributed-optimizer
   layout, ``init_sharded(..., shard_optimizer_over=...)``)."""
-  mesh, tx, step = zero1.make_run(layout)
+  mesh, tx, step = placements.zero1_run(layout)
   with jax.set_mesh(mesh):
-    params, place = zero1.placed(mesh, layout)
-    state = zero1.init_state(tx, params, mesh, layout)
-    batch = place(zero1.make_windows()[0][0])
+    params, place = placements.zero1_placed(mesh, layout)
+    state = placements.zero1_init(tx, params, mesh, layout)
+    batch = place(helpers.zero1_windows()[0][0])
     text = compiled_micro_step(step, params, state, batch)
   assert_returns_its_parameters(text)
 
@@ -1077,7 +999,7 @@ def test_zero1_micro_step_program_leaves_parameters_untouched(layout):
 def test_two_programs_in_all():
   """A step jitted with ``static_argnames='close'`` is traced and compiled
   twice over many windows, whatever their lengths."""
-  tx = accumulate(harness.adamw(), EVERY_K, None)
+  tx = accumulate(helpers.adamw(), EVERY_K, None)
   traces = []
 
   def step(params, state, batch, close):
@@ -1143,91 +1065,3 @@ def test_close_with_emit_now_is_refused(close, emit_now):
   tx = accumulate(optax.sgd(0.1), EVERY_K, None)
   with pytest.raises(ValueError, match=rf'close={close}.*emit_now'):
     update(tx, close=close, emit_now=emit_now)
-
-
-# Flax: the linen TrainState and the nnx Optimizer forward ``close``.
-
-FLAX_LEARNING_RATE = 0.5  # a power of two: -lr * g is exact
-
-
-@functools.partial(jax.jit, static_argnames='close')
-def linen_feed(state, grads, num_tokens, close):
-  return state.apply_gradients(grads=grads, num_tokens=num_tokens, close=close)
-
-
-@functools.partial(nnx.jit, static_argnames='close')
-def nnx_feed(model, opt, grads, num_tokens, close):
-  def linear_loss(model):  # its gradient is `grads`
-    return jnp.sum(grads['a'] * model.a[...]) + jnp.sum(
-      grads['b'] * model.b[...]
-    )
-
-  opt.update(
-    model, nnx.grad(linear_loss)(model), num_tokens=num_tokens, close=close
-  )
-
-
-def flax_run(framework, tx, feeds, closes):
-  """(params, step, has_updated, micro_step) after each micro-batch;
-  ``closes[i]`` None feeds through ``test_flax``'s device-decided step."""
-  if framework == 'linen':
-    state = tokacc_flax.TrainState.create(
-      apply_fn=None, params=test_flax.INITIAL, tx=tx
-    )
-  else:
-    model = test_flax.TwoParams()
-    opt = tokacc_flax.Optimizer(model, tx, wrt=nnx.Param)
-  trace = []
-  for (grads, num_tokens), close in zip(feeds, closes):
-    if framework == 'linen':
-      if close is None:
-        state = test_flax.linen_feed(state, grads, num_tokens)
-      else:
-        state = linen_feed(state, grads, num_tokens, close)
-      params, step, updated = state.params, state.step, state.has_updated
-      micro_step = state.micro_step
-    else:
-      if close is None:
-        test_flax.nnx_feed(model, opt, grads, num_tokens)
-      else:
-        nnx_feed(model, opt, grads, num_tokens, close)
-      params = {'a': model.a[...], 'b': model.b[...]}
-      step, updated = opt.step[...], opt.has_updated
-      micro_step = opt.micro_step[...]
-    trace.append(
-      (jax.device_get(params), int(step), bool(updated), int(micro_step))
-    )
-  return trace
-
-
-@pytest.mark.parametrize(
-  'framework', ['linen', pytest.param('nnx', marks=pytest.mark.slow)]
-)
-def test_flax_host_closed_equals_device_decided(framework):
-  """The host closes windows of 2, 3 and 1 micro-batches: the same
-  parameters (bit for bit), steps and flags as the device deciding with a
-  schedule that agrees, and plain SGD on each window's token-mean
-  gradient."""
-  tx = tokacc.token_weighted_multistep(
-    optax.sgd(FLAX_LEARNING_RATE), sizes_schedule
-  )
-  feeds = test_flax.micro_batches([True] * sum(SIZES))
-  ends = np.cumsum(SIZES) - 1
-  closes = [i in ends for i in range(len(feeds))]
-  expected = flax_run(framework, tx, feeds, [None] * len(feeds))
-  actual = flax_run(framework, tx, feeds, closes)
-  params, start = dict(test_flax.INITIAL), 0
-  for i, ((a_params, *a_counts), (e_params, *e_counts)) in enumerate(
-    zip(actual, expected)
-  ):
-    same_bits(a_params, e_params, f'params after call {i}')
-    assert a_counts == e_counts, i
-    step, updated, micro_step = a_counts
-    assert (updated, micro_step) == (closes[i], i + 1)
-    if closes[i]:
-      update = test_flax.window_update(feeds[start : i + 1], FLAX_LEARNING_RATE)
-      params = {k: params[k] + update[k] for k in params}
-      start = i + 1
-    assert step == int(np.sum(np.asarray(closes[: i + 1])))
-    # Sums of at most 3 float32 terms, one division: a few 2**-24.
-    chex.assert_trees_all_close(a_params, params, rtol=1e-6)

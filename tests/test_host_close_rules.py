@@ -30,12 +30,10 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import multihost_worker as harness
 import numpy as np
 import optax
+import placements
 import pytest
-import test_distributed_optimizer as zero1
-import test_explicit as explicit
 
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
@@ -66,15 +64,6 @@ def user_step(tx, loss_sum, count, at=lambda params: params):
     return optax.apply_updates(params, updates), state, updates
 
   return step
-
-
-def same_bits(actual, expected, what):
-  """Bit-for-bit equality of two trees (tells -0.0 from 0.0)."""
-  assert jax.tree.structure(actual) == jax.tree.structure(expected), what
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    a, e = np.asarray(a), np.asarray(e)
-    assert a.dtype == e.dtype and a.shape == e.shape, what
-    assert a.tobytes() == e.tobytes(), (what, a[a != e], e[a != e])
 
 
 def within_the_users_rounding(params, expected, before, updates):
@@ -118,10 +107,12 @@ def assert_same_window(host, device, before):
   """The updates and the state bit for bit, the parameters within the
   user's rounding (host copies)."""
   (params, state, updates), (e_params, e_state, e_updates) = host, device
-  same_bits(updates, e_updates, 'updates')
+  helpers.assert_same_bits(updates, e_updates, 'updates')
   state, e_state = tokacc.find_state(state), tokacc.find_state(e_state)
   for field in STATE_FIELDS:
-    same_bits(getattr(state, field), getattr(e_state, field), field)
+    helpers.assert_same_bits(
+      getattr(state, field), getattr(e_state, field), field
+    )
   within_the_users_rounding(params, e_params, before, e_updates)
 
 
@@ -147,7 +138,7 @@ def shard_map_run(mesh):
   """Per-device code under ``jax.shard_map`` with ``axis_name='data'``,
   gradients taken at parameters ``pcast`` to varying (``test_host_close``)."""
   tx = tokacc.token_weighted_multistep(momentum_sgd(), 2, axis_name='data')
-  specs = harness.state_specs(tx, 'data')
+  specs = placements.state_specs(tx, 'data')
 
   def varying(params):  # so that autodiff does not reduce every micro-step
     return jax.tree.map(lambda p: lax.pcast(p, 'data', to='varying'), params)
@@ -178,17 +169,15 @@ def data_mesh(axis_type=jax.sharding.AxisType.Auto):
 
 
 def explicit_ddp_run(mesh):
-  make_mesh, specs = explicit.LAYOUTS['ddp']
+  specs = placements.EXPLICIT_LAYOUTS['ddp'].specs
   tx = tokacc.token_weighted_multistep(momentum_sgd(), 2)
-
-  def count(batch):
-    return explicit.counts_and_loss(batch, 'unreduced', None)[0]
-
-  loss_sum = explicit.loss_fn('unreduced')
+  loss_sum = placements.explicit_loss('unreduced')
   step = user_step(
-    tx, lambda p, b: loss_sum(explicit.forward_params(p), b), count
+    tx,
+    lambda p, b: loss_sum(placements.forward_params(p), b),
+    placements.unreduced_count,
   )
-  params = explicit.place_params(helpers.init_params(), mesh, specs)
+  params = placements.place_params(helpers.init_params(), mesh, specs)
   data = NamedSharding(mesh, P('data'))
   return jax.jit(step, static_argnames='close'), params, tx.init(params), data
 
@@ -196,12 +185,9 @@ def explicit_ddp_run(mesh):
 def zero1_run(mesh):
   tx = tokacc.token_weighted_multistep(momentum_sgd(), 2)
 
-  def count(batch):
-    return jnp.einsum('bt->', batch['mask'], out_sharding=P(unreduced={'data'}))
-
-  step = user_step(tx, zero1.loss_sum, count)
-  params, _ = zero1.placed(mesh)
-  state = zero1.init_state(tx, params, mesh)
+  step = user_step(tx, placements.zero1_loss_sum, placements.unreduced_count)
+  params, _ = placements.zero1_placed(mesh)
+  state = placements.zero1_init(tx, params, mesh)
   data = NamedSharding(mesh, P('data'))
   return jax.jit(step, static_argnames='close'), params, state, data
 
@@ -210,15 +196,15 @@ def window_for(make_run):
   """Two micro-batches for the model of ``make_run``: unequal token
   counts per device, some devices without any."""
   if make_run is zero1_run:
-    return zero1.make_windows()[0][:2]
+    return helpers.zero1_windows()[0][:2]
   return helpers.make_windows((2,), NUM_DEVICES, seed=3)[0]
 
 
 DATA_PARALLEL = {
   # placement: (mesh, make_run, whether the step runs under jax.set_mesh)
   'shard_map': (lambda: data_mesh(), shard_map_run, False),
-  'explicit_ddp': (explicit.ddp_mesh, explicit_ddp_run, True),
-  'zero1': (explicit.ddp_mesh, zero1_run, True),
+  'explicit_ddp': (placements.explicit_ddp_mesh, explicit_ddp_run, True),
+  'zero1': (placements.explicit_ddp_mesh, zero1_run, True),
 }
 
 
@@ -230,7 +216,7 @@ def placed(make_mesh, make_run, with_mesh):
   if with_mesh and not _typed_sharding.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
   mesh = make_mesh()
-  fetch = explicit.plain if with_mesh else jax.device_get
+  fetch = placements.plain if with_mesh else jax.device_get
   with jax.set_mesh(mesh) if with_mesh else contextlib.nullcontext():
     yield make_run(mesh) + (fetch,)
 
@@ -276,8 +262,8 @@ ZERO_SIGNS = {
     True,
     '-',
   ),
-  'explicit ddp': (explicit.ddp_mesh, explicit_ddp_run, True, '+'),
-  'zero1': (explicit.ddp_mesh, zero1_run, True, '+'),
+  'explicit ddp': (placements.explicit_ddp_mesh, explicit_ddp_run, True, '+'),
+  'zero1': (placements.explicit_ddp_mesh, zero1_run, True, '+'),
 }
 
 
@@ -296,7 +282,7 @@ def test_sign_of_the_zero_updates_of_close_false(placement):
     updates, new_params, params = map(fetch, (updates, new_params, params))
   signed = all_negative_zeros if sign == '-' else all_positive_zeros
   assert signed(updates), updates
-  same_bits(new_params, params, 'parameters')
+  helpers.assert_same_bits(new_params, params, 'parameters')
 
 
 def test_sign_of_the_zero_updates_on_one_device():
@@ -309,7 +295,7 @@ def test_sign_of_the_zero_updates_on_one_device():
   batch = helpers.make_windows((1,), NUM_DEVICES)[0][0]
   new_params, _, updates = step(params, tx.init(params), batch, False)
   assert all_negative_zeros(updates)
-  same_bits(new_params, params, 'parameters')
+  helpers.assert_same_bits(new_params, params, 'parameters')
 
 
 PARAMS = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
@@ -329,7 +315,9 @@ def test_a_static_false_emit_now_with_close_is_not_passing_it(close, emit_now):
   actual = tx.update(
     GRADS, state, PARAMS, num_tokens=3, close=close, emit_now=emit_now
   )
-  same_bits(actual, expected, f'close={close}, emit_now={emit_now!r}')
+  helpers.assert_same_bits(
+    actual, expected, f'close={close}, emit_now={emit_now!r}'
+  )
 
 
 # (closes of the calls, the call that closes the window): k = 3.
@@ -380,8 +368,10 @@ def test_close_none_counts_the_host_calls_of_its_window(name):
   assert [t[1] for t in mixed][: closing + 1] == expected_mini_steps
   tokens = sum(int(np.sum(b['mask'])) for b in window[: closing + 1])
   assert int(mixed[closing][3].last_tokens) == tokens
-  same_bits(mixed[closing][2], host[closing][2], 'updates')
-  same_bits(mixed[closing][3].last_loss, host[closing][3].last_loss, 'loss')
+  helpers.assert_same_bits(mixed[closing][2], host[closing][2], 'updates')
+  helpers.assert_same_bits(
+    mixed[closing][3].last_loss, host[closing][3].last_loss, 'loss'
+  )
 
 
 @pytest.mark.parametrize(

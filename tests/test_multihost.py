@@ -129,7 +129,7 @@ def full_batch(windows):
   """``helpers.full_batch`` with AdamW: full-batch training, and
   how far float32 round-off can take a run of the same windows from it
   (relative to each window's largest update; derived there)."""
-  return helpers.full_batch(worker.adamw(), helpers.init_params(), windows)
+  return helpers.full_batch(helpers.adamw(), helpers.init_params(), windows)
 
 
 def assert_equals_full_batch(result, prefix, expected, with_loss=True):
@@ -172,8 +172,6 @@ def test_two_processes_token_budget_equal_full_batch(tmp_path):
   """``tokens_per_update`` counts the tokens of both processes' devices:
   the windows close where the global counts say, as in full-batch
   training on those windows."""
-  from test_window_rules import window_sizes  # noqa: PLC0415
-
   out = tmp_path / 'result.npz'
   run_workers(out, mode='budget')
   result = dict(np.load(out))
@@ -181,7 +179,9 @@ def test_two_processes_token_budget_equal_full_batch(tmp_path):
   windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
   stream = [batch for window in windows for batch in window]
   counts = [int(np.sum(batch['mask'])) for batch in stream]
-  sizes = window_sizes(counts, worker.MULTIHOST_BUDGET, worker.MULTIHOST_K)
+  sizes = helpers.budget_window_sizes(
+    counts, worker.MULTIHOST_BUDGET, worker.MULTIHOST_K
+  )
   assert len(set(sizes)) > 1, sizes  # the budget decides some windows
   budget_windows, start = [], 0
   for size in sizes:
