@@ -296,6 +296,12 @@ def windows_of(token_counts, dtype=np.float32, seed=0):
   ]
 
 
+def float64(tree):
+  """``tree`` in float64 (numpy), for a reference run under
+  ``jax.enable_x64``."""
+  return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
 def concat(micro_batches):
   """The micro-batches of a window as one batch."""
   return jax.tree.map(lambda *xs: np.concatenate(xs), *micro_batches)
@@ -577,14 +583,13 @@ def linear_reference(params, windows, learning_rate):
   ``g . e`` plus ``e H e / 2``.
   """
   with jax.enable_x64(True):
-    to64 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float64), tree)  # noqa: E731
     reference = full_batch(
       optax.sgd(learning_rate),
-      to64(params),
-      [[to64(batch) for batch in window] for window in windows],
+      float64(params),
+      float64(windows),
       linear_loss_sum,
     )
-  thetas = [linear_theta(to64(params))]
+  thetas = [linear_theta(float64(params))]
   thetas += [linear_theta(w.params) for w in reference.windows]
   error = np.zeros_like(thetas[0])
   out = []

@@ -67,10 +67,6 @@ def make_step(tx):
   return step
 
 
-def init_params():
-  return jax.tree.map(jnp.asarray, helpers.init_params())
-
-
 def train(step, train_state, start, stop):
   for i in range(start, stop):
     train_state = step(*train_state, micro_batch(i))
@@ -85,7 +81,7 @@ def save(path, train_state):
 
 def restore(path, tx):
   """Restores into the structure of a freshly initialized state."""
-  params = init_params()
+  params = helpers.init_params()
   target = jax.tree.map(
     ocp.utils.to_shape_dtype_struct, (params, tx.init(params))
   )
@@ -94,7 +90,7 @@ def restore(path, tx):
 
 def uninterrupted(variant):
   tx = make_tx(variant)
-  params = init_params()
+  params = helpers.init_params()
   return train(make_step(tx), (params, tx.init(params)), 0, NUM_MICRO_STEPS)
 
 
@@ -105,7 +101,7 @@ def uninterrupted(variant):
 def test_resume_mid_window_is_bit_identical(tmp_path, variant, stop_at):
   tx = make_tx(variant)
   step = make_step(tx)
-  params = init_params()
+  params = helpers.init_params()
   train_state = train(step, (params, tx.init(params)), 0, stop_at)
   opt_state = train_state[1]
   assert 0 < int(opt_state.mini_step) < EVERY_K  # really mid-window
@@ -138,11 +134,16 @@ def test_a_checkpoint_saved_before_the_rename_resumes_bit_identical(tmp_path):
   norms are NaN until the next window closes)."""
   tx = make_tx('adamw_clip')
   step = make_step(tx)
-  params, opt_state = train(step, (init_params(), tx.init(init_params())), 0, 6)
+  params, opt_state = train(
+    step, (helpers.init_params(), tx.init(helpers.init_params())), 0, 6
+  )
   assert 0 < int(opt_state.mini_step) < EVERY_K
   save(tmp_path / 'ckpt', (params, as_saved_by_0_4(opt_state)))
 
-  like = (init_params(), as_saved_by_0_4(tx.init(init_params())))
+  like = (
+    helpers.init_params(),
+    as_saved_by_0_4(tx.init(helpers.init_params())),
+  )
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
   params, saved = ocp.StandardCheckpointer().restore(tmp_path / 'ckpt', target)
   rest = {name: value for name, value in saved.items() if name != 'acc_grads'}
@@ -176,7 +177,7 @@ def child(role, path, variant, stop_at):
   step = make_step(tx)
   stop_at = int(stop_at)
   if role == 'save':
-    params = init_params()
+    params = helpers.init_params()
     save(path, train(step, (params, tx.init(params)), 0, stop_at))
   else:
     train_state = train(step, restore(path, tx), stop_at, NUM_MICRO_STEPS)
@@ -237,7 +238,7 @@ def mid_window(tx):
   micro-steps into the first window of ``tx``."""
   first = restored_windows()[0][:2]
   params, state = run_batches(
-    tx, (init_params(), tx.init(init_params())), first
+    tx, (helpers.init_params(), tx.init(helpers.init_params())), first
   )
   return params, pickle.loads(pickle.dumps(state))
 
@@ -282,9 +283,11 @@ def test_a_state_of_the_same_configuration_resumes(kwargs):
   batches = [batch for window in windows for batch in window]
   params, _ = run_batches(tx, mid_window(tx), batches[2:])
   straight, _ = run_batches(
-    tx, (init_params(), tx.init(init_params())), batches
+    tx, (helpers.init_params(), tx.init(helpers.init_params())), batches
   )
   chex.assert_trees_all_equal(params, straight)
   if not kwargs:
-    expected = helpers.full_batch(optax.adam(0.1), init_params(), windows)
+    expected = helpers.full_batch(
+      optax.adam(0.1), helpers.init_params(), windows
+    )
     helpers.assert_within_round_off(params, expected)

@@ -34,36 +34,6 @@ NUM_DEVICES = 4
 UNIT_ROUNDOFF = np.finfo(np.float32).eps / 2
 
 
-def full_batch(windows):
-  """Plain full-batch training in float64 numpy: per window, the gradient
-  of its token-mean loss, clipped by its global norm, then momentum SGD
-  (``optax.sgd(0.5, momentum=0.9)``: ``t = g + 0.9 t``, ``-0.5 t``). Also
-  returns the largest update."""
-  params = {k: v.astype(np.float64) for k, v in helpers.zero1_params().items()}
-  trace = {k: np.zeros_like(v) for k, v in params.items()}
-  largest = 0.0
-  for window in windows:
-    x = np.concatenate([b['x'] for b in window]).astype(np.float64)
-    y = np.concatenate([b['y'] for b in window]).astype(np.float64)
-    mask = np.concatenate([b['mask'] for b in window]).astype(np.float64)
-    residual = (
-      x @ params['w'] + params['b'].sum() - y
-    )  # (..., helpers.ZERO1_OUTPUTS)
-    weighted = 2 * residual * mask[..., None] / mask.sum()
-    grads = {
-      'w': x.reshape(-1, x.shape[-1]).T
-      @ weighted.reshape(-1, helpers.ZERO1_OUTPUTS),
-      'b': np.full(3, weighted.sum()),
-    }
-    norm = np.sqrt(sum(np.sum(g**2) for g in grads.values()))
-    scale = min(1.0, helpers.ZERO1_MAX_NORM / norm)
-    for k in params:
-      trace[k] = grads[k] * scale + 0.9 * trace[k]
-      largest = max(largest, float(np.max(np.abs(0.5 * trace[k]))))
-      params[k] = params[k] - 0.5 * trace[k]
-  return params, largest
-
-
 @pytest.mark.parametrize('host_closes', [False, True])
 @pytest.mark.parametrize('layout', sorted(placements.ZERO1_LAYOUTS))
 def test_equals_full_batch_training(layout, host_closes):
@@ -128,8 +98,18 @@ def test_every_way_to_build_the_state_trains_exactly(layout, way, host_closes):
 
 
 def assert_equals_full_batch(windows, params):
-  """Within the bound derived in ``test_equals_full_batch_training``."""
-  expected, largest = full_batch(windows)
+  """Within the bound derived in ``test_equals_full_batch_training`` of
+  full-batch training in float64 (``helpers.full_batch``), whose largest
+  update is ``largest``."""
+  with jax.enable_x64(True):
+    reference = helpers.full_batch(
+      placements.zero1_inner(),
+      helpers.float64(helpers.zero1_params()),
+      helpers.float64(windows),
+      helpers.zero1_loss_sum,
+    )
+  expected = jax.tree.map(np.asarray, reference.params)
+  largest = max(window.largest_update for window in reference.windows)
   n = max(int(sum(b['mask'].sum() for b in w)) for w in windows)
   m = n + helpers.FEATURES + helpers.ZERO1_OUTPUTS + 20
   gamma = m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)

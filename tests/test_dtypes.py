@@ -74,10 +74,6 @@ OPTIMIZERS = {
 }
 
 
-def init_params(dtype):
-  return jax.tree.map(lambda x: jnp.asarray(x, dtype), helpers.init_params())
-
-
 def make_windows():
   return helpers.windows_of(TOKEN_COUNTS)
 
@@ -183,12 +179,12 @@ def test_dtype_pair_equals_full_batch(param_name, grad_name):
       results[name] += (updates,)
     return results
 
-  params = {name: init_params(param_dtype) for name in names}
+  params = {name: helpers.init_params(param_dtype) for name in names}
   states = {name: txs[name].init(params[name]) for name in names}
   trained = run(step, params, states, windows, grad_fn)
   for name, inner in inners.items():
     expected = reference(
-      OPTIMIZERS[name](), init_params(param_dtype), windows, grad_dtype
+      OPTIMIZERS[name](), helpers.init_params(param_dtype), windows, grad_dtype
     ).windows
     inner_dtypes = dtypes_of(inner.init(params[name]))
     update_dtypes = expected_update_dtypes(inner, params[name], grad_dtype)
@@ -332,7 +328,9 @@ def test_bf16_parameters_with_adam_under_pmap():
   # Sharded over the axis of the step's outputs, so that it compiles once.
   replicate = jax.pmap(lambda x: x, axis_name='data', devices=devices)
   params = {
-    name: replicate(jax.tree.map(lambda x: stack(x, x), init_params(BF16)))
+    name: replicate(
+      jax.tree.map(lambda x: stack(x, x), helpers.init_params(BF16))
+    )
     for name in txs
   }
   states = {
@@ -351,9 +349,11 @@ def test_bf16_parameters_with_adam_under_pmap():
   for name, inner in inners.items():
     grad_dtype = MIXED_PRECISION[name][1]
     expected = reference(
-      inner, init_params(BF16), reference_windows, grad_dtype
+      inner, helpers.init_params(BF16), reference_windows, grad_dtype
     ).params
-    update_dtypes = expected_update_dtypes(inner, init_params(BF16), grad_dtype)
+    update_dtypes = expected_update_dtypes(
+      inner, helpers.init_params(BF16), grad_dtype
+    )
     for step_updates in updates[name]:
       assert dtypes_of(step_updates) == update_dtypes, (
         f'{name}: updates of dtypes {dtypes_of(step_updates)}, but '

@@ -104,7 +104,7 @@ OPTIMIZERS = {
 }
 
 
-def loss_sum(model, batch):
+def model_loss_sum(model, batch):
   """Squared error summed over the counted tokens of the batch."""
   prediction = jax.vmap(jax.vmap(model))(batch['x'])
   return jnp.sum((prediction - batch['y']) ** 2 * batch['mask'])
@@ -115,7 +115,7 @@ def train_step(model, opt_state, batch, spec, tx):
   trained, frozen = eqx.partition(model, spec)
 
   def loss_fn(trained):
-    return loss_sum(eqx.combine(trained, frozen), batch)
+    return model_loss_sum(eqx.combine(trained, frozen), batch)
 
   loss, grads = eqx.filter_value_and_grad(loss_fn)(trained)
   updates, opt_state = tx.update(
@@ -145,7 +145,7 @@ def reference_run(model_name, optimizer_name):
   trained, frozen = eqx.partition(model, spec)
 
   def loss_fn(trained, batch):
-    return loss_sum(eqx.combine(trained, frozen), batch)
+    return model_loss_sum(eqx.combine(trained, frozen), batch)
 
   return helpers.full_batch(
     OPTIMIZERS[optimizer_name](),

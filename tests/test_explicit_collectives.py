@@ -46,12 +46,12 @@ LEARNING_RATE = 0.05
 PARTIAL = placements.U_DATA  # P(unreduced={'data'}): per-device sums
 
 
-def init_params():
+def linear_params():
   """The linear model with two outputs per token, no bias (``helpers``)."""
   return helpers.linear_params(OUTPUTS, seed=11, bias=False)
 
 
-def loss_sum(params, batch):
+def partial_loss_sum(params, batch):
   """``helpers.linear_loss_sum`` as issue 22 writes it: the squared error
   summed over the outputs, then over the counted tokens into a partial sum
   per device."""
@@ -67,7 +67,7 @@ def token_count(batch):
 def make_step(tx, with_loss):
   @jax.jit
   def step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(partial_loss_sum)(params, batch)
     updates, state = tx.update(
       grads,
       state,
@@ -90,7 +90,7 @@ def make_windows(window_sizes):
 def placed(mesh):
   """The parameters typed reduced over 'data', a placer of batches."""
   data = NamedSharding(mesh, P('data'))
-  params = jax.device_put(init_params(), placements.DDP)
+  params = jax.device_put(linear_params(), placements.DDP)
   return params, lambda batch: jax.device_put(batch, data)
 
 
@@ -141,7 +141,7 @@ def test_user_loss_and_grad_alone_issue_no_collective():
 
     @jax.jit
     def loss_grad_count(params, batch):
-      loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+      loss, grads = jax.value_and_grad(partial_loss_sum)(params, batch)
       return loss, grads, token_count(batch)
 
     loss, grads, _ = loss_grad_count(params, batch)
@@ -186,5 +186,5 @@ def test_with_loss_equals_full_batch_sgd():
       assert bool(tokacc.has_updated(state))
       theta = helpers.linear_theta(placements.plain(params))
       trajectory.append(([theta], np.asarray(tokacc.window_loss(state))))
-  expected = helpers.linear_reference(init_params(), windows, LEARNING_RATE)
+  expected = helpers.linear_reference(linear_params(), windows, LEARNING_RATE)
   helpers.assert_within_linear_bound(trajectory, expected)

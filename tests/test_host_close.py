@@ -78,12 +78,6 @@ F64_TOLERANCE = 1e-11
 AUTO = jax.sharding.AxisType.Auto
 
 
-def loss_mean(params, batch):
-  """The token-mean loss (over at least one token) for ``'mean'``."""
-  count = jnp.maximum(jnp.sum(batch['mask']), 1.0)
-  return helpers.loss_sum(params, batch) / count
-
-
 class Case(NamedTuple):
   """A composition: ``make_tx(every_k, axis_name)``, the optimizer that
   full-batch training runs, whether the loss is a token mean, whether a
@@ -184,7 +178,7 @@ def micro_steps(windows, deciders, nan=None):
 
 def fused_step(tx, mean=False):
   """A training step as users write it, one program per ``close``."""
-  loss_fn = loss_mean if mean else helpers.loss_sum
+  loss_fn = helpers.loss_mean if mean else helpers.loss_sum
 
   def step(params, state, batch, close):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -215,7 +209,7 @@ def split_step(tx, mean=False):
   state, updates)``.
   """
   value_and_grad = jax.jit(
-    jax.value_and_grad(loss_mean if mean else helpers.loss_sum)
+    jax.value_and_grad(helpers.loss_mean if mean else helpers.loss_sum)
   )
   apply = jax.jit(optax.apply_updates)
 
@@ -693,7 +687,7 @@ def train_shard_map(tx, windows, mean=False, nan=None):
     mesh,
     'data',
     with_emit_now=False,
-    loss_fn=loss_mean if mean else helpers.loss_sum,
+    loss_fn=helpers.loss_mean if mean else helpers.loss_sum,
   )
   for batch, close in micro_steps(windows, 'hhh', nan):
     batch = jax.tree.map(lambda x: helpers.put(x, data), batch)

@@ -20,7 +20,7 @@ VOCAB, DIM, LENGTH = 11, 8, 6
 ROUND_OFF = 2 * (8 * LENGTH + DIM + VOCAB + 10) * 2.0**-24
 
 
-def init_params(dtype=jnp.float32):
+def lm_params(dtype=jnp.float32):
   keys = jax.random.split(jax.random.key(0), 2)
   return {
     'embed': jax.random.normal(keys[0], (VOCAB, DIM), dtype),
@@ -70,7 +70,7 @@ def reference_mean_loss(params, batch):
   'microbatch_size', [pytest.param(1, marks=pytest.mark.slow), 2, 4, 8]
 )
 def test_equals_full_batch_sum(microbatch_size):
-  params, batch = init_params(), make_batch(8)
+  params, batch = lm_params(), make_batch(8)
   grad_fn = jax.jit(
     tokacc.microbatched_value_and_grad(loss_fn, microbatch_size)
   )
@@ -100,7 +100,7 @@ def test_equals_full_batch_sum(microbatch_size):
 
 @pytest.mark.slow
 def test_gradients_keep_the_parameter_dtype():
-  params = init_params(jnp.bfloat16)
+  params = lm_params(jnp.bfloat16)
   grad_fn = jax.jit(tokacc.microbatched_value_and_grad(loss_fn, 2))
   (loss_sum, _), grads_sum = grad_fn(params, make_batch(8))
   chex.assert_trees_all_equal_dtypes(grads_sum, params)
@@ -134,13 +134,13 @@ def test_composes_with_token_weighted_multistep(every_k):
   # degree 0 in it); a rounding of each parameter.
   expected = helpers.full_batch(
     inner,
-    init_params(),
+    lm_params(),
     [[batch] for batch in batches],
     reference_loss_sum,
     term_roundings=DIM + VOCAB + 10,
     count_fn=counted,
   )
-  params, opt_state = init_params(), tx.init(init_params())
+  params, opt_state = lm_params(), tx.init(lm_params())
   for batch, window in zip(batches, expected.windows):
     for i in range(every_k):
       step_batch = jax.tree.map(
@@ -174,7 +174,7 @@ def test_batch_not_divisible():
   with pytest.raises(
     ValueError, match='batch size 6 is not divisible by microbatch_size=4'
   ):
-    grad_fn(init_params(), make_batch(6))
+    grad_fn(lm_params(), make_batch(6))
 
 
 def test_batch_leading_axes_differ():
@@ -182,4 +182,4 @@ def test_batch_leading_axes_differ():
   batch['labels'] = batch['labels'][:4]
   grad_fn = jax.jit(tokacc.microbatched_value_and_grad(loss_fn, 2))
   with pytest.raises(ValueError, match='same leading'):
-    grad_fn(init_params(), batch)
+    grad_fn(lm_params(), batch)

@@ -53,7 +53,7 @@ REFUSED = ('mean', 'shard_map_autodiff_sum')
 AUTO = jax.sharding.AxisType.Auto
 
 
-def init_params():
+def linear_params():
   return helpers.linear_params(1, seed=7)
 
 
@@ -121,7 +121,7 @@ class Run(NamedTuple):
 def make_run(reduction, variant, k):
   tx = make_tx(reduction, k)
   step = local_step(tx, reduction, variant)
-  params = init_params()
+  params = linear_params()
   if variant == 'pmap':
     params = jax.tree.map(replicate, params)
     state = jax.pmap(tx.init, devices=jax.devices()[:NUM_DEVICES])(params)
@@ -206,7 +206,7 @@ def check_against_full_batch(reduction, variant, k, windows):
       trajectory = train(reduction, variant, k, windows)
   else:
     trajectory = train(reduction, variant, k, windows)
-  expected = helpers.linear_reference(init_params(), windows, LEARNING_RATE)
+  expected = helpers.linear_reference(linear_params(), windows, LEARNING_RATE)
   helpers.assert_within_linear_bound(trajectory, expected)
 
 

@@ -23,7 +23,6 @@ import functools
 import math
 from typing import NamedTuple
 
-import chex
 import helpers
 import hlo
 import jax
@@ -94,13 +93,6 @@ def full_batch(optimizer_name):
   windows, params = windows_and_params()
   optimizer = REFERENCE_OPTIMIZERS[optimizer_name]()
   return helpers.full_batch(optimizer, params, windows)
-
-
-def assert_within_round_off(params, expected):
-  """``params`` (global arrays) are ``expected.params`` up to round-off."""
-  chex.assert_trees_all_close(
-    helpers.fetch(params), expected.params, rtol=0, atol=expected.atol
-  )
 
 
 def train_fsdp(tx, params, windows, mesh):
@@ -216,7 +208,7 @@ def test_equals_full_batch(layout):
   windows, params = windows_and_params()
   expected = full_batch('adamw')
   actual, state = train(layout, helpers.adamw(), params, windows)
-  assert_within_round_off(actual, expected)
+  helpers.assert_within_round_off(helpers.fetch(actual), expected)
   np.testing.assert_allclose(
     tokacc.window_loss(state), expected.loss, rtol=0, atol=expected.loss_atol
   )
@@ -292,7 +284,7 @@ def test_fsdp_with_masked_or_factored_inner_state(optimizer):
   actual, state = train_fsdp(
     tx, params, windows, placements.data_mesh(NUM_DEVICES, ('fsdp',))
   )
-  assert_within_round_off(actual, full_batch(optimizer))
+  helpers.assert_within_round_off(helpers.fetch(actual), full_batch(optimizer))
   specs = tokacc.state_partition_specs(tx, params, param_specs=FSDP_SPECS)
   mesh = placements.data_mesh(NUM_DEVICES, ('fsdp',))
   state = tokacc.init_sharded(
@@ -591,7 +583,7 @@ def test_clip_by_global_norm_sees_the_global_norm(layout):
   unclipped = full_batch('helpers.sgd').params
   assert max_difference(expected.params, unclipped) > 0.1  # the clip binds
   actual, _ = train(layout, clipped_sgd(), params, windows)
-  assert_within_round_off(actual, expected)
+  helpers.assert_within_round_off(helpers.fetch(actual), expected)
 
 
 def test_clip_by_global_norm_in_fully_manual_hsdp_sees_the_shard_norm():
@@ -601,7 +593,7 @@ def test_clip_by_global_norm_in_fully_manual_hsdp_sees_the_shard_norm():
   expected = full_batch('clipped_sgd').params
   shard_local = full_batch('shard_clipped_sgd')
   actual, _ = train('hsdp_manual_sharded', clipped_sgd(), params, windows)
-  assert_within_round_off(actual, shard_local)
+  helpers.assert_within_round_off(helpers.fetch(actual), shard_local)
   # Far outside the round-off bound of the global-norm reference too.
   assert max_difference(helpers.fetch(actual), expected) > 0.01
 

@@ -16,15 +16,16 @@
 plainly here, in every placement; what empty and dropped windows, a
 checkpoint and the ``acc_grads`` alias do; and the HLO of a micro-step.
 
-The reference is taken at the parameters the run had when each window
-began (recorded), so that it differs from the run by round-off only (a
-reference trained on its own would drift by the parameters' round-off
-too). The bound (:func:`reference`): a window's gradient is a sum over its
-``n`` tokens of per-token terms with at most ``TERM_ROUNDINGS`` roundings
-each, in any order (devices, micro-steps), so each entry is within
-``gamma(n + TERM_ROUNDINGS)`` of the sum of its terms' magnitudes
-(Higham), which per-token gradients give; the run and the reference both
-round, hence twice that, and the norms differ by at most the norm of the
+The reference (:func:`full_batch_metrics`) is taken at the parameters the
+run had when each window began (recorded), so that it differs from the run
+by round-off only (a reference trained on its own, ``helpers.full_batch``,
+would drift by the parameters' round-off too): not a trainer, the metrics
+of full-batch windows at given parameters. The bound: a window's gradient
+is a sum over its ``n`` tokens of per-token terms with at most
+``TERM_ROUNDINGS`` roundings each, in any order (devices, micro-steps), so
+each entry is within ``gamma(n + TERM_ROUNDINGS)`` of the sum of its terms'
+magnitudes (Higham), which per-token gradients give; the run and the
+reference both round, hence twice that, and the norms differ by at most the norm of the
 difference (triangle inequality). The update of momentum SGD (after a
 global-norm clip, a projection: 1-Lipschitz) differs by the learning rate
 times the momentum-weighted sum of the gradients' differences. Each norm's
@@ -73,7 +74,7 @@ def momentum_sgd(lr=helpers.LEARNING_RATE):
   return optax.sgd(lr, momentum=0.9)
 
 
-def reference(
+def full_batch_metrics(
   windows, params_before, lr, loss_sum=helpers.loss_sum, inner=None
 ):
   """Per window: full-batch ``(loss, tokens, grad_norm, update_norm)`` at
@@ -123,7 +124,7 @@ def assert_metrics(records, windows, lr=helpers.LEARNING_RATE, **kwargs):
   leaf's norms too."""
   params_before = [p for p, _ in records]
   for (_, metrics), want in zip(
-    records, reference(windows, params_before, lr, **kwargs)
+    records, full_batch_metrics(windows, params_before, lr, **kwargs)
   ):
     assert float(metrics.tokens) == want['tokens']
     np.testing.assert_allclose(
