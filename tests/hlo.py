@@ -12,11 +12,16 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Collectives of a compiled step, read from its HLO text.
+"""Compiled programs, read from their HLO text: the one reader of the
+tests (the benchmarks import it too).
 
-``parse_hlo`` splits ``compiled.as_text()`` into computations;
+``parse_hlo`` splits ``compiled.as_text()`` into computations (an error
+names what it cannot read); ``reachable_opcodes`` counts what a
+computation runs, inside the conditionals' branches or outside them;
+``returns_its_parameters`` says whether a program computes nothing;
 ``collective_sites`` finds every collective with the conditional branches
-that lead to it; ``collective_records`` adds the mesh axes each one spans and
+that lead to it (``on_every_call``, ``in_branches``,
+``on_micro_step_path``, ``on_closing_step_only`` sort them); ``collective_records`` adds the mesh axes each one spans and
 its payload; ``summarize`` counts them per micro-step and per window. A
 collective on the unconditional path runs on every micro-step; one in the
 taken branch of the transform's ``lax.cond`` (branch 1) only on the step that
@@ -216,6 +221,21 @@ def reachable_opcodes(module, computation=None, into_branches=True):
   return opcodes
 
 
+def compiled_opcodes(hlo_text, into_branches=True):
+  """:func:`reachable_opcodes` of compiled HLO text's entry computation."""
+  return reachable_opcodes(parse_hlo(hlo_text), into_branches=into_branches)
+
+
+def instructions_of(module, opcode):
+  """Every ``opcode`` instruction of every computation of ``module``."""
+  return [
+    instruction
+    for instructions in module.computations.values()
+    for instruction in instructions
+    if instruction.opcode == opcode
+  ]
+
+
 def reachable_instructions(module, computation=None, into_branches=True):
   """Every instruction ``computation`` (the entry: None) runs, as
   :func:`reachable_opcodes` counts them."""
@@ -298,6 +318,17 @@ def on_every_call(sites):
 def in_branches(sites):
   """The collectives of ``sites`` inside a conditional's branch."""
   return [site for site, path in sites if path]
+
+
+def on_micro_step_path(sites):
+  """The collectives of ``sites`` a micro-step runs: on every call, or in
+  a branch other than the closing one (:func:`closing_only`)."""
+  return [site for site, path in sites if not closing_only(path)]
+
+
+def on_closing_step_only(sites):
+  """The collectives of ``sites`` that only the closing step runs."""
+  return [site for site, path in sites if closing_only(path)]
 
 
 def device_groups(text, num_devices):

@@ -204,7 +204,7 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
   sites = hlo.collective_sites(module)
   assert {site.collective for site, _ in sites} == {'all-reduce'}
 
-  every_step = [site for site, path in sites if not path]
+  every_step = hlo.on_every_call(sites)
   if with_emit_now:
     assert len(every_step) == 1
     assert all(dims == () for _, dims in every_step[0].shapes)
@@ -229,7 +229,7 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
   # One all-reduce per window: each gradient leaf once, the token count's
   # four float32 parts and the loss.
   token_parts_and_loss = [('f32', (4,)), ('f32', ())]
-  (reduction,) = [site for site, path in sites if path]
+  (reduction,) = hlo.in_branches(sites)
   assert sorted(reduction.shapes) == sorted(
     gradient_shapes + token_parts_and_loss
   )
@@ -254,7 +254,7 @@ def test_count_collectives_of_the_usual_pattern():
     .compile()
     .as_text()
   )
-  sites = hlo.collective_sites(hlo.parse_hlo(text))
+  sites = hlo.compiled_collectives(text)
   every_step = [site.collective for site, path in sites if not path]
   in_branches = [site.collective for site, path in sites if path]
   assert every_step == ['all-reduce'] and in_branches == ['all-reduce']

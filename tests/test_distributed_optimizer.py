@@ -178,8 +178,8 @@ def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
     batch = place(helpers.zero1_windows()[0][0])
     text = step.lower(params, state, batch).compile().as_text()
   sites = hlo.compiled_collectives(text)
-  assert [s for s, path in sites if not hlo.closing_only(path)] == []
-  closing = [s for s, path in sites if hlo.closing_only(path)]
+  assert hlo.on_micro_step_path(sites) == []
+  closing = hlo.on_closing_step_only(sites)
   w_shape = ('f32', (helpers.FEATURES, helpers.ZERO1_OUTPUTS))
   w_shard = ('f32', (helpers.FEATURES // NUM_DEVICES, helpers.ZERO1_OUTPUTS))
   kinds = {s.collective for s in closing}
@@ -220,7 +220,7 @@ def test_moments_resharded_by_hand_are_followed():
     batch = place(helpers.zero1_windows()[0][0])
     text = step.lower(params, state, batch).compile().as_text()
   sites = hlo.compiled_collectives(text)
-  closing = [s for s, path in sites if hlo.closing_only(path)]
+  closing = hlo.on_closing_step_only(sites)
   shard = ('f32', (helpers.FEATURES, helpers.ZERO1_OUTPUTS // NUM_DEVICES))
   scatters = [s for s in closing if s.collective == 'reduce-scatter']
   assert [s.shapes for s in scatters] == [(shard,)], closing
@@ -411,11 +411,11 @@ def test_hsdp_window_reduce_scattered_over_replica_once():
     batch = place(helpers.zero1_windows()[0][0])
     text = step.lower(params, state, batch).compile().as_text()
   sites = hlo.compiled_collectives(text)
-  micro = [s for s, path in sites if not hlo.closing_only(path)]
+  micro = hlo.on_micro_step_path(sites)
   assert micro, 'the forward pass gathers w within fsdp'
   for site in micro:
     assert groups(site) == FSDP_GROUPS, site
-  closing = [s for s, path in sites if hlo.closing_only(path)]
+  closing = hlo.on_closing_step_only(sites)
   fsdp_shard = ('f32', (helpers.FEATURES // 2, helpers.ZERO1_OUTPUTS))
   state_shard = ('f32', (helpers.FEATURES // 2, helpers.ZERO1_OUTPUTS // 2))
   whole = ('f32', (helpers.FEATURES, helpers.ZERO1_OUTPUTS))

@@ -836,7 +836,7 @@ def test_token_cross_entropy_partial_sums_need_no_collective():
   gamma = m * 2.0**-24 / (1 - m * 2.0**-24)
   np.testing.assert_allclose(totals[0], expected[0], rtol=2 * gamma)
   assert int(totals[1]) == int(expected[1])
-  sites = hlo.collective_sites(hlo.parse_hlo(text))
+  sites = hlo.compiled_collectives(text)
   assert sites == []
 
 

@@ -94,23 +94,6 @@ def placed(mesh):
   return params, lambda batch: jax.device_put(batch, data)
 
 
-def sites_of(compiled_text):
-  return hlo.collective_sites(hlo.parse_hlo(compiled_text))
-
-
-def closing_only(path):
-  """Whether a collective at ``path`` runs only on the closing step: in
-  branch 1 (``lax.cond``'s true branch) of every conditional leading to it,
-  as ``tests/hlo.py`` counts it."""
-  return bool(path) and all(index == 1 for _, index in path)
-
-
-def on_micro_step_path(sites):
-  """The collectives a micro-step runs: on every call, or in a branch
-  other than the closing one."""
-  return [site for site, path in sites if not closing_only(path)]
-
-
 def compiled_step_sites(with_loss):
   tx = tokacc.token_weighted_multistep(optax.sgd(LEARNING_RATE), K)
   mesh = placements.explicit_ddp_mesh()
@@ -119,14 +102,14 @@ def compiled_step_sites(with_loss):
     batch = place(make_windows((1,))[0][0])
     step = make_step(tx, with_loss)
     text = step.lower(params, tx.init(params), batch).compile().as_text()
-  return sites_of(text)
+  return hlo.compiled_collectives(text)
 
 
 def assert_one_reduction_when_closing(sites):
   """The closing branch holds the window's one all-reduce: the gradient,
   with the count (and loss) beside it (so the reader does see the step's
   collectives)."""
-  closing = [site for site, path in sites if closing_only(path)]
+  closing = hlo.on_closing_step_only(sites)
   assert [site.collective for site in closing] == ['all-reduce'], closing
   assert ('f32', (helpers.FEATURES, OUTPUTS)) in closing[0].shapes
 
@@ -148,14 +131,14 @@ def test_user_loss_and_grad_alone_issue_no_collective():
     assert str(jax.typeof(loss)) == 'float32[]{U:data}'
     assert str(jax.typeof(grads['w'])).endswith('{U:data}')
     text = loss_grad_count.lower(params, batch).compile().as_text()
-  assert sites_of(text) == []
+  assert hlo.compiled_collectives(text) == []
 
 
 def test_micro_step_without_loss_issues_no_collective():
   """Control: without ``loss=``, the micro-step's path holds no
   collective."""
   sites = compiled_step_sites(with_loss=False)
-  assert on_micro_step_path(sites) == []
+  assert hlo.on_micro_step_path(sites) == []
   assert_one_reduction_when_closing(sites)
 
 
@@ -164,7 +147,7 @@ def test_micro_step_with_loss_issues_no_collective():
   either (0.3 issued an all-reduce of a float32 scalar on every call, from
   the select that reset the window's loss on unreduced values)."""
   sites = compiled_step_sites(with_loss=True)
-  assert on_micro_step_path(sites) == []
+  assert hlo.on_micro_step_path(sites) == []
   assert_one_reduction_when_closing(sites)
 
 

@@ -804,11 +804,6 @@ def test_explicit_sharding_equals_full_batch(layout, name):
 # The compiled programs.
 
 
-def opcodes(text):
-  """Opcodes of every instruction of a compiled program, with their count."""
-  return hlo.reachable_opcodes(hlo.parse_hlo(text))
-
-
 def check_programs(texts, reduction_shapes=None):
   """``texts[close]`` for ``close`` in (False, True): neither holds a
   ``conditional``; ``close=False`` runs no AdamW (its ``sqrt``: the model
@@ -816,10 +811,10 @@ def check_programs(texts, reduction_shapes=None):
   ``reduction_shapes``, exactly one collective, in the entry computation
   (beside the backward pass): an all-reduce of those shapes."""
   for close, text in texts.items():
-    ops = opcodes(text)
+    ops = hlo.compiled_opcodes(text)
     assert ops['conditional'] == 0, close
     square_roots = ops['sqrt'] + ops['rsqrt']
-    sites = hlo.collective_sites(hlo.parse_hlo(text))
+    sites = hlo.compiled_collectives(text)
     if not close:
       assert square_roots == 0
       assert sites == []
@@ -853,7 +848,7 @@ def test_single_device_programs():
     close: step.lower(params, state, batch, close).compile().as_text()
     for close in (False, True, None)
   }
-  device_decided = opcodes(texts.pop(None))
+  device_decided = hlo.compiled_opcodes(texts.pop(None))
   assert device_decided['conditional'] > 0 and device_decided['sqrt'] > 0
   check_programs(texts)
 

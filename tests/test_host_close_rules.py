@@ -391,12 +391,8 @@ def test_the_mean_is_one_reciprocal_in_both_programs(placement):
     batch = jax.device_put(window_for(make_run)[0], data)
     for close in (True, None):
       text = step.lower(params, state, batch, close).compile().as_text()
-      module = hlo.parse_hlo(text)
       divisions = [
-        i.shapes
-        for instructions in module.computations.values()
-        for i in instructions
-        if i.opcode == 'divide'
+        i.shapes for i in hlo.instructions_of(hlo.parse_hlo(text), 'divide')
       ]
       assert divisions, close  # the reader finds them
       assert all(dims == () for s in divisions for _, dims in s), divisions

@@ -527,10 +527,10 @@ def test_hsdp_reduces_across_replicas_once_per_window(layout, with_emit_now):
   """
   text, mesh = compiled_hsdp_step(layout, with_emit_now)
   assert [d.id for d in mesh.devices.flat] == [0, 1, 2, 3]
-  sites = hlo.collective_sites(hlo.parse_hlo(text))
+  sites = hlo.compiled_collectives(text)
   groups = {s.name: hlo.group_sets(s, mesh.size) for s, _ in sites}
 
-  every_step = [site for site, path in sites if not path]
+  every_step = hlo.on_every_call(sites)
   across = [s for s in every_step if groups[s.name] != FSDP_GROUPS]
   within = [s for s in every_step if groups[s.name] == FSDP_GROUPS]
   if with_emit_now:
