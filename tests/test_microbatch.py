@@ -16,7 +16,7 @@ VOCAB, DIM, LENGTH = 11, 8, 6
 # the log-softmax over the vocabulary, about 10 elementwise operations).
 # Two evaluations in different orders differ by at most 2 (n + m) u of the
 # terms' size (u = 2**-24): 9e-6. The loss's terms are positive (no
-# cancellation); gradients are compared relative to the helpers.largest one.
+# cancellation); gradients are compared relative to the largest one.
 ROUND_OFF = 2 * (8 * LENGTH + DIM + VOCAB + 10) * 2.0**-24
 
 

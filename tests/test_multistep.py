@@ -231,7 +231,7 @@ def test_micro_steps_return_zero_updates_and_keep_inner_state():
     lambda p: helpers.loss_sum(p, full) / jnp.sum(full['mask'])
   )(params)
   # One window: round_off_atol relative to the largest gradient, and to
-  # the helpers.largest update (the learning rate times it; -lr * g rounds once).
+  # the largest update (the learning rate times it; -lr * g rounds once).
   gradient_atol = helpers.round_off_atol(
     [helpers.largest(full_grads)],
     [0.0],
