@@ -90,12 +90,19 @@ def with_nan(batch, device, num_devices=4):
 
 def _apply(tx, params, state, grads, loss, num_tokens, emit_now, close):
   """``tx.update`` with the micro-batch's count and loss, the updates
-  applied; ``emit_now`` is not passed where the host closes (``close``)."""
+  applied in the same program (as users write it): ``(params, state,
+  updates)``; ``emit_now`` is not passed where the host closes
+  (``close``)."""
   emit = {} if close is not None else {'emit_now': emit_now}
   updates, state = tx.update(
     grads, state, params, num_tokens=num_tokens, loss=loss, close=close, **emit
   )
-  return optax.apply_updates(params, updates), state
+  return optax.apply_updates(params, updates), state, updates
+
+
+def _outputs(with_updates):
+  """What a step returns: ``(params, state)``, or with the updates."""
+  return (lambda out: out) if with_updates else (lambda out: out[:2])
 
 
 # pmap: a leading device axis.
@@ -121,7 +128,8 @@ def pmap_step(tx, with_emit_now=True, devices=None, host_closes=False):
     loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     count = helpers.token_count(batch)
     emit_now = flags[0] if flags else False
-    return _apply(tx, params, state, grads, loss, count, emit_now, close)
+    out = _apply(tx, params, state, grads, loss, count, emit_now, close)
+    return out[:2]
 
   if host_closes:
     return jax.pmap(
@@ -181,6 +189,7 @@ def shard_map_step(
   mark_varying=True,
   loss_fn=helpers.loss_sum,
   check_vma=True,
+  with_updates=False,
 ):
   """One jitted micro-step of per-device code under ``jax.shard_map``.
 
@@ -191,9 +200,10 @@ def shard_map_step(
   ``(params, state, batch)`` without ``with_emit_now``, and ``close=``
   (static). With ``mark_varying=False`` the gradient is taken with respect
   to the replicated parameters themselves, as a user who does not know the
-  pattern would.
+  pattern would. ``with_updates``: the step returns the updates too.
   """
   specs = state_specs(tx, axes)
+  outputs = _outputs(with_updates)
 
   def local_step(params, state, batch, *emit_now, close):
     local = params
@@ -202,7 +212,7 @@ def shard_map_step(
     loss, grads = jax.value_and_grad(loss_fn)(local, batch)
     count = helpers.token_count(batch)
     flag = emit_now[0][0] if emit_now else False
-    return _apply(tx, params, state, grads, loss, count, flag, close)
+    return outputs(_apply(tx, params, state, grads, loss, count, flag, close))
 
   data_specs = (P(axes), P(axes)) if with_emit_now else (P(axes),)
 
@@ -211,7 +221,7 @@ def shard_map_step(
       functools.partial(local_step, close=close),
       mesh=mesh,
       in_specs=(P(), specs) + data_specs,
-      out_specs=(P(), specs),
+      out_specs=outputs((P(), specs, P())),
       check_vma=check_vma,
     )(params, state, *data)
 
@@ -249,16 +259,20 @@ def fsdp_shardings(mesh, axes):
   }
 
 
-def global_step(tx, loss_fn=helpers.loss_sum):
-  """A jitted step over global arrays: ``(params, state, batch,
-  emit_now=False, close=None) -> (params, state)``, as a user writes it
-  under ``jax.jit``; ``close`` is static."""
+def global_step(tx, loss_fn=helpers.loss_sum, with_updates=False):
+  """A jitted step over global arrays (or on one device): ``(params, state,
+  batch, emit_now=False, close=None) -> (params, state)`` (and the updates,
+  with ``with_updates``), as a user writes it under ``jax.jit``; ``close``
+  is static."""
+  outputs = _outputs(with_updates)
 
   @functools.partial(jax.jit, static_argnames='close')
   def step(params, state, batch, emit_now=False, close=None):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     count = helpers.token_count(batch)
-    return _apply(tx, params, state, grads, loss, count, emit_now, close)
+    return outputs(
+      _apply(tx, params, state, grads, loss, count, emit_now, close)
+    )
 
   return step
 
@@ -387,12 +401,13 @@ def explicit_loss(spelling):
   return unreduced_loss_sum
 
 
-def explicit_step(tx, spelling='replicated'):
+def explicit_step(tx, spelling='replicated', with_updates=False):
   """A jitted step on an explicit mesh: ``(params, state, batch,
-  emit_now=False, close=None) -> (params, state)``, ``close`` static; the
-  count and loss spelled ``replicated`` or ``unreduced``
-  (:func:`explicit_loss`)."""
+  emit_now=False, close=None) -> (params, state)`` (and the updates, with
+  ``with_updates``), ``close`` static; the count and loss spelled
+  ``replicated`` or ``unreduced`` (:func:`explicit_loss`)."""
   loss_sum = explicit_loss(spelling)
+  outputs = _outputs(with_updates)
   count = helpers.token_count if spelling == 'replicated' else unreduced_count
 
   @functools.partial(jax.jit, static_argnames='close')
@@ -401,7 +416,9 @@ def explicit_step(tx, spelling='replicated'):
       lambda p: loss_sum(forward_params(p), batch)
     )(params)
     num_tokens = count(batch)
-    return _apply(tx, params, state, grads, loss, num_tokens, emit_now, close)
+    return outputs(
+      _apply(tx, params, state, grads, loss, num_tokens, emit_now, close)
+    )
 
   return step
 
@@ -561,20 +578,22 @@ def zero1_loss_sum(params, batch):
   )
 
 
-def zero1_run(layout='ddp', inner=None, **options):
-  """``(mesh, tx, step)``; ``options`` go to the transform; ``step(params,
-  state, batch, close=None)``, ``close`` static."""
+def zero1_run(layout='ddp', inner=None, k=3, with_updates=False, **options):
+  """``(mesh, tx, step)``: ``tx`` accumulates ``k`` micro-steps of
+  ``inner`` (:func:`zero1_inner` by default), ``options`` go to it;
+  ``step(params, state, batch, close=None) -> (params, state)`` (and the
+  updates, with ``with_updates``), ``close`` static."""
   mesh = ZERO1_LAYOUTS[layout].mesh()
-  tx = tokacc.token_weighted_multistep(inner or zero1_inner(), 3, **options)
+  tx = tokacc.token_weighted_multistep(inner or zero1_inner(), k, **options)
+  outputs = _outputs(with_updates)
 
   @functools.partial(jax.jit, static_argnames='close')
   def step(params, state, batch, close=None):
     loss, grads = jax.value_and_grad(zero1_loss_sum)(params, batch)
     num_tokens = unreduced_count(batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=num_tokens, loss=loss, close=close
+    return outputs(
+      _apply(tx, params, state, grads, loss, num_tokens, False, close)
     )
-    return optax.apply_updates(params, updates), state
 
   return mesh, tx, step
 
