@@ -890,13 +890,16 @@ HSDP_LAYOUTS = {
 
 class Run(NamedTuple):
   """A placement on ``n`` devices: the parameters and state it starts
-  from, its jitted step ``(params, state, batch) -> (params, state)``, how
-  it places a global micro-batch, and host copies of its parameters."""
+  from, its jitted step ``(params, state, batch, emit_now) -> (params,
+  state)``, how it places a global micro-batch and spells ``emit_now`` (a
+  Python bool: the last device raises it), and host copies of its
+  parameters."""
 
   params: Any
   state: Any
   step: Callable
   place: Callable
+  emit: Callable
   host: Callable
   mesh: Any = None  # set with jax.set_mesh around the run (explicit types)
   # pmap holds the parameters stacked per device: the checkpoint has one
@@ -905,11 +908,16 @@ class Run(NamedTuple):
   stack: Callable = lambda params: params
 
 
+def last_device(flag, n):
+  """``emit_now`` of each of ``n`` devices: raised on the last only."""
+  return np.arange(n) == (n - 1 if flag else n)
+
+
 def _shard_map_run(n, make_tx, mark_varying=True):
   mesh = data_mesh(n)
   tx = make_tx('data')
   state = shard_map_state(tx, helpers.init_params(), mesh, 'data')
-  step = shard_map_step(tx, mesh, 'data', False, mark_varying)
+  step = shard_map_step(tx, mesh, 'data', True, mark_varying)
   replicated = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P('data'))
   return Run(
@@ -917,6 +925,7 @@ def _shard_map_run(n, make_tx, mark_varying=True):
     state,
     step,
     lambda batch: jax.tree.map(lambda x: helpers.put(x, data), batch),
+    lambda flag: helpers.put(last_device(flag, n), data),
     helpers.fetch,
     mesh,
   )
@@ -927,7 +936,7 @@ def _pmap_run(n, make_tx):
   devices = jax.devices()[:n]
   params = jax.tree.map(lambda x: replicate(x, n), helpers.init_params())
   state = jax.pmap(tx.init, devices=devices)(params)
-  step = pmap_step(tx, with_emit_now=False, devices=devices)
+  step = pmap_step(tx, devices=devices)
 
   def first(params):
     """Device 0's copy; every device holds the same bits."""
@@ -941,6 +950,7 @@ def _pmap_run(n, make_tx):
     state,
     step,
     lambda batch: jax.tree.map(lambda x: per_device(x, n), batch),
+    lambda flag: last_device(flag, n),
     first,
     unstack=lambda params: jax.tree.map(lambda x: x[0], params),
     stack=lambda params: jax.tree.map(
@@ -952,7 +962,6 @@ def _pmap_run(n, make_tx):
 def _jit_run(n, make_tx, mesh, param_specs, data_axes, shard_over=None):
   """``jax.jit`` over global arrays (GSPMD or explicit types)."""
   tx = make_tx(None)
-  step = explicit_step(tx)
   with jax.set_mesh(mesh):
     params = place_params(helpers.init_params(), mesh, param_specs)
     if shard_over is None:
@@ -969,8 +978,9 @@ def _jit_run(n, make_tx, mesh, param_specs, data_axes, shard_over=None):
   return Run(
     params,
     state,
-    lambda p, s, b: step(p, s, b, jnp.asarray(False)),
+    explicit_step(tx),
     lambda batch: jax.tree.map(lambda x: jax.device_put(x, data), batch),
+    jnp.asarray,
     host,
     mesh,
   )
@@ -1028,9 +1038,14 @@ def supported(name):
   return name not in EXPLICIT or _typed_sharding.SUPPORTED
 
 
-def train(run, params, state, batches):
-  """``run``'s step over ``batches``, under its mesh."""
+def train(run, params, state, batches, emit_last=False, on_step=None):
+  """``run``'s step over ``batches``, under its mesh; with ``emit_last``
+  the last micro-batch closes its window (``emit_now``, raised on the last
+  device only); ``on_step(params, state)`` after every micro-step."""
   with mesh_context(run.mesh):
-    for batch in batches:
-      params, state = run.step(params, state, run.place(batch))
+    for i, batch in enumerate(batches):
+      emit_now = run.emit(emit_last and i == len(batches) - 1)
+      params, state = run.step(params, state, run.place(batch), emit_now)
+      if on_step is not None:
+        on_step(params, state)
   return params, state

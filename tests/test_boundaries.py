@@ -24,15 +24,12 @@ import chex
 import helpers
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _typed_sharding
 
 NUM_DEVICES = 4
 PARAMS = {'w': jnp.zeros(2)}
@@ -336,83 +333,40 @@ def budget_tx(axis_name):
   )
 
 
-def shard_map_steps(batches):
-  """``(gradient_step, last_tokens)`` after each micro-step, shard_map."""
-  mesh = jax.make_mesh(
-    (NUM_DEVICES,),
-    ('data',),
-    axis_types=(jax.sharding.AxisType.Auto,),
-    devices=jax.devices()[:NUM_DEVICES],
-  )
-  tx = budget_tx('data')
-  state = placements.shard_map_state(tx, helpers.init_params(), mesh, 'data')
-  step = placements.shard_map_step(tx, mesh, 'data', with_emit_now=False)
-  params = jax.tree.map(
-    lambda x: helpers.put(x, NamedSharding(mesh, P())), helpers.init_params()
-  )
-  data = NamedSharding(mesh, P('data'))
+def steps_over_devices(placement, batches):
+  """``(gradient_step, last_tokens)`` after each micro-step of
+  ``budget_tx`` on ``placements.PLACEMENTS[placement]``, the same on every
+  device."""
+  run = placements.PLACEMENTS[placement](NUM_DEVICES, budget_tx)
   seen = []
-  for batch in batches:
-    batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
-    params, state = step(params, state, batch)
-    acc = tokacc.find_state(state)
-    seen.append((int(acc.gradient_step), int(acc.last_tokens)))
+
+  def record(params, state):
+    del params
+    state = tokacc.find_state(state)
+    steps = np.ravel(helpers.fetch(state.gradient_step))
+    tokens = np.ravel(helpers.fetch(state.last_tokens))
+    assert len(set(steps.tolist())) == 1 and len(set(tokens.tolist())) == 1
+    seen.append((int(steps[0]), int(tokens[0])))
+
+  placements.train(run, run.params, run.state, batches, on_step=record)
   return seen
 
 
-def pmap_steps(batches):
-  """``(gradient_step, last_tokens)`` after each micro-step, pmap."""
-  devices = jax.devices()[:NUM_DEVICES]
-  tx = budget_tx('data')
-  step = placements.pmap_step(tx, with_emit_now=False, devices=devices)
-  params = jax.tree.map(
-    lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
-    helpers.init_params(),
-  )
-  state = jax.pmap(tx.init, devices=devices)(params)
-  seen = []
-  for batch in batches:
-    local = jax.tree.map(
-      lambda x: x.reshape((NUM_DEVICES, -1) + x.shape[1:]), batch
-    )
-    params, state = step(params, state, local)
-    assert len(set(np.asarray(state.gradient_step).tolist())) == 1
-    seen.append((int(state.gradient_step[0]), int(state.last_tokens[0])))
-  return seen
+# mode: the placement
+OVER_DEVICES = {
+  'shard_map': 'shard_map',
+  'pmap': 'pmap',
+  'explicit': 'explicit_ddp',
+}
 
 
-def explicit_steps(batches):
-  """``(gradient_step, last_tokens)`` after each micro-step, explicit
-  sharding (parameters typed reduced, as ``placements.train_explicit``)."""
-  mesh = jax.make_mesh(
-    (NUM_DEVICES,), ('data',), devices=jax.devices()[:NUM_DEVICES]
-  )
-  tx = budget_tx(None)
-  seen = []
-  with jax.set_mesh(mesh):
-    params = {
-      name: jax.jit(
-        lambda x: jax.reshard(x, P(*(None,) * x.ndim, reduced={'data'}))
-      )(helpers.put(value, NamedSharding(mesh, P())))
-      for name, value in helpers.init_params().items()
-    }
-    state = tx.init(params)
-    step = placements.global_step(tx)
-    data = NamedSharding(mesh, P('data'))
-    for batch in batches:
-      batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
-      params, state = step(params, state, batch, jnp.asarray(False))
-      seen.append((int(state.gradient_step), int(state.last_tokens)))
-  return seen
-
-
-@pytest.mark.parametrize('mode', ['shard_map', 'pmap', 'explicit'])
+@pytest.mark.parametrize('mode', list(OVER_DEVICES))
 @pytest.mark.parametrize('case', sorted(DEVICE_COUNTS))
 def test_budget_boundary_over_devices(case, mode):
   """The window closes on the micro-step at which the tokens of all
   devices reach the budget exactly, on every device, and holds them."""
-  if mode == 'explicit' and not _typed_sharding.SUPPORTED:
-    pytest.skip('reduced/unreduced types need jax >= 0.10')
+  if not placements.supported(OVER_DEVICES[mode]):
+    pytest.skip(placements.NEEDS_TYPED_SHARDING)
   counts = DEVICE_COUNTS[case]
   totals = [sum(c) for c in counts]
   assert (
@@ -420,12 +374,7 @@ def test_budget_boundary_over_devices(case, mode):
     == (DEVICE_CLOSES[case])
   )
   batches = [batch_with_counts(c, seed) for seed, c in enumerate(counts)]
-  run_steps = {
-    'shard_map': shard_map_steps,
-    'pmap': pmap_steps,
-    'explicit': explicit_steps,
-  }[mode]
-  seen = run_steps(batches)
+  seen = steps_over_devices(OVER_DEVICES[mode], batches)
   steps = [0] + [gradient_step for gradient_step, _ in seen]
   closes = [i for i in range(1, len(steps)) if steps[i] > steps[i - 1]]
   assert closes == DEVICE_CLOSES[case]

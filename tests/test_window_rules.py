@@ -42,7 +42,6 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _typed_sharding
 
 K = 3
 NUM_DEVICES = 4
@@ -199,27 +198,40 @@ def test_other_extra_args_are_forwarded_from_the_closing_call():
 # The same under data parallelism and explicit sharding.
 
 
-def shard_map_training(tx, windows):
-  mesh = jax.make_mesh(
-    (NUM_DEVICES,),
-    ('data',),
-    axis_types=(jax.sharding.AxisType.Auto,),
-    devices=jax.devices()[:NUM_DEVICES],
+def over_devices(mode, windows, inner, **options):
+  """Trains ``inner`` accumulated over 4 devices of ``mode`` (``explicit``:
+  explicit DDP), the last window closed early by ``emit_now``: the host
+  parameters, and the state."""
+  placement = OVER_DEVICES[mode]
+  if not placements.supported(placement):
+    pytest.skip(placements.NEEDS_TYPED_SHARDING)
+
+  def make_tx(axis_name):
+    return tokacc.token_weighted_multistep(
+      inner, K, axis_name=axis_name, **options
+    )
+
+  run = placements.PLACEMENTS[placement](NUM_DEVICES, make_tx)
+  batches = [batch for window in windows for batch in window]
+  params, state = placements.train(
+    run, run.params, run.state, batches, emit_last=True
   )
-  params, state = placements.train_shard_map(
-    tx, helpers.init_params(), windows, mesh, 'data'
-  )
-  return helpers.fetch(params), state
+  return run.host(params), state
 
 
-def explicit_training(tx, windows):
-  mesh = jax.make_mesh(
-    (NUM_DEVICES,), ('data',), devices=jax.devices()[:NUM_DEVICES]
-  )
-  params, _ = placements.train_explicit(
-    tx, helpers.init_params(), windows, mesh
-  )
-  return params
+def gradient_step(state):
+  """The state's gradient step, the same on every device."""
+  steps = np.ravel(helpers.fetch(tokacc.find_state(state).gradient_step))
+  assert len(set(steps.tolist())) == 1, steps
+  return int(steps[0])
+
+
+# mode: the placement
+OVER_DEVICES = {
+  'shard_map': 'shard_map',
+  'explicit': 'explicit_ddp',
+  'pmap': 'pmap',
+}
 
 
 @pytest.mark.parametrize(
@@ -227,25 +239,18 @@ def explicit_training(tx, windows):
 )
 def test_reduce_on_plateau_under_data_parallelism(mode):
   """With the batch split over 4 devices, ``value`` is the token-mean loss
-  over all of them (the harness closes the last window with emit_now)."""
-  if mode == 'explicit' and not _typed_sharding.SUPPORTED:
-    pytest.skip('reduced/unreduced types need jax >= 0.10')
+  over all of them (the last window closed early by emit_now)."""
   windows = helpers.make_windows(PLATEAU_WINDOWS, NUM_DEVICES, seed=4)
   expected = helpers.full_batch(
     helpers.plateau_inner(), helpers.init_params(), windows, with_value=True
   ).windows
   expected_params = expected[-1].params
   assert min(helpers.plateau_scale(w.opt_state) for w in expected) < 1.0
+  params, state = over_devices(mode, windows, helpers.plateau_inner())
   if mode == 'shard_map':
-    tx = tokacc.token_weighted_multistep(
-      helpers.plateau_inner(), K, axis_name='data'
-    )
-    params, state = shard_map_training(tx, windows)
     scale = float(tokacc.find_state(state).inner_state[1].scale)
     assert scale == helpers.plateau_scale(expected[-1].opt_state)
-  else:
-    tx = tokacc.token_weighted_multistep(helpers.plateau_inner(), K)
-    params = explicit_training(tx, windows)
+  assert gradient_step(state) == len(windows)
   chex.assert_trees_all_close(params, expected_params, atol=TOLERANCE)
 
 
@@ -302,48 +307,15 @@ def test_budget_closes_windows_where_the_tokens_reach_it():
 def test_budget_over_all_devices(mode):
   """The budget counts the tokens of every device; every device closes at
   the same micro-step (the last window closes early by emit_now)."""
-  if mode == 'explicit' and not _typed_sharding.SUPPORTED:
-    pytest.skip('reduced/unreduced types need jax >= 0.10')
   k = BUDGET_K
   windows, sizes = budget_windows(k)
   expected = helpers.full_batch(helpers.adamw(), helpers.init_params(), windows)
-  flat = [[b for w in windows for b in w]]  # the transform finds the windows
-  if mode == 'shard_map':
-    tx = tokacc.token_weighted_multistep(
-      helpers.adamw(), k, axis_name='data', tokens_per_update=BUDGET
-    )
-    params, state = shard_map_training(tx, flat)
-    assert int(tokacc.find_state(state).gradient_step) == len(sizes)
-  elif mode == 'explicit':
-    tx = tokacc.token_weighted_multistep(
-      helpers.adamw(), k, tokens_per_update=BUDGET
-    )
-    params = explicit_training(tx, flat)
-  else:
-    params = pmap_training(k, flat)
+  # the transform finds the windows (k = BUDGET_K = K)
+  params, state = over_devices(
+    mode, windows, helpers.adamw(), tokens_per_update=BUDGET
+  )
+  assert gradient_step(state) == len(sizes)
   helpers.assert_within_round_off(params, expected)
-
-
-def pmap_training(k, windows):
-  devices = jax.devices()[:NUM_DEVICES]
-  tx = tokacc.token_weighted_multistep(
-    helpers.adamw(), k, axis_name='data', tokens_per_update=BUDGET
-  )
-
-  step = placements.pmap_step(tx, devices=devices)
-  params = jax.tree.map(
-    lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
-    helpers.init_params(),
-  )
-  state = jax.pmap(tx.init, devices=devices)(params)
-  micro = [b for w in windows for b in w]
-  for i, batch in enumerate(micro):
-    emit_now = np.full(NUM_DEVICES, i == len(micro) - 1)
-    local = jax.tree.map(
-      lambda x: x.reshape((NUM_DEVICES, -1) + x.shape[1:]), batch
-    )
-    params, state = step(params, state, local, emit_now)
-  return jax.tree.map(lambda x: np.asarray(x[0]), params)
 
 
 @pytest.mark.slow
