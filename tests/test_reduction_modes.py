@@ -223,7 +223,7 @@ def test_smallest_case_equals_full_batch_sgd(reduction, variant):
   check_against_full_batch(reduction, variant, 1, smallest_case())
 
 
-def test_mean_loss_with_autodiff_summed_grads_is_refused():
+def test_mean_loss_with_grads_summed_over_devices_by_autodiff_is_refused():
   """Without ``pcast``, autodiff sums the devices' mean-loss gradients on
   every micro-step: no scaling by the counts gives the token-weighted mean
   back. Refused when the step is traced, naming the argument and the fix."""
