@@ -13,15 +13,25 @@
 # limitations under the License.
 # ==============================================================================
 """Parts the tests share: the model, the data, the one full-batch reference
-with its round-off bound, global arrays, and the repository's files.
+with its round-off bound, global arrays, and the repository's files (the
+placements, where a run's values live: ``placements.py``; the reader of
+compiled programs: ``hlo.py``).
 
 The model is a one-hidden-layer per-token regression (``loss_sum``); the
 data are global micro-batches of ``SEQS`` sequences per device with unequal
-counted tokens (``make_windows``); the reference is plain optax on one
-device, one step per window on all of its tokens (``full_batch``), with
-the bound within which float32 round-off keeps any accumulation of the same
-windows from it (``round_off_atol``, derived in its docstring);
-``assert_within_round_off`` compares with it.
+counted tokens (``make_windows``), or one device's micro-batches of given
+counts (``windows_of``). Two models differ on purpose, each saying why: the
+linear one (``linear_loss_sum``) and ZeRO-1's (``zero1_loss_sum``); the
+optimizers many tests share are here too. The reference is plain optax on
+one device, one step per window on all of its tokens (``full_batch``, with
+arguments for what a test computes otherwise), with the bound within which
+float32 round-off keeps any accumulation of the same windows from it
+(``round_off_atol``, derived in its docstring); ``assert_within_round_off``
+compares with it. The two references that are not full-batch training:
+``split_reference`` (plain SGD beside the accumulator, every micro-step)
+and, on the linear model, ``linear_reference`` (float64 SGD and an
+elementwise bound). The tests that give gradients directly (small
+integers) use ``DIVISION_RTOL`` and the budget's ``closing_steps``.
 
 The tests run against whatever ``optax_tokacc`` Python imports: the
 checkout (``pip install -e``), or an installed wheel with a copy of
@@ -113,128 +123,6 @@ def token_count(batch):
   return jnp.sum(batch['mask']).astype(jnp.int32)
 
 
-# The linear model: x @ w + b per token, its squared error summed over the
-# outputs. It differs from the model above on purpose: its gradient is
-# affine in the parameters, so that the float32 round-off of a run is
-# bounded elementwise from the data (linear_reference), a tolerance that
-# does not grow with the step sizes.
-
-
-def linear_params(outputs, seed, bias=True):
-  """``w`` of shape ``(FEATURES, outputs)``, and ``b`` (``outputs``)
-  unless ``bias`` is False (explicit sharding cannot add a bias typed
-  reduced to values split over the same axis)."""
-  rng = np.random.default_rng(seed)
-  params = {'w': rng.normal(size=(FEATURES, outputs)).astype(np.float32)}
-  if bias:
-    params['b'] = rng.normal(size=(outputs,)).astype(np.float32)
-  return params
-
-
-def linear_loss_sum(params, batch):
-  """Squared error summed over the outputs and the counted tokens."""
-  error = batch['x'] @ params['w'] + params.get('b', 0.0) - batch['y']
-  return jnp.sum(jnp.sum(error**2, axis=-1) * batch['mask'])
-
-
-def linear_theta(params):
-  """The parameters as one matrix ``[w; b]`` of shape ``(FEATURES + 1,
-  outputs)``, or ``w`` without a bias (with the leading axes they have)."""
-  if 'b' not in params:
-    return np.asarray(params['w'])
-  w, b = np.asarray(params['w']), np.asarray(params['b'])
-  return np.concatenate([w, b[..., None, :]], axis=-2)
-
-
-# Optimizers many tests share.
-
-
-def adamw():
-  """AdamW whose update depends on the gradient's scale (large eps).
-
-  With the default eps, Adam is nearly invariant to the gradient's scale and
-  would hide a gradient summed over the devices twice.
-  """
-  return optax.adamw(LEARNING_RATE, eps=0.1, weight_decay=0.1)
-
-
-def sgd():
-  """SGD with momentum: linear in the gradients."""
-  return optax.sgd(LEARNING_RATE, momentum=0.9)
-
-
-def schedule_of(sizes):
-  """An ``every_k_schedule`` that gives window ``w`` ``sizes[w]``
-  micro-batches (the last size thereafter)."""
-
-  def every_k(gradient_step):
-    return jnp.asarray(sizes, jnp.int32)[
-      jnp.minimum(gradient_step, len(sizes) - 1)
-    ]
-
-  return every_k
-
-
-def plateau_inner():
-  """SGD whose learning rate ``reduce_on_plateau`` halves whenever the
-  loss does not improve on its best (no patience, no cooldown)."""
-  return optax.chain(
-    optax.sgd(0.3),
-    optax.contrib.reduce_on_plateau(
-      factor=0.5, patience=0, cooldown=0, rtol=1e-4, atol=0.0
-    ),
-  )
-
-
-def plateau_scale(opt_state):
-  """The learning-rate scale of ``plateau_inner``'s state."""
-  return float(opt_state[1].scale)
-
-
-# ZeRO-1's model: a linear map of each token to ZERO1_OUTPUTS values, and a
-# bias of 3 entries that enters through its sum. It differs from the model
-# above on purpose: ``w`` (FEATURES, 4) has a dimension that 4 devices
-# divide, so that its optimizer state is sharded, and ``b`` has none, so
-# that its state stays whole.
-
-ZERO1_OUTPUTS = 4
-ZERO1_MAX_NORM = 0.05  # below every window's gradient norm: the clip binds
-
-
-def zero1_params():
-  rng = np.random.default_rng(7)
-  return {
-    'w': rng.normal(size=(FEATURES, ZERO1_OUTPUTS)).astype(np.float32),
-    'b': rng.normal(size=(3,)).astype(np.float32),  # no dimension divides 4
-  }
-
-
-def zero1_loss_sum(params, batch):
-  """Squared error summed over the outputs and the counted tokens; ``b``
-  enters through its sum."""
-  pred = batch['x'] @ params['w'] + params['b'].sum()
-  per_token = jnp.sum((pred - batch['y']) ** 2, axis=-1)
-  return jnp.sum(per_token * batch['mask'])
-
-
-def with_outputs(windows, outputs, seed):
-  """``windows`` with ``outputs`` targets per token (float32)."""
-  rng = np.random.default_rng(seed)
-  return [
-    [
-      dict(b, y=rng.normal(size=b['y'].shape + (outputs,)).astype(np.float32))
-      for b in window
-    ]
-    for window in windows
-  ]
-
-
-def zero1_windows():
-  """Three windows of 3 micro-batches on 4 devices, for the ZeRO-1 model."""
-  windows = make_windows((3, 3, 3), 4, seed=4)
-  return with_outputs(windows, ZERO1_OUTPUTS, seed=3)
-
-
 def token_counts(window_sizes, num_devices, seed=0):
   """Counted tokens per window, micro-step and device: unequal, with zeros.
 
@@ -305,6 +193,130 @@ def float64(tree):
 def concat(micro_batches):
   """The micro-batches of a window as one batch."""
   return jax.tree.map(lambda *xs: np.concatenate(xs), *micro_batches)
+
+
+def with_outputs(windows, outputs, seed):
+  """``windows`` with ``outputs`` targets per token (float32)."""
+  rng = np.random.default_rng(seed)
+  return [
+    [
+      dict(b, y=rng.normal(size=b['y'].shape + (outputs,)).astype(np.float32))
+      for b in window
+    ]
+    for window in windows
+  ]
+
+
+# Models that differ from the one above on purpose.
+
+# The linear model: x @ w + b per token, its squared error summed over the
+# outputs. It differs from the model above on purpose: its gradient is
+# affine in the parameters, so that the float32 round-off of a run is
+# bounded elementwise from the data (linear_reference), a tolerance that
+# does not grow with the step sizes.
+
+
+def linear_params(outputs, seed, bias=True):
+  """``w`` of shape ``(FEATURES, outputs)``, and ``b`` (``outputs``)
+  unless ``bias`` is False (explicit sharding cannot add a bias typed
+  reduced to values split over the same axis)."""
+  rng = np.random.default_rng(seed)
+  params = {'w': rng.normal(size=(FEATURES, outputs)).astype(np.float32)}
+  if bias:
+    params['b'] = rng.normal(size=(outputs,)).astype(np.float32)
+  return params
+
+
+def linear_loss_sum(params, batch):
+  """Squared error summed over the outputs and the counted tokens."""
+  error = batch['x'] @ params['w'] + params.get('b', 0.0) - batch['y']
+  return jnp.sum(jnp.sum(error**2, axis=-1) * batch['mask'])
+
+
+def linear_theta(params):
+  """The parameters as one matrix ``[w; b]`` of shape ``(FEATURES + 1,
+  outputs)``, or ``w`` without a bias (with the leading axes they have)."""
+  if 'b' not in params:
+    return np.asarray(params['w'])
+  w, b = np.asarray(params['w']), np.asarray(params['b'])
+  return np.concatenate([w, b[..., None, :]], axis=-2)
+
+
+# ZeRO-1's model: a linear map of each token to ZERO1_OUTPUTS values, and a
+# bias of 3 entries that enters through its sum. It differs from the model
+# above on purpose: ``w`` (FEATURES, 4) has a dimension that 4 devices
+# divide, so that its optimizer state is sharded, and ``b`` has none, so
+# that its state stays whole.
+
+ZERO1_OUTPUTS = 4
+ZERO1_MAX_NORM = 0.05  # below every window's gradient norm: the clip binds
+
+
+def zero1_params():
+  rng = np.random.default_rng(7)
+  return {
+    'w': rng.normal(size=(FEATURES, ZERO1_OUTPUTS)).astype(np.float32),
+    'b': rng.normal(size=(3,)).astype(np.float32),  # no dimension divides 4
+  }
+
+
+def zero1_loss_sum(params, batch):
+  """Squared error summed over the outputs and the counted tokens; ``b``
+  enters through its sum."""
+  pred = batch['x'] @ params['w'] + params['b'].sum()
+  per_token = jnp.sum((pred - batch['y']) ** 2, axis=-1)
+  return jnp.sum(per_token * batch['mask'])
+
+
+def zero1_windows():
+  """Three windows of 3 micro-batches on 4 devices, for the ZeRO-1 model."""
+  windows = make_windows((3, 3, 3), 4, seed=4)
+  return with_outputs(windows, ZERO1_OUTPUTS, seed=3)
+
+
+# Optimizers many tests share.
+
+
+def adamw():
+  """AdamW whose update depends on the gradient's scale (large eps).
+
+  With the default eps, Adam is nearly invariant to the gradient's scale and
+  would hide a gradient summed over the devices twice.
+  """
+  return optax.adamw(LEARNING_RATE, eps=0.1, weight_decay=0.1)
+
+
+def sgd():
+  """SGD with momentum: linear in the gradients."""
+  return optax.sgd(LEARNING_RATE, momentum=0.9)
+
+
+def schedule_of(sizes):
+  """An ``every_k_schedule`` that gives window ``w`` ``sizes[w]``
+  micro-batches (the last size thereafter)."""
+
+  def every_k(gradient_step):
+    return jnp.asarray(sizes, jnp.int32)[
+      jnp.minimum(gradient_step, len(sizes) - 1)
+    ]
+
+  return every_k
+
+
+def plateau_inner():
+  """SGD whose learning rate ``reduce_on_plateau`` halves whenever the
+  loss does not improve on its best (no patience, no cooldown)."""
+  return optax.chain(
+    optax.sgd(0.3),
+    optax.contrib.reduce_on_plateau(
+      factor=0.5, patience=0, cooldown=0, rtol=1e-4, atol=0.0
+    ),
+  )
+
+
+def plateau_scale(opt_state):
+  """The learning-rate scale of ``plateau_inner``'s state."""
+  return float(opt_state[1].scale)
 
 
 # The reference: full-batch training, and the round-off bound.
@@ -501,6 +513,27 @@ def full_batch(
   )
 
 
+def assert_within_round_off(actual, reference) -> None:
+  """``actual`` parameters equal ``reference``'s (a :class:`Reference` or
+  a :class:`Window`) within its ``atol``."""
+  chex.assert_trees_all_close(
+    jax.tree.map(np.asarray, actual),
+    jax.tree.map(np.asarray, reference.params),
+    rtol=0,
+    atol=reference.atol,
+  )
+
+
+def assert_same_bits(actual, expected, what=''):
+  """Bit-for-bit equality of two trees (unlike ==, tells -0.0 from 0.0,
+  and a NaN equals itself)."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected), what
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    a, e = np.asarray(a), np.asarray(e)
+    assert a.dtype == e.dtype and a.shape == e.shape, what
+    assert a.tobytes() == e.tobytes(), (what, a[a != e], e[a != e])
+
+
 def split_reference(inner, params, micro_batches, k, plain_learning_rate):
   """The reference of an accumulator on ``'w'`` beside plain SGD on
   ``'v'`` (``optax.multi_transform``, or two ``optax.masked``): ``inner``
@@ -671,27 +704,6 @@ def budget_window_sizes(counts, budget, k):
   closes = closing_steps(counts, lambda _: k, budget)
   ends = closes + [len(counts)] * (closes[-1:] != [len(counts)])
   return np.diff([0] + ends).tolist()
-
-
-def assert_within_round_off(actual, reference) -> None:
-  """``actual`` parameters equal ``reference``'s (a :class:`Reference` or
-  a :class:`Window`) within its ``atol``."""
-  chex.assert_trees_all_close(
-    jax.tree.map(np.asarray, actual),
-    jax.tree.map(np.asarray, reference.params),
-    rtol=0,
-    atol=reference.atol,
-  )
-
-
-def assert_same_bits(actual, expected, what=''):
-  """Bit-for-bit equality of two trees (unlike ==, tells -0.0 from 0.0,
-  and a NaN equals itself)."""
-  assert jax.tree.structure(actual) == jax.tree.structure(expected), what
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    a, e = np.asarray(a), np.asarray(e)
-    assert a.dtype == e.dtype and a.shape == e.shape, what
-    assert a.tobytes() == e.tobytes(), (what, a[a != e], e[a != e])
 
 
 # Global arrays (several processes included).

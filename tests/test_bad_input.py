@@ -2,7 +2,8 @@
 
 Also the documented behaviour for inputs that cannot be rejected at trace
 time (a negative ``num_tokens``, a non-finite ``loss``), and the opt-in
-``checkify`` checks that report them.
+``checkify`` checks that report them; counts and ``emit_now`` of the wrong
+kind or out of range (issue 11, defect 6).
 """
 
 import chex

@@ -11,11 +11,13 @@
   exact; 2**31 is not, and the window is dropped.
 
 The budget and the counter are also tested over devices (``shard_map``,
-``pmap`` and explicit sharding), where the tokens of the window are summed
-over all of them.
+``pmap`` and explicit sharding, of ``placements.PLACEMENTS``), where the
+tokens of the window are summed over all of them; so is an invalid count
+with the budget (rule 2 of "Rules of the window", issue 22).
 
-References are written plainly here: which micro-steps close a window, and
-the SGD update ``-sum(grads) / sum(tokens)``. Gradients are given directly
+References are written plainly here: which micro-steps close a window
+(``helpers.closing_steps``), and the SGD update ``-sum(grads) /
+sum(tokens)``. Gradients are given directly
 (small integers, whose float32 sums are exact), so an update differs from
 its float64 reference only by the one float32 rounding of the division.
 """
@@ -310,7 +312,7 @@ DEVICE_CLOSES = {'exactly': [2], 'one_less': [3]}
 
 
 def batch_with_counts(counts, seed):
-  """A global micro-batch of the harness's model whose device ``d`` holds
+  """A global micro-batch of ``helpers``' model whose device ``d`` holds
   ``counts[d]`` counted tokens (rows ``[d * SEQS, (d + 1) * SEQS)``)."""
   rng = np.random.default_rng(seed)
   shape = (len(counts) * helpers.SEQS, helpers.SEQ_LEN)

@@ -2,7 +2,9 @@
 
 Training resumed from a checkpoint taken after some micro-steps of a window
 (before it emits) must give bit-identical parameters and state to training
-that never stopped, in the same process and in a new one.
+that never stopped, in the same process and in a new one; a checkpoint of
+0.4 resumes by the CHANGELOG's recipe; a state restored into another
+configuration is refused, naming what differs (issue 11, defect 7).
 """
 
 import functools

@@ -2,10 +2,13 @@
 
 Each composition is trained under `jax.jit`, applying the updates with
 `optax.apply_updates` and with `tokacc.apply_if_updated`, and compared after
-EVERY micro-step and for every parameter with plain training written out
-here: full-batch gradients (the window's token-summed loss over its total
-tokens) for what the accumulator wraps, and the usual optax semantics for the
-stages around it. Token counts differ between micro-batches and one
+EVERY micro-step and for every parameter, within the round-off bound of
+``helpers.round_off_atol``, with plain training: ``helpers.full_batch`` for
+what the accumulator wraps (a stage before it scales the full-batch
+gradient, one after it the update), ``helpers.split_reference`` where the
+accumulator shares the parameters with plain SGD (``multi_transform``,
+``masked``: issue 11, defect 3, ``apply_if_updated`` kept the other
+transform's updates). Token counts differ between micro-batches and one
 micro-batch has none, so that the average of per-micro-batch means fails
 (`test_average_of_averages_would_fail`).
 

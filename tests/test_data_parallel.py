@@ -1,9 +1,12 @@
 """Data parallelism on 8 fake CPU devices: pmap, shard_map and sharded jit.
 
 Each run equals single-device full-batch training on the concatenation of
-all devices' micro-batches, with unequal token counts per device and per
-micro-step (and devices without tokens). The compiled step is inspected to
-show one reduction of the gradients per window, none on micro-steps.
+all devices' micro-batches (``helpers.full_batch``), with unequal token
+counts per device and per micro-step (and devices without tokens). The
+compiled step is inspected to show one reduction of the gradients per
+window, none on micro-steps. A micro-batch rejected on one device closes
+the window on every device, in a process of its own (issue 11, defect 1:
+a deadlock). Bad ``axis_name`` values and the warnings of ``shard_map``.
 """
 
 import subprocess

@@ -1,14 +1,16 @@
 """The distributed-optimizer (ZeRO-1) layout under explicit sharding.
 
-Parameters typed reduced over 'data' (4 fake devices), ``placements.zero1_inner``'s state
+Parameters typed reduced over 'data' (4 fake devices), ``inner``'s state
 sharded over 'data' by ``init_sharded(..., shard_optimizer_over=('data',))``:
 the window stays partial sums, and closes with one reduce-scatter into the
-optimizer's shards, ``placements.zero1_inner`` on the shards, and an all-gather of the
+optimizer's shards, ``inner`` on the shards, and an all-gather of the
 updates. HSDP too: on a ``('replica', 'fsdp') = (2, 2)`` mesh, ``w`` typed
 ``P('fsdp', None, reduced={'replica'})`` and its state sharded over
-``replica`` as well (``shard_optimizer_over=('replica',)``). Checked against full-batch training written plainly here, with
-unequal counts per device and micro-step and devices without tokens, and on
-the compiled HLO (issue 23).
+``replica`` as well (``shard_optimizer_over=('replica',)``). The model is
+``helpers.zero1_loss_sum``, the layouts ``placements.ZERO1_LAYOUTS``.
+Checked against full-batch training in float64 (``helpers.full_batch``),
+with unequal counts per device and micro-step and devices without tokens,
+and on the compiled HLO (issue 23).
 """
 
 import helpers

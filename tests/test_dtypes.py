@@ -8,7 +8,10 @@ dtype) are summed in float32, divided by the window's tokens, cast to the
 gradient dtype and fed to the inner optimizer, whose new state is cast back
 to the dtypes it had. The returned updates must have the dtypes that
 `jax.eval_shape` of the inner update gives, and the inner state must keep
-its dtypes from window to window.
+its dtypes from window to window (``helpers.full_batch`` with
+``gradient_fn`` and ``keep_state_dtypes``). Also bfloat16 parameters with
+Adam under ``pmap`` (issue 11, defect 2), and micro-steps that keep every
+bit of the parameters.
 """
 
 import functools

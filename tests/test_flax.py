@@ -1,4 +1,13 @@
-"""optax_tokacc.flax: TrainState and Optimizer equal full-batch training."""
+"""optax_tokacc.flax: the linen TrainState and the nnx Optimizer.
+
+Both equal full-batch training of a small transformer LM
+(``helpers.full_batch`` with its loss and roundings), count windows (also
+under ``optax.apply_if_finite``: issue 11, defect 4), keep the updates of
+other transforms (``optax.multi_transform``: defect 3), forward
+``emit_now`` and ``close`` (a host-closed window equals the device's, bit
+for bit: issue 24), report ``window_loss`` and ``window_metrics``, and
+refuse what they cannot take.
+"""
 
 import functools
 import importlib

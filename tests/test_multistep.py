@@ -1,4 +1,15 @@
-"""Tests of `token_weighted_multistep` against full-batch training."""
+"""`token_weighted_multistep` on one device against full-batch training
+(``helpers.full_batch``) and ``optax.MultiSteps``.
+
+The accumulation of unequal token counts, in float32 and float64, with
+``loss_reduction='mean'``, schedules of k, ``optax.chain`` and
+``inject_hyperparams``; zero updates and the inner state on micro-steps;
+windows without tokens; ``skip_not_finite`` and rejected micro-batches
+(issue 11, defect 1); ``emit_now`` (defect 6); float and fractional counts
+(defect 8); what ``grad_sums`` holds (defect 10); ``window_loss`` and
+``apply_if_updated``; a window after a NaN window (issue 19); dtypes of the
+accumulator; one compilation; the constructor's and ``update``'s errors.
+"""
 
 import functools
 

@@ -334,7 +334,7 @@ def test_explicit_fsdp_on_every_jax(monkeypatch):
 @pytest.mark.parametrize('layout', sorted(placements.ZERO1_LAYOUTS))
 def test_zero1_equals_full_batch(layout, host_closes, window_norms):
   """ZeRO-1: the norms of the shards summed over the devices (clip, then
-  momentum SGD at 0.5, as ``test_distributed_optimizer``)."""
+  momentum SGD at 0.5, ``placements.zero1_inner``)."""
   windows = helpers.zero1_windows()
   on_step, records = recorder(windows)
   placements.train_zero1(
@@ -577,7 +577,7 @@ def sgd():
 
 def _closing_sites(layout, window_norms):
   """The closing branch's collective sites of one compiled step: the
-  explicit layouts of ``test_explicit`` (FSDP typed sharded, the compiler
+  explicit layouts of ``placements`` (FSDP typed sharded, the compiler
   reducing the gradients), or ZeRO-1 (``zero1_*``)."""
   if not layout.startswith('zero1_'):
     spelling = 'replicated' if layout == 'fsdp' else 'unreduced'
