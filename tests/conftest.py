@@ -11,7 +11,6 @@ Every test has a wall-clock limit (:func:`limit_s`), kept by
 
 import faulthandler
 import os
-import pathlib
 import sys
 
 import jax
@@ -23,27 +22,6 @@ PLATFORM = os.environ.get('OPTAX_TOKACC_TEST_PLATFORM', 'cpu')
 jax.config.update('jax_platforms', PLATFORM)
 if PLATFORM == 'cpu':
   jax.config.update('jax_num_cpu_devices', NUM_DEVICES)
-
-
-SLOW_TESTS = pathlib.Path(__file__).with_name('slow_tests.txt')
-
-
-@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect
-def pytest_collection_modifyitems(config, items):
-  """Marks ``slow`` the tests that ``slow_tests.txt`` names."""
-  lines = SLOW_TESTS.read_text().splitlines()
-  listed = {line for line in lines if line and not line.startswith('#')}
-  collected = {item.nodeid for item in items}
-  whole_modules = not any('::' in arg for arg in config.args)
-  modules = {nodeid.split('::')[0] for nodeid in collected}
-  stale = [n for n in listed - collected if n.split('::')[0] in modules]
-  if whole_modules and stale:
-    raise pytest.UsageError(
-      f'tests/slow_tests.txt names tests that do not exist: {sorted(stale)}'
-    )
-  for item in items:
-    if item.nodeid in listed:
-      item.add_marker(pytest.mark.slow)
 
 
 # Every test's wall-clock limit, setup and teardown included. A test past

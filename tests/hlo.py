@@ -12,11 +12,16 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Collectives of a compiled step, read from its HLO text.
+"""Compiled programs, read from their HLO text: the one reader of the
+tests (the benchmarks import it too).
 
-``parse_hlo`` splits ``compiled.as_text()`` into computations;
+``parse_hlo`` splits ``compiled.as_text()`` into computations (an error
+names what it cannot read); ``reachable_opcodes`` counts what a
+computation runs, inside the conditionals' branches or outside them;
+``returns_its_parameters`` says whether a program computes nothing;
 ``collective_sites`` finds every collective with the conditional branches
-that lead to it; ``collective_records`` adds the mesh axes each one spans and
+that lead to it (``on_every_call``, ``in_branches``,
+``on_micro_step_path``, ``on_closing_step_only`` sort them); ``collective_records`` adds the mesh axes each one spans and
 its payload; ``summarize`` counts them per micro-step and per window. A
 collective on the unconditional path runs on every micro-step; one in the
 taken branch of the transform's ``lax.cond`` (branch 1) only on the step that
@@ -206,21 +211,46 @@ def find_instruction(module, name):
   raise ValueError(f'No instruction {name!r} in the HLO module.')
 
 
-def reachable_opcodes(module, computation=None):
+def reachable_opcodes(module, computation=None, into_branches=True):
   """Opcodes of every instruction ``computation`` (the entry: None) runs,
-  its callees and branches included, with their counts."""
+  its callees included, with their counts; the conditionals' branches too,
+  unless ``into_branches`` is False (then: what runs on every call)."""
   opcodes = collections.Counter()
-  stack, seen = [computation or module.entry], set()
+  for instruction in reachable_instructions(module, computation, into_branches):
+    opcodes[instruction.opcode] += 1
+  return opcodes
+
+
+def compiled_opcodes(hlo_text, into_branches=True):
+  """:func:`reachable_opcodes` of compiled HLO text's entry computation."""
+  return reachable_opcodes(parse_hlo(hlo_text), into_branches=into_branches)
+
+
+def instructions_of(module, opcode):
+  """Every ``opcode`` instruction of every computation of ``module``."""
+  return [
+    instruction
+    for instructions in module.computations.values()
+    for instruction in instructions
+    if instruction.opcode == opcode
+  ]
+
+
+def reachable_instructions(module, computation=None, into_branches=True):
+  """Every instruction ``computation`` (the entry: None) runs, as
+  :func:`reachable_opcodes` counts them."""
+  found, stack, seen = [], [computation or module.entry], set()
   while stack:
     name = stack.pop()
     if name in seen or name not in module.computations:
       continue
     seen.add(name)
     for instruction in module.computations[name]:
-      opcodes[instruction.opcode] += 1
+      found.append(instruction)
       stack.extend(instruction.callees)
-      stack.extend(instruction.branches)
-  return opcodes
+      if into_branches:
+        stack.extend(instruction.branches)
+  return found
 
 
 def returns_its_parameters(module):
@@ -273,6 +303,32 @@ def collective_sites(module):
 
   visit(module.entry, (), frozenset())
   return sites
+
+
+def compiled_collectives(hlo_text):
+  """:func:`collective_sites` of compiled HLO text."""
+  return collective_sites(parse_hlo(hlo_text))
+
+
+def on_every_call(sites):
+  """The collectives of ``sites`` outside every conditional's branches."""
+  return [site for site, path in sites if not path]
+
+
+def in_branches(sites):
+  """The collectives of ``sites`` inside a conditional's branch."""
+  return [site for site, path in sites if path]
+
+
+def on_micro_step_path(sites):
+  """The collectives of ``sites`` a micro-step runs: on every call, or in
+  a branch other than the closing one (:func:`closing_only`)."""
+  return [site for site, path in sites if not closing_only(path)]
+
+
+def on_closing_step_only(sites):
+  """The collectives of ``sites`` that only the closing step runs."""
+  return [site for site, path in sites if closing_only(path)]
 
 
 def device_groups(text, num_devices):
@@ -343,7 +399,7 @@ def group_axes(groups, mesh_axes):
   return ','.join(names) or '-'
 
 
-def _where(path):
+def where(path):
   """When a collective at ``path`` runs: on every micro-step, on the
   closing step only (branch 1 of every conditional on its path: the taken
   branch of ``lax.cond(emit, ...)``), or in another branch (counted as on
@@ -353,6 +409,13 @@ def _where(path):
   if all(index == 1 for _, index in path):
     return 'closing step'
   return 'other branch'
+
+
+def closing_only(path):
+  """Whether a collective at ``path`` runs on the closing step only: in
+  branch 1 (``lax.cond``'s true branch) of every conditional leading to
+  it."""
+  return where(path) == 'closing step'
 
 
 def collective_records(hlo_text, mesh_axes):
@@ -368,7 +431,7 @@ def collective_records(hlo_text, mesh_axes):
     records.append(
       {
         'kind': instruction.collective,
-        'where': _where(path),
+        'where': where(path),
         'axes': group_axes(groups, mesh_axes),
         'group_size': group_size,
         'bytes': payload,

@@ -2,7 +2,8 @@
 
 Also the documented behaviour for inputs that cannot be rejected at trace
 time (a negative ``num_tokens``, a non-finite ``loss``), and the opt-in
-``checkify`` checks that report them.
+``checkify`` checks that report them; counts and ``emit_now`` of the wrong
+kind or out of range (issue 11, defect 6).
 """
 
 import chex
@@ -475,3 +476,62 @@ def test_reduced_parameters_on_an_old_jax_name_the_version_needed():
     )
     with pytest.raises(NotImplementedError, match=r'jax >= 0\.10\.0'):
       init.trace()
+
+
+# Counts and emit_now of the wrong kind or out of range.
+
+
+def one_update(num_tokens=None, missing=False, **kwargs):
+  """One ``update`` of a fresh transform over Adam (k = 3)."""
+  tx = tokacc.token_weighted_multistep(optax.adam(0.1), 3)
+  params = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
+  grads = jax.tree.map(jnp.ones_like, params)
+  extra = {} if missing else {'num_tokens': num_tokens}
+  return tx.update(grads, tx.init(params), params, **extra, **kwargs)
+
+
+@pytest.mark.parametrize('use_jit', [False, True], ids=['eager', 'jit'])
+@pytest.mark.parametrize(
+  'num_tokens',
+  [
+    np.int64(2**32 + 5),
+    2**32 + 5,
+    np.uint32(2**31),
+    2.5,
+  ],
+  ids=['np_int64', 'python_int', 'np_uint32', 'python_float'],
+)
+def test_concrete_count_not_representable_is_refused(num_tokens, use_jit):
+  """Regression (issue 11, defect 6): out of int32's range, or not whole:
+  never wrapped nor rounded."""
+  fn = jax.jit(lambda: one_update(num_tokens)) if use_jit else None
+  with pytest.raises(ValueError, match='num_tokens'):
+    fn() if use_jit else one_update(num_tokens)
+
+
+@pytest.mark.parametrize(
+  'num_tokens',
+  [True, np.bool_(True), jnp.asarray(True), 'False', '5', jnp.ones(2), None],
+  ids=['bool', 'np_bool', 'jnp_bool', 'str_false', 'str_5', 'vector', 'none'],
+)
+def test_num_tokens_of_wrong_kind_is_refused(num_tokens):
+  """Regression (issue 11, defect 6)."""
+  with pytest.raises((TypeError, ValueError), match='num_tokens'):
+    one_update(num_tokens)
+
+
+def test_missing_num_tokens_is_refused():
+  """Regression (issue 11, defect 6)."""
+  with pytest.raises((TypeError, ValueError), match='num_tokens'):
+    one_update(missing=True)
+
+
+@pytest.mark.parametrize(
+  'emit_now',
+  ['False', 'True', jnp.int32(1), np.float32(1.0), jnp.asarray(0)],
+  ids=['str_false', 'str_true', 'int32', 'float32', 'int_array'],
+)
+def test_emit_now_of_wrong_kind_is_refused(emit_now):
+  """Regression (issue 11, defect 6)."""
+  with pytest.raises(TypeError, match='emit_now'):
+    one_update(3, emit_now=emit_now)

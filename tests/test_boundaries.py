@@ -11,11 +11,13 @@
   exact; 2**31 is not, and the window is dropped.
 
 The budget and the counter are also tested over devices (``shard_map``,
-``pmap`` and explicit sharding), where the tokens of the window are summed
-over all of them.
+``pmap`` and explicit sharding, of ``placements.PLACEMENTS``), where the
+tokens of the window are summed over all of them; so is an invalid count
+with the budget (rule 2 of "Rules of the window", issue 22).
 
-References are written plainly here: which micro-steps close a window, and
-the SGD update ``-sum(grads) / sum(tokens)``. Gradients are given directly
+References are written plainly here: which micro-steps close a window
+(``helpers.closing_steps``), and the SGD update ``-sum(grads) /
+sum(tokens)``. Gradients are given directly
 (small integers, whose float32 sums are exact), so an update differs from
 its float64 reference only by the one float32 rounding of the division.
 """
@@ -24,21 +26,13 @@ import chex
 import helpers
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-import multihost_worker as harness
 import numpy as np
 import optax
+import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _typed_sharding
 
-# The float32 sums of small integers are exact; the division by the count
-# is rounded once (relative error <= 2**-24), and a count above 2**24 once
-# more when cast to float32 (2**-24 again). Two roundings, and room for the
-# float64 reference's own (2**-53): 3 * 2**-24.
-DIVISION_RTOL = 3 * 2.0**-24
 NUM_DEVICES = 4
 PARAMS = {'w': jnp.zeros(2)}
 
@@ -46,21 +40,6 @@ PARAMS = {'w': jnp.zeros(2)}
 def grads_of(i):
   """The token-summed gradients of micro-batch ``i``: small integers."""
   return {'w': jnp.array([i + 1.0, 2.0 * i - 3.0])}
-
-
-def closing_steps(counts, k_of, budget=None):
-  """Reference: the micro-steps (from 1) at which windows close.
-
-  A window closes after ``k_of(window index)`` micro-steps, or at the first
-  micro-step at which its tokens reach ``budget``.
-  """
-  closes, size, total, window = [], 0, 0, 0
-  for step, count in enumerate(counts, start=1):
-    size, total = size + 1, total + count
-    if size == k_of(window) or (budget is not None and total >= budget):
-      closes.append(step)
-      size, total, window = 0, 0, window + 1
-  return closes
 
 
 def reference_update(counts, start, stop):
@@ -98,7 +77,9 @@ def assert_updates_match(history, counts):
   for stop in closed_at(history):
     updates, _ = history[stop - 1]
     expected = reference_update(counts, start, stop)
-    np.testing.assert_allclose(updates['w'], expected, rtol=DIVISION_RTOL)
+    np.testing.assert_allclose(
+      updates['w'], expected, rtol=helpers.DIVISION_RTOL
+    )
     start = stop
 
 
@@ -121,7 +102,7 @@ def test_budget_boundary(case):
   never reached), and not one micro-step earlier."""
   counts = BUDGET_COUNTS[case]
   k = 8
-  expected = closing_steps(counts, lambda _: k, BUDGET)
+  expected = helpers.closing_steps(counts, lambda _: k, BUDGET)
   assert expected == ([3, 5] if case == 'exactly' else [4, 7])
   tx = tokacc.token_weighted_multistep(
     optax.sgd(1.0), k, tokens_per_update=BUDGET
@@ -141,7 +122,9 @@ def test_budget_reached_on_the_kth_micro_step_closes_once():
     optax.sgd(1.0), 3, tokens_per_update=BUDGET
   )
   history = run(tx, counts)
-  assert closed_at(history) == closing_steps(counts, lambda _: 3, BUDGET)
+  assert closed_at(history) == helpers.closing_steps(
+    counts, lambda _: 3, BUDGET
+  )
   assert closed_at(history) == [3, 6]
   assert int(history[-1][1].gradient_step) == 2
   assert_updates_match(history, counts)
@@ -165,7 +148,7 @@ def test_k_boundary(name):
   optimizer step, as in ``optax.MultiSteps``)."""
   schedule, k_of = SCHEDULES[name]
   counts = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3]
-  expected = closing_steps(counts, k_of)
+  expected = helpers.closing_steps(counts, k_of)
   assert expected == ([3, 6, 9, 12] if name == 'k=3' else [2, 6, 9, 12])
   history = run(
     tokacc.token_weighted_multistep(optax.sgd(1.0), schedule), counts
@@ -222,7 +205,7 @@ def test_zero_count_under_mean_adds_nothing():
     updates, state = step({'w': mean}, state, jnp.int32(count))
   assert bool(tokacc.has_updated(state))
   expected = -(2 * np.asarray(means[0]) + 3 * np.asarray(means[2])) / 5
-  np.testing.assert_allclose(updates['w'], expected, rtol=DIVISION_RTOL)
+  np.testing.assert_allclose(updates['w'], expected, rtol=helpers.DIVISION_RTOL)
 
 
 @pytest.mark.parametrize('loss_reduction', ['sum', 'mean'])
@@ -299,7 +282,7 @@ def test_int32_overflow_drops_the_window(counts):
   np.testing.assert_allclose(
     history[3][0]['w'],
     reference_update(counts + [3, 1], 2, 4),
-    rtol=DIVISION_RTOL,
+    rtol=helpers.DIVISION_RTOL,
   )
 
 
@@ -329,7 +312,7 @@ DEVICE_CLOSES = {'exactly': [2], 'one_less': [3]}
 
 
 def batch_with_counts(counts, seed):
-  """A global micro-batch of the harness's model whose device ``d`` holds
+  """A global micro-batch of ``helpers``' model whose device ``d`` holds
   ``counts[d]`` counted tokens (rows ``[d * SEQS, (d + 1) * SEQS)``)."""
   rng = np.random.default_rng(seed)
   shape = (len(counts) * helpers.SEQS, helpers.SEQ_LEN)
@@ -352,97 +335,48 @@ def budget_tx(axis_name):
   )
 
 
-def shard_map_steps(batches):
-  """``(gradient_step, last_tokens)`` after each micro-step, shard_map."""
-  mesh = jax.make_mesh(
-    (NUM_DEVICES,),
-    ('data',),
-    axis_types=(jax.sharding.AxisType.Auto,),
-    devices=jax.devices()[:NUM_DEVICES],
-  )
-  tx = budget_tx('data')
-  state = harness.shard_map_state(tx, helpers.init_params(), mesh, 'data')
-  step = harness.shard_map_step(tx, mesh, 'data', state, with_emit_now=False)
-  params = jax.tree.map(
-    lambda x: helpers.put(x, NamedSharding(mesh, P())), helpers.init_params()
-  )
-  data = NamedSharding(mesh, P('data'))
+def steps_over_devices(placement, batches):
+  """``(gradient_step, last_tokens)`` after each micro-step of
+  ``budget_tx`` on ``placements.PLACEMENTS[placement]``, the same on every
+  device."""
+  run = placements.PLACEMENTS[placement](NUM_DEVICES, budget_tx)
   seen = []
-  for batch in batches:
-    batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
-    params, state = step(params, state, batch)
-    acc = tokacc.find_state(state)
-    seen.append((int(acc.gradient_step), int(acc.last_tokens)))
+
+  def record(params, state):
+    del params
+    state = tokacc.find_state(state)
+    steps = np.ravel(helpers.fetch(state.gradient_step))
+    tokens = np.ravel(helpers.fetch(state.last_tokens))
+    assert len(set(steps.tolist())) == 1 and len(set(tokens.tolist())) == 1
+    seen.append((int(steps[0]), int(tokens[0])))
+
+  placements.train(run, run.params, run.state, batches, on_step=record)
   return seen
 
 
-def pmap_steps(batches):
-  """``(gradient_step, last_tokens)`` after each micro-step, pmap."""
-  import test_data_parallel as dp  # noqa: PLC0415
-
-  devices = jax.devices()[:NUM_DEVICES]
-  tx = budget_tx('data')
-  step = dp.pmap_step(tx, with_emit_now=False, devices=devices)
-  params = jax.tree.map(
-    lambda x: np.broadcast_to(x, (NUM_DEVICES,) + x.shape),
-    helpers.init_params(),
-  )
-  state = jax.pmap(tx.init, devices=devices)(params)
-  seen = []
-  for batch in batches:
-    local = jax.tree.map(
-      lambda x: x.reshape((NUM_DEVICES, -1) + x.shape[1:]), batch
-    )
-    params, state = step(params, state, local)
-    assert len(set(np.asarray(state.gradient_step).tolist())) == 1
-    seen.append((int(state.gradient_step[0]), int(state.last_tokens[0])))
-  return seen
+# mode: the placement
+OVER_DEVICES = {
+  'shard_map': 'shard_map',
+  'pmap': 'pmap',
+  'explicit': 'explicit_ddp',
+}
 
 
-def explicit_steps(batches):
-  """``(gradient_step, last_tokens)`` after each micro-step, explicit
-  sharding (parameters typed reduced, as ``harness.train_explicit``)."""
-  mesh = jax.make_mesh(
-    (NUM_DEVICES,), ('data',), devices=jax.devices()[:NUM_DEVICES]
-  )
-  tx = budget_tx(None)
-  seen = []
-  with jax.set_mesh(mesh):
-    params = {
-      name: jax.jit(
-        lambda x: jax.reshard(x, P(*(None,) * x.ndim, reduced={'data'}))
-      )(helpers.put(value, NamedSharding(mesh, P())))
-      for name, value in helpers.init_params().items()
-    }
-    state = tx.init(params)
-    step = harness.global_step(tx)
-    data = NamedSharding(mesh, P('data'))
-    for batch in batches:
-      batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
-      params, state = step(params, state, batch, jnp.asarray(False))
-      seen.append((int(state.gradient_step), int(state.last_tokens)))
-  return seen
-
-
-@pytest.mark.parametrize('mode', ['shard_map', 'pmap', 'explicit'])
+@pytest.mark.parametrize('mode', list(OVER_DEVICES))
 @pytest.mark.parametrize('case', sorted(DEVICE_COUNTS))
 def test_budget_boundary_over_devices(case, mode):
   """The window closes on the micro-step at which the tokens of all
   devices reach the budget exactly, on every device, and holds them."""
-  if mode == 'explicit' and not _typed_sharding.SUPPORTED:
-    pytest.skip('reduced/unreduced types need jax >= 0.10')
+  if not placements.supported(OVER_DEVICES[mode]):
+    pytest.skip(placements.NEEDS_TYPED_SHARDING)
   counts = DEVICE_COUNTS[case]
   totals = [sum(c) for c in counts]
   assert (
-    closing_steps(totals, lambda _: 8, DEVICE_BUDGET) == (DEVICE_CLOSES[case])
+    helpers.closing_steps(totals, lambda _: 8, DEVICE_BUDGET)
+    == (DEVICE_CLOSES[case])
   )
   batches = [batch_with_counts(c, seed) for seed, c in enumerate(counts)]
-  run_steps = {
-    'shard_map': shard_map_steps,
-    'pmap': pmap_steps,
-    'explicit': explicit_steps,
-  }[mode]
-  seen = run_steps(batches)
+  seen = steps_over_devices(OVER_DEVICES[mode], batches)
   steps = [0] + [gradient_step for gradient_step, _ in seen]
   closes = [i for i in range(1, len(steps)) if steps[i] > steps[i - 1]]
   assert closes == DEVICE_CLOSES[case]
@@ -482,7 +416,9 @@ def test_int32_max_tokens_over_devices_are_valid():
   assert int(state.last_tokens) == INT32_MAX
   assert int(state.dropped_windows) == 0
   np.testing.assert_allclose(
-    updates['w'], reference_update(counts, 0, NUM_DEVICES), rtol=DIVISION_RTOL
+    updates['w'],
+    reference_update(counts, 0, NUM_DEVICES),
+    rtol=helpers.DIVISION_RTOL,
   )
 
 
@@ -500,5 +436,45 @@ def test_int32_overflow_over_devices_drops_the_window():
   np.testing.assert_allclose(
     next_updates['w'],
     reference_update([1, 2, 3, 4], 0, NUM_DEVICES),
-    rtol=DIVISION_RTOL,
+    rtol=helpers.DIVISION_RTOL,
   )
+
+
+# An invalid count with tokens_per_update over devices.
+
+
+def reference_budget_close(counts_per_step, budget, k):
+  """Reference: the micro-step (from 1) at which a window with invalid
+  counts closes. A device's tokens count 0 toward the budget from the
+  micro-step of its first invalid count to the window's end."""
+  invalid = set()
+  total = 0
+  for step, counts in enumerate(counts_per_step, start=1):
+    invalid |= {d for d, n in enumerate(counts) if n < 0}
+    total = sum(
+      sum(c[d] for c in counts_per_step[:step])
+      for d in range(len(counts))
+      if d not in invalid
+    )
+    if total >= budget or step == k:
+      return step
+  return None
+
+
+def test_invalid_count_with_budget_over_devices():
+  """pmap over 4 devices: device 2's invalid count makes its tokens count
+  0 (9, then 17, then 20 over the others), so the window closes at
+  micro-step 3 on every device, not at 2 (where 22 tokens counted with
+  device 2's 5 would), and is dropped on every device: rule 2 of "Rules
+  of the window" (docs/getting_started.md; issue 22)."""
+  counts = [[2, 3, -1, 4], [3, 3, 5, 2], [1, 1, 1, 1]]
+  assert reference_budget_close(counts, 20, 8) == 3
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(1.0), 8, axis_name='data', tokens_per_update=20
+  )
+  history = pmap_counts(tx, counts, every_device=True)
+  for step, (updates, state) in enumerate(history, start=1):
+    np.testing.assert_array_equal(state.dropped_windows, int(step == 3))
+    np.testing.assert_array_equal(state.mini_step, step % 3)
+    np.testing.assert_array_equal(state.gradient_step, 0)
+    assert np.all(np.signbit(updates['w'])) and not np.any(updates['w'])

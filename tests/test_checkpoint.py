@@ -2,11 +2,14 @@
 
 Training resumed from a checkpoint taken after some micro-steps of a window
 (before it emits) must give bit-identical parameters and state to training
-that never stopped, in the same process and in a new one.
+that never stopped, in the same process and in a new one; a checkpoint of
+0.4 resumes by the CHANGELOG's recipe; a state restored into another
+configuration is refused, naming what differs (issue 11, defect 7).
 """
 
 import functools
 import os
+import pickle
 import subprocess
 import sys
 
@@ -23,7 +26,6 @@ import optax_tokacc as tokacc
 
 EVERY_K = 4
 NUM_MICRO_STEPS = 14  # three windows and a half
-FEATURES = 4
 
 
 @functools.cache
@@ -48,35 +50,19 @@ def micro_batch(step):
   rng = np.random.default_rng(step)
   num_tokens = int(rng.integers(0, 6)) if step % 5 else 0
   mask = (np.arange(6) < num_tokens).astype(np.float32)
-  x = rng.normal(size=(6, FEATURES)).astype(np.float32)
+  x = rng.normal(size=(6, helpers.FEATURES)).astype(np.float32)
   if step == 9:
     x[0, 0] = np.nan  # a non-finite micro-batch, rejected by the skip fn
   return {'x': x, 'y': rng.normal(size=6).astype(np.float32), 'mask': mask}
-
-
-def init_params():
-  return {
-    'w': jnp.linspace(-1.0, 1.0, FEATURES * FEATURES).reshape(FEATURES, -1),
-    'v': jnp.ones(FEATURES) / FEATURES,
-  }
-
-
-def loss_sum(params, batch):
-  prediction = jnp.tanh(batch['x'] @ params['w']) @ params['v']
-  return jnp.sum(batch['mask'] * (prediction - batch['y']) ** 2)
 
 
 @functools.cache
 def make_step(tx):
   @jax.jit
   def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
+    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
     updates, opt_state = tx.update(
-      grads,
-      opt_state,
-      params,
-      num_tokens=jnp.sum(batch['mask']).astype(jnp.int32),
-      loss=loss,
+      grads, opt_state, params, num_tokens=helpers.token_count(batch), loss=loss
     )
     return tokacc.apply_if_updated(params, updates, opt_state), opt_state
 
@@ -97,7 +83,7 @@ def save(path, train_state):
 
 def restore(path, tx):
   """Restores into the structure of a freshly initialized state."""
-  params = init_params()
+  params = helpers.init_params()
   target = jax.tree.map(
     ocp.utils.to_shape_dtype_struct, (params, tx.init(params))
   )
@@ -106,17 +92,18 @@ def restore(path, tx):
 
 def uninterrupted(variant):
   tx = make_tx(variant)
-  params = init_params()
+  params = helpers.init_params()
   return train(make_step(tx), (params, tx.init(params)), 0, NUM_MICRO_STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   'variant, stop_at', [('adamw_clip', 6), ('compensated_skip', 9)]
 )
 def test_resume_mid_window_is_bit_identical(tmp_path, variant, stop_at):
   tx = make_tx(variant)
   step = make_step(tx)
-  params = init_params()
+  params = helpers.init_params()
   train_state = train(step, (params, tx.init(params)), 0, stop_at)
   opt_state = train_state[1]
   assert 0 < int(opt_state.mini_step) < EVERY_K  # really mid-window
@@ -141,6 +128,7 @@ def as_saved_by_0_4(opt_state):
   return fields
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_before_the_rename_resumes_bit_identical(tmp_path):
   """The CHANGELOG's recipe for a checkpoint saved by 0.4 (before
   ``acc_grads`` became ``grad_sums``): restore into a target shaped like the
@@ -148,11 +136,16 @@ def test_a_checkpoint_saved_before_the_rename_resumes_bit_identical(tmp_path):
   norms are NaN until the next window closes)."""
   tx = make_tx('adamw_clip')
   step = make_step(tx)
-  params, opt_state = train(step, (init_params(), tx.init(init_params())), 0, 6)
+  params, opt_state = train(
+    step, (helpers.init_params(), tx.init(helpers.init_params())), 0, 6
+  )
   assert 0 < int(opt_state.mini_step) < EVERY_K
   save(tmp_path / 'ckpt', (params, as_saved_by_0_4(opt_state)))
 
-  like = (init_params(), as_saved_by_0_4(tx.init(init_params())))
+  like = (
+    helpers.init_params(),
+    as_saved_by_0_4(tx.init(helpers.init_params())),
+  )
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
   params, saved = ocp.StandardCheckpointer().restore(tmp_path / 'ckpt', target)
   rest = {name: value for name, value in saved.items() if name != 'acc_grads'}
@@ -186,7 +179,7 @@ def child(role, path, variant, stop_at):
   step = make_step(tx)
   stop_at = int(stop_at)
   if role == 'save':
-    params = init_params()
+    params = helpers.init_params()
     save(path, train(step, (params, tx.init(params)), 0, stop_at))
   else:
     train_state = train(step, restore(path, tx), stop_at, NUM_MICRO_STEPS)
@@ -218,3 +211,85 @@ def test_resume_mid_window_in_new_process(tmp_path):
   assert 0 < int(saved[1].mini_step) < EVERY_K
   final = restore(path + '_final', tx)
   chex.assert_trees_all_equal(final, uninterrupted(variant))
+
+
+# A state restored into another configuration: Adam, k = 3, on windows of
+# unequal token counts with an empty micro-batch.
+
+RESTORED_K = 3
+
+
+def restored_windows():
+  return helpers.windows_of(((5, 0, 8), (2, 7, 1)))
+
+
+@functools.cache
+def adam_tx(**kwargs):
+  return tokacc.token_weighted_multistep(optax.adam(0.1), RESTORED_K, **kwargs)
+
+
+def run_batches(tx, train_state, batches):
+  step = make_step(tx)
+  for batch in batches:
+    train_state = step(*train_state, batch)
+  return train_state
+
+
+def mid_window(tx):
+  """Parameters and a state (through pickle, as a checkpoint) two
+  micro-steps into the first window of ``tx``."""
+  first = restored_windows()[0][:2]
+  params, state = run_batches(
+    tx, (helpers.init_params(), tx.init(helpers.init_params())), first
+  )
+  return params, pickle.loads(pickle.dumps(state))
+
+
+@pytest.mark.parametrize(
+  'saved_kwargs, restored_kwargs, words',
+  [
+    (
+      {'accumulator_dtype': jnp.bfloat16},
+      {},
+      ('grad_sums', 'bfloat16', 'float32'),
+    ),
+    ({}, {'compensated': True}, ('compensated',)),
+    ({'compensated': True}, {}, ('compensated',)),
+  ],
+  ids=['bf16_into_f32', 'plain_into_compensated', 'compensated_into_plain'],
+)
+def test_a_state_of_another_configuration_is_refused(
+  saved_kwargs, restored_kwargs, words
+):
+  """Regression (issue 11, defect 7): the error names what differs."""
+  params, state = mid_window(adam_tx(**saved_kwargs))
+  step = make_step(adam_tx(**restored_kwargs))
+  with pytest.raises((TypeError, ValueError)) as info:
+    step(params, state, restored_windows()[0][2])
+  message = str(info.value)
+  for word in words:
+    assert word in message, f'{word!r} not in the error: {message}'
+
+
+@pytest.mark.parametrize(
+  'kwargs',
+  [{}, {'accumulator_dtype': jnp.bfloat16, 'compensated': True}],
+  ids=['default', 'bf16_compensated'],
+)
+def test_a_state_of_the_same_configuration_resumes(kwargs):
+  """Regression (issue 11, defect 7): a state restored into the same
+  configuration resumes bit for bit (and, float32, as full-batch
+  training)."""
+  tx = adam_tx(**kwargs)
+  windows = restored_windows()
+  batches = [batch for window in windows for batch in window]
+  params, _ = run_batches(tx, mid_window(tx), batches[2:])
+  straight, _ = run_batches(
+    tx, (helpers.init_params(), tx.init(helpers.init_params())), batches
+  )
+  chex.assert_trees_all_equal(params, straight)
+  if not kwargs:
+    expected = helpers.full_batch(
+      optax.adam(0.1), helpers.init_params(), windows
+    )
+    helpers.assert_within_round_off(params, expected)

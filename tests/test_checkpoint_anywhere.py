@@ -24,10 +24,10 @@ same full batches on N and on M devices; the reference is plain optax on one
 device, with the round-off bound of ``helpers.full_batch``.
 """
 
+import contextlib
 import functools
 import subprocess
 import sys
-from typing import Any, Callable, NamedTuple
 import warnings
 
 import chex
@@ -36,36 +36,31 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import multihost_worker as harness
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import placements
 import pytest
-import test_explicit
 
 import optax_tokacc as tokacc
 from optax_tokacc import _shares
-from optax_tokacc import _typed_sharding
 
 K = 4
 WINDOW_SIZES = (K, K, K)
 DEVICES_PER_BATCH = 4  # the global micro-batch: 4 x SEQS sequences
-AUTO = jax.sharding.AxisType.Auto
 BOUNDARY, MID_WINDOW = K, K + 2  # micro-steps before the checkpoint
 
 
-def sgd():
-  return optax.sgd(helpers.LEARNING_RATE, momentum=0.9)
-
-
 def make_tx(variant='plain', axis_name=None):
+  """The transform checkpointed: plain, or with every field of the state
+  (``compensated_skip``)."""
   options = {}
   if variant == 'compensated_skip':
     options = dict(
       compensated=True, should_skip_update_fn=tokacc.skip_not_finite
     )
   return tokacc.token_weighted_multistep(
-    sgd(), K, axis_name=axis_name, **options
+    helpers.sgd(), K, axis_name=axis_name, **options
   )
 
 
@@ -74,180 +69,16 @@ def micro_batches():
   return [batch for window in windows for batch in window], windows
 
 
-class Run(NamedTuple):
-  """One layout on ``n`` devices: the parameters and state it starts from,
-  its jitted step ``(params, state, batch) -> (params, state)``, how it
-  places a global micro-batch, and host copies of its parameters."""
-
-  params: Any
-  state: Any
-  step: Callable
-  place: Callable
-  host: Callable
-  mesh: Any = None
-  # pmap holds the parameters stacked per device: the checkpoint has one
-  # copy (as flax's unreplicate), stacked again on restore
-  unstack: Callable = lambda params: params
-  stack: Callable = lambda params: params
-
-
-def _mesh(n, names=('data',), shape=None, explicit=False):
-  types = (jax.sharding.AxisType.Explicit if explicit else AUTO,) * len(names)
-  return jax.make_mesh(
-    shape or (n,), names, axis_types=types, devices=jax.devices()[:n]
-  )
-
-
-def _shard_map_run(n, variant, mark_varying=True):
-  mesh = _mesh(n)
-  tx = make_tx(variant, 'data')
-  params = helpers.init_params()
-  with_emit_now = False
-  state = harness.shard_map_state(tx, params, mesh, 'data')
-  step = harness.shard_map_step(
-    tx, mesh, 'data', state, with_emit_now, mark_varying
-  )
-  replicated = NamedSharding(mesh, P())
-  data = NamedSharding(mesh, P('data'))
-  return Run(
-    jax.tree.map(lambda x: helpers.put(x, replicated), params),
-    state,
-    step,
-    lambda batch: jax.tree.map(lambda x: helpers.put(x, data), batch),
-    helpers.fetch,
-    mesh,
-  )
-
-
-def _pmap_run(n, variant):
-  tx = make_tx(variant, 'data')
-  devices = jax.devices()[:n]
-  params = jax.tree.map(
-    lambda x: np.broadcast_to(x, (n, *np.shape(x))), helpers.init_params()
-  )
-  state = jax.pmap(tx.init, devices=devices)(params)
-
-  def local_step(params, state, batch):
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=helpers.token_count(batch), loss=loss
-    )
-    return optax.apply_updates(params, updates), state
-
-  step = jax.pmap(local_step, axis_name='data', devices=devices)
-
-  def place(batch):
-    return jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
-
-  def stack(params):
-    return jax.tree.map(
-      lambda x: np.broadcast_to(np.asarray(x), (n, *x.shape)), params
-    )
-
-  return Run(
-    params,
-    state,
-    step,
-    place,
-    lambda p: jax.tree.map(lambda x: x[0], helpers.fetch(p)),
-    unstack=lambda params: jax.tree.map(lambda x: x[0], params),
-    stack=stack,
-  )
-
-
-def _jit_run(n, variant, mesh, param_specs, data_axes, shard_over=None):
-  """``jax.jit`` over global arrays (GSPMD or explicit types)."""
-  tx = make_tx(variant)
-  step = test_explicit.make_step(tx)
-  with jax.set_mesh(mesh):
-    params = test_explicit.place_params(
-      helpers.init_params(), mesh, param_specs
-    )
-    if shard_over is None:
-      state = tx.init(params)
-    else:
-      state = tokacc.init_sharded(
-        tx, params, mesh, shard_optimizer_over=shard_over
-      )
-  data = NamedSharding(mesh, P(data_axes))
-
-  def host(params):
-    return helpers.fetch(tokacc.to_checkpoint(params))
-
-  return Run(
-    params,
-    state,
-    lambda p, s, b: step(p, s, b, jnp.asarray(False)),
-    lambda batch: jax.tree.map(lambda x: jax.device_put(x, data), batch),
-    host,
-    mesh,
-  )
-
-
-def _hsdp_shape(n):
-  return {4: (2, 2), 2: (2, 1), 1: (1, 1)}[n]
-
-
-LAYOUTS = {
-  'pmap': _pmap_run,
-  'shard_map': _shard_map_run,
-  # gradients of replicated parameters, summed by autodiff (Manual.share)
-  'shard_map_summed': functools.partial(_shard_map_run, mark_varying=False),
-  'gspmd': lambda n, variant: _jit_run(
-    n, variant, _mesh(n), {'w': P('data'), 'v': P('data')}, 'data'
-  ),
-  'explicit_ddp': lambda n, variant: _jit_run(
-    n, variant, _mesh(n, explicit=True), _reduced('data'), 'data'
-  ),
-  'explicit_fsdp': lambda n, variant: _jit_run(
-    n,
-    variant,
-    _mesh(n, explicit=True),
-    {'w': P('data'), 'v': P('data')},
-    'data',
-  ),  # fmt: skip
-  'explicit_hsdp': lambda n, variant: _jit_run(
-    n,
-    variant,
-    _mesh(n, ('replica', 'fsdp'), _hsdp_shape(n), explicit=True),
-    {'w': P('fsdp', reduced={'replica'}), 'v': P('fsdp', reduced={'replica'})},
-    ('replica', 'fsdp'),
-  ),  # fmt: skip
-  'zero1': lambda n, variant: _jit_run(
-    n, variant, _mesh(n, explicit=True), _reduced('data'), 'data', ('data',)
-  ),
-}
-EXPLICIT = ('explicit_ddp', 'explicit_fsdp', 'explicit_hsdp', 'zero1')
-
-
-def _reduced(axis):
-  return {'w': P(reduced={axis}), 'v': P(reduced={axis})}
+def build(layout, n, variant='plain'):
+  """``layout`` of ``placements.PLACEMENTS`` on ``n`` devices."""
+  return placements.PLACEMENTS[layout](n, functools.partial(make_tx, variant))
 
 
 def _skip_unsupported(layout, n):
-  if layout in EXPLICIT and not _typed_sharding.SUPPORTED:
+  if not placements.supported(layout):
     pytest.skip('explicit sharding needs jax >= 0.10')
   if layout == 'zero1' and n == 1:
     pytest.skip('no data devices to shard the optimizer over')
-
-
-def _mesh_context(run):
-  return jax.set_mesh(run.mesh) if run.mesh is not None else _nothing()
-
-
-class _nothing:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *args):
-    return False
-
-
-def train(run, params, state, batches):
-  with _mesh_context(run):
-    for batch in batches:
-      params, state = run.step(params, state, run.place(batch))
-  return params, state
 
 
 def save(path, tree):
@@ -261,7 +92,7 @@ def restore(path, run, strict=True):
   state made on the devices at hand."""
   checkpointer = ocp.StandardCheckpointer()
   like = (run.unstack(run.params), run.state)
-  with _mesh_context(run):
+  with placements.mesh_context(run.mesh):
     target = tokacc.checkpoint_target(like, checkpointer.metadata(path))
     restored = checkpointer.restore(path, target)
     return tokacc.from_checkpoint(restored, like)
@@ -271,7 +102,7 @@ def restore(path, run, strict=True):
 def reference():
   """Plain optax on one device, on the windows' full batches."""
   _, windows = micro_batches()
-  return helpers.full_batch(sgd(), helpers.init_params(), windows)
+  return helpers.full_batch(helpers.sgd(), helpers.init_params(), windows)
 
 
 def resume(tmp_path, layout, saved_on, restored_on, stop, variant='plain'):
@@ -280,13 +111,15 @@ def resume(tmp_path, layout, saved_on, restored_on, stop, variant='plain'):
   for n in (saved_on, restored_on):
     _skip_unsupported(layout, n)
   batches, _ = micro_batches()
-  first = LAYOUTS[layout](saved_on, variant)
-  params, state = train(first, first.params, first.state, batches[:stop])
+  first = build(layout, saved_on, variant)
+  params, state = placements.train(
+    first, first.params, first.state, batches[:stop]
+  )
   save(tmp_path / 'ckpt', (first.unstack(params), state))
-  second = LAYOUTS[layout](restored_on, variant)
+  second = build(layout, restored_on, variant)
   params, state = restore(tmp_path / 'ckpt', second)
   params = second.stack(params)
-  params, state = train(second, params, state, batches[stop:])
+  params, state = placements.train(second, params, state, batches[stop:])
   return second.host(params), state
 
 
@@ -298,7 +131,7 @@ FAST = {
 
 
 def _cases():
-  for layout in LAYOUTS:
+  for layout in placements.PLACEMENTS:
     for pair in PAIRS:
       for stop in (BOUNDARY, MID_WINDOW):
         marks = () if (layout, pair, stop) in FAST else (pytest.mark.slow,)
@@ -315,7 +148,7 @@ def test_resumed_on_another_device_count_equals_full_batch(
   if layout == 'shard_map_summed':
     context = pytest.warns(UserWarning, match='already summed')
   else:
-    context = _nothing()
+    context = contextlib.nullcontext()
   with context:
     params, state = resume(tmp_path, layout, *pair, stop)
   expected = reference()
@@ -330,15 +163,15 @@ def test_resumed_on_another_device_count_equals_full_batch(
 
 def uninterrupted(layout, n, variant='plain'):
   batches, _ = micro_batches()
-  run = LAYOUTS[layout](n, variant)
-  return run, train(run, run.params, run.state, batches)
+  run = build(layout, n, variant)
+  return run, placements.train(run, run.params, run.state, batches)
 
 
 def host_state(run, train_state):
   """Host copies of parameters and state, bit for bit (the window's
   shares as rows)."""
   params, state = train_state
-  with _mesh_context(run):
+  with placements.mesh_context(run.mesh):
     return run.host(params), helpers.fetch(tokacc.to_checkpoint(state))
 
 
@@ -351,7 +184,7 @@ SAME_N_FAST = ('explicit_ddp', 'shard_map')
     layout
     if layout in SAME_N_FAST
     else pytest.param(layout, marks=pytest.mark.slow)
-    for layout in LAYOUTS
+    for layout in placements.PLACEMENTS
   ],
 )
 def test_resumed_on_as_many_devices_is_bit_identical(tmp_path, layout):
@@ -362,12 +195,16 @@ def test_resumed_on_as_many_devices_is_bit_identical(tmp_path, layout):
   with warnings.catch_warnings():
     warnings.filterwarnings('ignore', 'token_weighted_multistep: gradients')
     run, expected = uninterrupted(layout, 4, 'compensated_skip')
-    params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
+    params, state = placements.train(
+      run, run.params, run.state, batches[:MID_WINDOW]
+    )
     assert 0 < int(np.ravel(np.asarray(state.mini_step))[0]) < K
     save(tmp_path / 'ckpt', (run.unstack(params), state))
-    second = LAYOUTS[layout](4, 'compensated_skip')
+    second = build(layout, 4, 'compensated_skip')
     params, state = restore(tmp_path / 'ckpt', second)
-    resumed = train(second, second.stack(params), state, batches[MID_WINDOW:])
+    resumed = placements.train(
+      second, second.stack(params), state, batches[MID_WINDOW:]
+    )
   chex.assert_trees_all_equal(
     host_state(second, resumed), host_state(run, expected)
   )
@@ -377,8 +214,10 @@ def _saved_mid_window(tmp_path, layout='explicit_ddp', n=4, variant='plain'):
   """A checkpoint of ``layout`` on ``n`` devices, mid-window."""
   _skip_unsupported(layout, n)
   batches, _ = micro_batches()
-  run = LAYOUTS[layout](n, variant)
-  params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
+  run = build(layout, n, variant)
+  params, state = placements.train(
+    run, run.params, run.state, batches[:MID_WINDOW]
+  )
   save(tmp_path / 'ckpt', (run.unstack(params), state))
   return tmp_path / 'ckpt'
 
@@ -391,9 +230,9 @@ def test_orbax_strict_false_padding_or_truncation_is_refused(tmp_path, layout):
   device counts and the fix."""
   path = _saved_mid_window(tmp_path, layout)
   for n in (2, 8):  # truncated, padded
-    run = LAYOUTS[layout](n, 'plain')
+    run = build(layout, n, 'plain')
     like = (run.params, run.state)
-    with _mesh_context(run):
+    with placements.mesh_context(run.mesh):
       target = jax.tree.map(
         ocp.utils.to_shape_dtype_struct, tokacc.to_checkpoint(like)
       )
@@ -409,7 +248,7 @@ def test_another_configuration_is_refused(tmp_path):
   optimizer is refused by checkpoint_target, naming what differs, before
   orbax would cast or drop what it reads."""
   path = _saved_mid_window(tmp_path, 'shard_map')
-  mesh = _mesh(2)
+  mesh = placements.data_mesh(2)
   params = jax.tree.map(
     lambda x: helpers.put(x, NamedSharding(mesh, P())), helpers.init_params()
   )
@@ -421,7 +260,9 @@ def test_another_configuration_is_refused(tmp_path):
     'acc_compensation': dict(compensated=True),
   }
   for match, options in others.items():
-    tx = tokacc.token_weighted_multistep(sgd(), K, axis_name='data', **options)
+    tx = tokacc.token_weighted_multistep(
+      helpers.sgd(), K, axis_name='data', **options
+    )
     like = (params, tokacc.init_sharded(tx, params, mesh, axis_name='data'))
     with pytest.raises(ValueError, match=f'checkpoint_target.*{match}'):
       tokacc.checkpoint_target(like, metadata)
@@ -438,7 +279,7 @@ def test_from_checkpoint_refuses_another_dtype():
   params = jax.tree.map(jnp.asarray, helpers.init_params())
   saved = tokacc.to_checkpoint(tx.init(params))
   other = tokacc.token_weighted_multistep(
-    sgd(), K, accumulator_dtype=jnp.bfloat16
+    helpers.sgd(), K, accumulator_dtype=jnp.bfloat16
   )
   with pytest.raises(ValueError, match=r'grad_sums/\w+ was saved as float32'):
     tokacc.from_checkpoint(saved, other.init(params))
@@ -455,15 +296,17 @@ def test_an_invalid_window_stays_invalid(tmp_path):
   batches[K + 1]['mask'] = mask
   results = []
   for resumed_on in (None, 2):
-    run = LAYOUTS['shard_map'](4, 'plain')
-    params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
+    run = build('shard_map', 4, 'plain')
+    params, state = placements.train(
+      run, run.params, run.state, batches[:MID_WINDOW]
+    )
     if resumed_on is not None:
       assert helpers.fetch(state.acc_tokens)[2] == -1
       save(tmp_path / 'ckpt', (params, state))
-      run = LAYOUTS['shard_map'](resumed_on, 'plain')
+      run = build('shard_map', resumed_on, 'plain')
       params, state = restore(tmp_path / 'ckpt', run)
       assert helpers.fetch(state.acc_tokens).tolist() == [-1, 0]
-    params, state = train(run, params, state, batches[MID_WINDOW:])
+    params, state = placements.train(run, params, state, batches[MID_WINDOW:])
     results.append((run.host(params), int(state.dropped_windows)))
   assert [dropped for _, dropped in results] == [1, 1]
   expected = reference()
@@ -480,12 +323,14 @@ def test_skip_states_merge_as_explicit_sharding_keeps_them(tmp_path):
   x = batches[MID_WINDOW - 1]['x'].copy()
   x[helpers.SEQS, 0, 0] = np.nan  # device 1 rejects the last micro-batch
   batches[MID_WINDOW - 1]['x'] = x
-  run = LAYOUTS['shard_map'](4, 'compensated_skip')
-  params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
+  run = build('shard_map', 4, 'compensated_skip')
+  params, state = placements.train(
+    run, run.params, run.state, batches[:MID_WINDOW]
+  )
   skipped = helpers.fetch(state.skip_state)
   assert skipped['should_skip'].tolist() == [False, True, False, False]
   save(tmp_path / 'ckpt', (params, state))
-  second = LAYOUTS['shard_map'](2, 'compensated_skip')
+  second = build('shard_map', 2, 'compensated_skip')
   _, state = restore(tmp_path / 'ckpt', second)
   merged = helpers.fetch(state.skip_state)
   assert merged['should_skip'].tolist() == [True, True]
@@ -508,11 +353,11 @@ def finish_on_one_device(path, out):
   loads the parameters and state of a 4-device checkpoint into plain
   arrays, finishes training, and saves the parameters to ``out``."""
   assert jax.device_count() == 1
-  run = LAYOUTS['gspmd'](1, 'plain')
+  run = build('gspmd', 1, 'plain')
   params, state = restore(path, run)
   assert int(state.mini_step) == MID_WINDOW - K
   batches, _ = micro_batches()
-  params, state = train(run, params, state, batches[MID_WINDOW:])
+  params, state = placements.train(run, params, state, batches[MID_WINDOW:])
   np.savez(out, **run.host(params))
 
 
@@ -556,8 +401,10 @@ def test_a_checkpoint_of_0_5_resumes_on_its_own_devices(tmp_path, layout):
   _skip_unsupported(layout, 4)
   batches, _ = micro_batches()
   run, expected = uninterrupted(layout, 4)
-  params, state = train(run, run.params, run.state, batches[:MID_WINDOW])
-  with _mesh_context(run):  # 0.5's typed rows are made on the mesh
+  params, state = placements.train(
+    run, run.params, run.state, batches[:MID_WINDOW]
+  )
+  with placements.mesh_context(run.mesh):  # 0.5's typed rows, on the mesh
     saved = as_saved_by_0_5((params, state))
   # Saved outside the mesh's context, as ``save`` saves: orbax 0.11 (the
   # floor) slices replicated leaves eagerly, which jax 0.8.2 refuses under
@@ -565,13 +412,13 @@ def test_a_checkpoint_of_0_5_resumes_on_its_own_devices(tmp_path, layout):
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / 'ckpt', saved)
   checkpointer.wait_until_finished()
-  second = LAYOUTS[layout](4, 'plain')
+  second = build(layout, 4, 'plain')
   params, state = restore(tmp_path / 'ckpt', second)
-  resumed = train(second, params, state, batches[MID_WINDOW:])
+  resumed = placements.train(second, params, state, batches[MID_WINDOW:])
   chex.assert_trees_all_equal(
     host_state(second, resumed), host_state(run, expected)
   )
-  other = LAYOUTS[layout](2, 'plain')
+  other = build(layout, 2, 'plain')
   with pytest.raises(ValueError, match=r'0\.5 with the window of 4 .* onto 2'):
     restore(tmp_path / 'ckpt', other)
 
@@ -583,10 +430,10 @@ def test_a_state_restored_for_another_k_closes_its_window_at_that_k(tmp_path):
   a schedule that changes ``k`` closes it: here after 3 micro-steps (2
   before the checkpoint, 1 after) where the new ``k`` is 2."""
   batches, _ = micro_batches()
-  run = LAYOUTS['gspmd'](1, 'plain')
-  params, state = train(run, run.params, run.state, batches[: K + 2])
+  run = build('gspmd', 1, 'plain')
+  params, state = placements.train(run, run.params, run.state, batches[: K + 2])
   save(tmp_path / 'ckpt', (params, state))
-  tx = tokacc.token_weighted_multistep(sgd(), 2)
+  tx = tokacc.token_weighted_multistep(helpers.sgd(), 2)
   like = (run.params, tx.init(run.params))
   checkpointer = ocp.StandardCheckpointer()
   target = tokacc.checkpoint_target(
@@ -595,6 +442,6 @@ def test_a_state_restored_for_another_k_closes_its_window_at_that_k(tmp_path):
   params, state = tokacc.from_checkpoint(
     checkpointer.restore(tmp_path / 'ckpt', target), like
   )
-  step = test_explicit.make_step(tx)
+  step = placements.explicit_step(tx)
   params, state = step(params, state, batches[K + 2], jnp.asarray(False))
   assert int(state.gradient_step) == 2 and int(state.mini_step) == 0

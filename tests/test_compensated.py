@@ -58,6 +58,7 @@ def relative_error(actual, expected):
   return np.abs(actual - expected).max() / np.abs(expected).max()
 
 
+@pytest.mark.slow
 def test_bfloat16_compensated_error_is_near_float32_and_far_below_bfloat16():
   grads, tokens = gradient_stream()
   expected = reference_mean(grads, tokens)
@@ -80,6 +81,7 @@ def test_bfloat16_compensated_error_is_near_float32_and_far_below_bfloat16():
   assert errors['bfloat16_compensated'] < 1e-3 * errors['bfloat16'], errors
 
 
+@pytest.mark.slow
 def test_bfloat16_grads_updates_match_float32_accumulator():
   """For a bf16 model, compensated bf16 gives the f32 accumulator's updates."""
   grads, tokens = gradient_stream(seed=1)
@@ -103,6 +105,7 @@ def test_bfloat16_grads_updates_match_float32_accumulator():
   assert relative_error(updates['bfloat16'], expected) > 0.1
 
 
+@pytest.mark.slow
 def test_compensated_float32_is_within_float32_rounding():
   """A float32 accumulator over 2048 micro-steps: plain summation drifts
   (about 2e-6 here); compensated, the mean is off by a few float32

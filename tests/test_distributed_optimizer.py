@@ -6,25 +6,23 @@ the window stays partial sums, and closes with one reduce-scatter into the
 optimizer's shards, ``inner`` on the shards, and an all-gather of the
 updates. HSDP too: on a ``('replica', 'fsdp') = (2, 2)`` mesh, ``w`` typed
 ``P('fsdp', None, reduced={'replica'})`` and its state sharded over
-``replica`` as well (``shard_optimizer_over=('replica',)``). Checked against full-batch training written plainly here, with
-unequal counts per device and micro-step and devices without tokens, and on
-the compiled HLO (issue 23).
+``replica`` as well (``shard_optimizer_over=('replica',)``). The model is
+``helpers.zero1_loss_sum``, the layouts ``placements.ZERO1_LAYOUTS``.
+Checked against full-batch training in float64 (``helpers.full_batch``),
+with unequal counts per device and micro-step and devices without tokens,
+and on the compiled HLO (issue 23).
 """
 
-from collections.abc import Callable
-import functools
-from typing import NamedTuple
-
 import helpers
+import hlo
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
+import placements
 import pytest
-import test_explicit
-import test_explicit_collectives as explicit_ddp
 
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
@@ -35,185 +33,11 @@ pytestmark = pytest.mark.skipif(
 
 K = 3
 NUM_DEVICES = 4
-OUTPUTS = 4  # w is (8, 4): its state is sharded on its first dimension
-MAX_NORM = 0.05  # binds: a clip by a shard's norm would differ
 UNIT_ROUNDOFF = np.finfo(np.float32).eps / 2
 
 
-def init_params():
-  rng = np.random.default_rng(7)
-  return {
-    'w': rng.normal(size=(helpers.FEATURES, OUTPUTS)).astype(np.float32),
-    'b': rng.normal(size=(3,)).astype(np.float32),  # no dimension divides 4
-  }
-
-
-def inner():
-  return optax.chain(
-    optax.clip_by_global_norm(MAX_NORM), optax.sgd(0.5, momentum=0.9)
-  )
-
-
-def loss_sum(params, batch):
-  """Squared error summed over the outputs and the counted tokens, as
-  per-device partial sums over every axis of the mesh (the batch is split
-  over all of them); ``b`` enters through its sum."""
-  axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
-  params = forward_params(params, set(axes))
-  ones = jnp.ones(batch['mask'].shape, out_sharding=P(axes))
-  bias = jnp.einsum('bt,i->bt', ones, params['b'], out_sharding=P(axes))
-  pred = batch['x'] @ params['w'] + bias[..., None]
-  per_token = jnp.sum((pred - batch['y']) ** 2, axis=-1)
-  return jnp.einsum(
-    'bt,bt->', per_token, batch['mask'], out_sharding=P(unreduced=set(axes))
-  )
-
-
-def forward_params(params, axes):
-  """The parameters as the loss uses them: under HSDP, whole and typed
-  reduced over both axes (JAX needs the contracting axes reduced), so that
-  the gradients come back reduce-scattered within ``fsdp`` and partial sums
-  over ``replica``; under DDP already so (no-op)."""
-
-  def gather(p):
-    if jax.typeof(p).sharding.spec == P(*(None,) * p.ndim, reduced=axes):
-      return p
-    return jax.reshard(p, P(reduced=axes))
-
-  return jax.tree.map(gather, params)
-
-
-def make_windows():
-  rng = np.random.default_rng(3)
-  windows = helpers.make_windows((K, K, K), NUM_DEVICES, seed=4)
-  return [
-    [
-      dict(b, y=rng.normal(size=b['y'].shape + (OUTPUTS,)).astype(np.float32))
-      for b in window
-    ]
-    for window in windows
-  ]
-
-
-def full_batch(windows):
-  """Plain full-batch training in float64 numpy: per window, the gradient
-  of its token-mean loss, clipped by its global norm, then momentum SGD
-  (``optax.sgd(0.5, momentum=0.9)``: ``t = g + 0.9 t``, ``-0.5 t``). Also
-  returns the largest update."""
-  params = {k: v.astype(np.float64) for k, v in init_params().items()}
-  trace = {k: np.zeros_like(v) for k, v in params.items()}
-  largest = 0.0
-  for window in windows:
-    x = np.concatenate([b['x'] for b in window]).astype(np.float64)
-    y = np.concatenate([b['y'] for b in window]).astype(np.float64)
-    mask = np.concatenate([b['mask'] for b in window]).astype(np.float64)
-    residual = x @ params['w'] + params['b'].sum() - y  # (..., OUTPUTS)
-    weighted = 2 * residual * mask[..., None] / mask.sum()
-    grads = {
-      'w': x.reshape(-1, x.shape[-1]).T @ weighted.reshape(-1, OUTPUTS),
-      'b': np.full(3, weighted.sum()),
-    }
-    norm = np.sqrt(sum(np.sum(g**2) for g in grads.values()))
-    scale = min(1.0, MAX_NORM / norm)
-    for k in params:
-      trace[k] = grads[k] * scale + 0.9 * trace[k]
-      largest = max(largest, float(np.max(np.abs(0.5 * trace[k]))))
-      params[k] = params[k] - 0.5 * trace[k]
-  return params, largest
-
-
-class Layout(NamedTuple):
-  """A mesh, the parameters' specs on it, and the axes the optimizer's
-  state is sharded over."""
-
-  mesh: Callable[[], jax.sharding.Mesh]
-  specs: dict
-  shard_over: tuple
-
-
-LAYOUTS = {
-  'ddp': Layout(
-    test_explicit.ddp_mesh,
-    {'w': P(None, None, reduced={'data'}), 'b': P(None, reduced={'data'})},
-    ('data',),
-  ),
-  # w is split over fsdp and reduced over replica; b (3,), which fsdp does
-  # not divide, is whole on every device, typed reduced over replica.
-  'hsdp': Layout(
-    test_explicit.hsdp_mesh,
-    {
-      'w': P('fsdp', None, reduced={'replica'}),
-      'b': P(None, reduced={'replica'}),
-    },
-    ('replica',),
-  ),
-}
-
-
-def make_run(layout='ddp', **options):
-  """``(mesh, tx, step)``; ``options`` go to the transform."""
-  mesh = LAYOUTS[layout].mesh()
-  tx = tokacc.token_weighted_multistep(inner(), K, **options)
-
-  @functools.partial(jax.jit, static_argnames='close')
-  def step(params, state, batch, close=None):
-    loss, grads = jax.value_and_grad(loss_sum)(params, batch)
-    num_tokens = jnp.einsum(
-      'bt->', batch['mask'], out_sharding=P(unreduced=set(mesh.axis_names))
-    )
-    updates, state = tx.update(
-      grads, state, params, num_tokens=num_tokens, loss=loss, close=close
-    )
-    return optax.apply_updates(params, updates), state
-
-  return mesh, tx, step
-
-
-def placed(mesh, layout='ddp'):
-  """The parameters typed as ``layout`` says, a placer of batches (split
-  over every axis of the mesh)."""
-  data = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-  specs = LAYOUTS[layout].specs
-  params = {k: jax.device_put(v, specs[k]) for k, v in init_params().items()}
-  return params, lambda batch: jax.device_put(batch, data)
-
-
-def init_state(tx, params, mesh, layout='ddp'):
-  return tokacc.init_sharded(
-    tx, params, mesh, shard_optimizer_over=LAYOUTS[layout].shard_over
-  )
-
-
-def train(
-  windows, interrupt_at=None, layout='ddp', host_closes=False, init=init_state
-):
-  """ZeRO-1 training; ``interrupt_at``: the micro-step after which the
-  state goes through ``to_checkpoint`` / ``from_checkpoint``;
-  ``host_closes``: ``close=False`` / ``True`` from the host; ``init``:
-  ``(tx, params, mesh, layout)`` to the initial state."""
-  mesh, tx, step = make_run(layout)
-  with jax.set_mesh(mesh):
-    params, place = placed(mesh, layout)
-    state = init(tx, params, mesh, layout)
-    calls = 0
-    for window in windows:
-      for i, batch in enumerate(window):
-        close = i + 1 == len(window) if host_closes else None
-        params, state = step(params, state, place(batch), close=close)
-        calls += 1
-        if calls == interrupt_at:
-          saved = jax.device_get(tokacc.to_checkpoint((params, state)))
-          like = (params, state)
-          params, state = tokacc.from_checkpoint(
-            jax.device_put(saved, jax.tree.map(
-              lambda x: x.sharding, tokacc.to_checkpoint(like))),
-            like,
-          )  # fmt: skip
-    return params, state
-
-
 @pytest.mark.parametrize('host_closes', [False, True])
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+@pytest.mark.parametrize('layout', sorted(placements.ZERO1_LAYOUTS))
 def test_equals_full_batch_training(layout, host_closes):
   """Momentum SGD after a global-norm clip that binds, on the shards (DDP:
   sharded over 'data'; HSDP: ``w``'s fsdp shard sharded over 'replica'),
@@ -227,20 +51,25 @@ def test_equals_full_batch_training(layout, host_closes):
   So each parameter is within ``windows * 4 * gamma(m)`` of the largest
   update, plus one rounding of the parameter per window.
   """
-  windows = make_windows()
-  params, state = train(windows, layout=layout, host_closes=host_closes)
+  windows = helpers.zero1_windows()
+  params, state = placements.train_zero1(
+    windows, layout=layout, host_closes=host_closes
+  )
   assert_equals_full_batch(windows, params)
   assert int(state.gradient_step) == len(windows)
 
 
 def _shardings(tx, params, mesh, layout):
   return tokacc.state_shardings(
-    tx, params, mesh, shard_optimizer_over=LAYOUTS[layout].shard_over
+    tx,
+    params,
+    mesh,
+    shard_optimizer_over=placements.ZERO1_LAYOUTS[layout].shard_over,
   )
 
 
 STATE_BUILDERS = {
-  'init_sharded': init_state,
+  'init_sharded': placements.zero1_init,
   # what init_sharded does, written by hand as sharded trainers do
   'jit_out_shardings': lambda tx, params, mesh, layout: jax.jit(
     tx.init, out_shardings=_shardings(tx, params, mesh, layout)
@@ -253,28 +82,38 @@ STATE_BUILDERS = {
 
 @pytest.mark.parametrize('host_closes', [False, True])
 @pytest.mark.parametrize('way', sorted(STATE_BUILDERS))
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+@pytest.mark.parametrize('layout', sorted(placements.ZERO1_LAYOUTS))
 def test_every_way_to_build_the_state_trains_exactly(layout, way, host_closes):
   """On jax 0.12, init_sharded failed to compile (an unreduced zero merged
   with the replicated ones); each way users build a ZeRO-1 state now trains
   as full batch does, with the optimizer's moments sharded."""
-  windows = make_windows()
-  params, state = train(
+  windows = helpers.zero1_windows()
+  params, state = placements.train_zero1(
     windows, layout=layout, host_closes=host_closes, init=STATE_BUILDERS[way]
   )
   assert_equals_full_batch(windows, params)
   assert int(state.gradient_step) == len(windows)
   trace = state.inner_state[1][0].trace['w']
   assert trace.addressable_shards[0].data.nbytes == (
-    init_params()['w'].nbytes // NUM_DEVICES
+    helpers.zero1_params()['w'].nbytes // NUM_DEVICES
   )
 
 
 def assert_equals_full_batch(windows, params):
-  """Within the bound derived in ``test_equals_full_batch_training``."""
-  expected, largest = full_batch(windows)
+  """Within the bound derived in ``test_equals_full_batch_training`` of
+  full-batch training in float64 (``helpers.full_batch``), whose largest
+  update is ``largest``."""
+  with jax.enable_x64(True):
+    reference = helpers.full_batch(
+      placements.zero1_inner(),
+      helpers.float64(helpers.zero1_params()),
+      helpers.float64(windows),
+      helpers.zero1_loss_sum,
+    )
+  expected = jax.tree.map(np.asarray, reference.params)
+  largest = max(window.largest_update for window in reference.windows)
   n = max(int(sum(b['mask'].sum() for b in w)) for w in windows)
-  m = n + helpers.FEATURES + OUTPUTS + 20
+  m = n + helpers.FEATURES + helpers.ZERO1_OUTPUTS + 20
   gamma = m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)
   for name in ('w', 'b'):
     got = np.asarray(params[name])
@@ -287,8 +126,8 @@ def assert_equals_full_batch(windows, params):
 @pytest.mark.parametrize(
   'layout, w_shard, acc_type',
   [
-    ('ddp', (2, OUTPUTS), 'float32[8,4]{U:data}'),
-    ('hsdp', (4, OUTPUTS // 2), 'float32[8@fsdp,4]{U:replica}'),
+    ('ddp', (2, helpers.ZERO1_OUTPUTS), 'float32[8,4]{U:data}'),
+    ('hsdp', (4, helpers.ZERO1_OUTPUTS // 2), 'float32[8@fsdp,4]{U:replica}'),
   ],
 )
 def test_state_is_sharded_and_a_fixed_point_of_the_step(
@@ -298,30 +137,31 @@ def test_state_is_sharded_and_a_fixed_point_of_the_step(
   'data'; HSDP: its fsdp half split again over 'replica'), those of ``b``
   (no dimension divides the axis) stay whole; the accumulator stays partial
   sums; the step gives back the types it was given."""
-  windows = make_windows()[:1]
-  mesh, tx, _ = make_run(layout)
+  windows = helpers.zero1_windows()[:1]
+  mesh, tx, _ = placements.zero1_run(layout)
   with jax.set_mesh(mesh):
-    params, _ = placed(mesh, layout)
-    state = init_state(tx, params, mesh, layout)
+    params, _ = placements.zero1_placed(mesh, layout)
+    state = placements.zero1_init(tx, params, mesh, layout)
   trace = state.inner_state[1][0].trace
   shards = trace['w'].addressable_shards
   assert {s.data.shape for s in shards} == {w_shard}
   assert {s.data.nbytes for s in shards} == {
-    init_params()['w'].nbytes // NUM_DEVICES
+    helpers.zero1_params()['w'].nbytes // NUM_DEVICES
   }
   assert trace['b'].addressable_shards[0].data.shape == (3,)
   assert str(jax.typeof(state.grad_sums['w'])) == acc_type
-  _, trained = train(windows, layout=layout)
+  _, trained = placements.train_zero1(windows, layout=layout)
   types = jax.tree.map(lambda x: str(jax.typeof(x)), state)
   assert jax.tree.map(lambda x: str(jax.typeof(x)), trained) == types
 
 
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+@pytest.mark.slow
+@pytest.mark.parametrize('layout', sorted(placements.ZERO1_LAYOUTS))
 def test_checkpoint_mid_window_resumes_bit_identically(layout):
-  windows = make_windows()
-  straight = train(windows, layout=layout)
-  resumed = train(windows, interrupt_at=K + 1, layout=layout)
-  with jax.set_mesh(LAYOUTS[layout].mesh()):
+  windows = helpers.zero1_windows()
+  straight = placements.train_zero1(windows, layout=layout)
+  resumed = placements.train_zero1(windows, interrupt_at=K + 1, layout=layout)
+  with jax.set_mesh(placements.ZERO1_LAYOUTS[layout].mesh()):
     jax.tree.map(
       np.testing.assert_array_equal,
       jax.device_get(tokacc.to_checkpoint(straight)),
@@ -333,17 +173,17 @@ def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
   """Micro-steps: no collective. The closing branch: ``w``'s window
   reduce-scattered, its updates all-gathered; no all-reduce of its size
   (the scalars, ``b`` and the clip's norm are reduced whole)."""
-  mesh, tx, step = make_run()
+  mesh, tx, step = placements.zero1_run()
   with jax.set_mesh(mesh):
-    params, place = placed(mesh)
-    state = init_state(tx, params, mesh)
-    batch = place(make_windows()[0][0])
+    params, place = placements.zero1_placed(mesh)
+    state = placements.zero1_init(tx, params, mesh)
+    batch = place(helpers.zero1_windows()[0][0])
     text = step.lower(params, state, batch).compile().as_text()
-  sites = explicit_ddp.sites_of(text)
-  assert explicit_ddp.on_micro_step_path(sites) == []
-  closing = [s for s, path in sites if explicit_ddp.closing_only(path)]
-  w_shape = ('f32', (helpers.FEATURES, OUTPUTS))
-  w_shard = ('f32', (helpers.FEATURES // NUM_DEVICES, OUTPUTS))
+  sites = hlo.compiled_collectives(text)
+  assert hlo.on_micro_step_path(sites) == []
+  closing = hlo.on_closing_step_only(sites)
+  w_shape = ('f32', (helpers.FEATURES, helpers.ZERO1_OUTPUTS))
+  w_shard = ('f32', (helpers.FEATURES // NUM_DEVICES, helpers.ZERO1_OUTPUTS))
   kinds = {s.collective for s in closing}
   assert {'reduce-scatter', 'all-gather'} <= kinds, closing
   for site in closing:
@@ -353,7 +193,7 @@ def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
 
 def on_last_dimension(tx, params, mesh, layout):
   """DDP's state, its moments of ``w`` resharded by hand over 'data' on
-  their last dimension (``OUTPUTS`` = 4 = the devices), not the first that
+  their last dimension (``helpers.ZERO1_OUTPUTS`` = 4 = the devices), not the first that
   ``shard_optimizer_over`` would choose."""
   state = tokacc.init_sharded(tx, params, mesh)
 
@@ -367,23 +207,23 @@ def test_moments_resharded_by_hand_are_followed():
   """The layout is read from the state's types, leaf by leaf: the window
   is reduce-scattered into the last dimension's shards, the step keeps the
   moments where the user put them, and training is exact."""
-  windows = make_windows()
-  params, state = train(windows, init=on_last_dimension)
+  windows = helpers.zero1_windows()
+  params, state = placements.train_zero1(windows, init=on_last_dimension)
   assert_equals_full_batch(windows, params)
   trace = state.inner_state[1][0].trace['w']
   assert trace.sharding.spec == P(None, 'data')
   assert {s.data.shape for s in trace.addressable_shards} == {
-    (helpers.FEATURES, OUTPUTS // NUM_DEVICES)
+    (helpers.FEATURES, helpers.ZERO1_OUTPUTS // NUM_DEVICES)
   }
-  mesh, tx, step = make_run()
+  mesh, tx, step = placements.zero1_run()
   with jax.set_mesh(mesh):
-    params, place = placed(mesh)
+    params, place = placements.zero1_placed(mesh)
     state = on_last_dimension(tx, params, mesh, 'ddp')
-    batch = place(make_windows()[0][0])
+    batch = place(helpers.zero1_windows()[0][0])
     text = step.lower(params, state, batch).compile().as_text()
-  sites = explicit_ddp.sites_of(text)
-  closing = [s for s, path in sites if explicit_ddp.closing_only(path)]
-  shard = ('f32', (helpers.FEATURES, OUTPUTS // NUM_DEVICES))
+  sites = hlo.compiled_collectives(text)
+  closing = hlo.on_closing_step_only(sites)
+  shard = ('f32', (helpers.FEATURES, helpers.ZERO1_OUTPUTS // NUM_DEVICES))
   scatters = [s for s in closing if s.collective == 'reduce-scatter']
   assert [s.shapes for s in scatters] == [(shard,)], closing
 
@@ -413,17 +253,19 @@ COMPOSITIONS = {
 
 def integer_case():
   """Parameters and micro-batches of small integers, the loss of
-  ``loss_sum``: every partial sum and sum of one window's gradient is an
+  ``placements.zero1_loss_sum``: every partial sum and sum of one window's gradient is an
   integer below 2**24, exact in float32 whatever the order of addition."""
   rng = np.random.default_rng(11)
   params = {
-    'w': rng.integers(-2, 3, (helpers.FEATURES, OUTPUTS)).astype(np.float32),
+    'w': rng.integers(-2, 3, (helpers.FEATURES, helpers.ZERO1_OUTPUTS)).astype(
+      np.float32
+    ),
     'b': rng.integers(-2, 3, (3,)).astype(np.float32),
   }
   batches = []
   for _ in range(K):
     x = rng.integers(-2, 3, (NUM_DEVICES, 3, helpers.FEATURES))
-    y = rng.integers(-2, 3, (NUM_DEVICES, 3, OUTPUTS))
+    y = rng.integers(-2, 3, (NUM_DEVICES, 3, helpers.ZERO1_OUTPUTS))
     mask = rng.integers(0, 2, (NUM_DEVICES, 3))
     batches.append(
       dict(x=x.astype(np.float32), y=y.astype(np.float32), mask=mask)
@@ -432,16 +274,16 @@ def integer_case():
 
 
 def one_window(make_inner, shard_over):
-  """Parameters and ``inner``'s state after one window of explicit DDP,
-  with ``inner``'s state sharded over ``shard_over`` or whole (None)."""
-  mesh = test_explicit.ddp_mesh()
+  """Parameters and ``placements.zero1_inner``'s state after one window of explicit DDP,
+  with ``placements.zero1_inner``'s state sharded over ``shard_over`` or whole (None)."""
+  mesh = placements.explicit_ddp_mesh()
   tx = tokacc.token_weighted_multistep(make_inner(), K)
   values, batches = integer_case()
   data = NamedSharding(mesh, P('data'))
 
   @jax.jit
   def step(params, state, batch):
-    grads = jax.grad(loss_sum)(params, batch)
+    grads = jax.grad(placements.zero1_loss_sum)(params, batch)
     num_tokens = jnp.einsum(
       'bt->', batch['mask'], out_sharding=P(unreduced={'data'})
     )
@@ -450,7 +292,8 @@ def one_window(make_inner, shard_over):
 
   with jax.set_mesh(mesh):
     params = {
-      k: jax.device_put(v, LAYOUTS['ddp'].specs[k]) for k, v in values.items()
+      k: jax.device_put(v, placements.ZERO1_LAYOUTS['ddp'].specs[k])
+      for k, v in values.items()
     }
     state = tokacc.init_sharded(
       tx, params, mesh, shard_optimizer_over=shard_over
@@ -463,10 +306,18 @@ def one_window(make_inner, shard_over):
 NORMS = ('lamb', 'adafactor')
 
 
-@pytest.mark.parametrize('name', sorted(COMPOSITIONS))
+@pytest.mark.parametrize(
+  'name',
+  [
+    pytest.param(
+      name, marks=pytest.mark.slow if name == 'apply_if_finite' else ()
+    )
+    for name in sorted(COMPOSITIONS)
+  ],
+)
 def test_compositions_equal_explicit_ddp(name):
-  """Every ``inner`` of the list runs on the shards and gives explicit
-  DDP's parameters and state after a window: bit for bit where ``inner``
+  """Every ``placements.zero1_inner`` of the list runs on the shards and gives explicit
+  DDP's parameters and state after a window: bit for bit where ``placements.zero1_inner``
   is elementwise, since the window's gradient is exact
   (``integer_case``). A norm of a leaf (``NORMS``) is summed in another
   order over shards than whole: within ``gamma(n)`` of it relatively (n
@@ -479,7 +330,7 @@ def test_compositions_equal_explicit_ddp(name):
   if name not in NORMS:
     jax.tree.map(np.testing.assert_array_equal, actual, expected)
   else:
-    n = helpers.FEATURES * OUTPUTS
+    n = helpers.FEATURES * helpers.ZERO1_OUTPUTS
     gamma = n * UNIT_ROUNDOFF / (1 - n * UNIT_ROUNDOFF)
     for key, value in values.items():
       got, want = actual[0][key], expected[0][key]
@@ -513,10 +364,10 @@ def test_a_state_the_window_cannot_be_scattered_into_is_refused(case):
   """A layout of the moments that no reduce-scatter of the window gives is
   refused at trace time, pointing to ``shard_optimizer_over``."""
   layout, (mu_spec, nu_spec) = REFUSED_LAYOUTS[case]
-  mesh = LAYOUTS[layout].mesh()
+  mesh = placements.ZERO1_LAYOUTS[layout].mesh()
   tx = tokacc.token_weighted_multistep(optax.adam(0.1), K)
   with jax.set_mesh(mesh):
-    params, place = placed(mesh, layout)
+    params, place = placements.zero1_placed(mesh, layout)
     state = tokacc.init_sharded(tx, params, mesh)
     adam = state.inner_state[0]
     adam = adam._replace(
@@ -524,11 +375,11 @@ def test_a_state_the_window_cannot_be_scattered_into_is_refused(case):
       nu=dict(adam.nu, w=jax.reshard(adam.nu['w'], nu_spec)),
     )
     state = state._replace(inner_state=(adam,) + state.inner_state[1:])
-    batch = place(make_windows()[0][0])
+    batch = place(helpers.zero1_windows()[0][0])
 
     @jax.jit
     def step(params, state, batch):
-      grads = jax.grad(loss_sum)(params, batch)
+      grads = jax.grad(placements.zero1_loss_sum)(params, batch)
       num_tokens = jnp.einsum(
         'bt->', batch['mask'], out_sharding=P(unreduced=set(mesh.axis_names))
       )
@@ -544,7 +395,7 @@ REPLICA_GROUPS = [[0, 2], [1, 3]]
 
 
 def groups(site):
-  return sorted(map(sorted, test_explicit.groups_of(site)))
+  return sorted(map(sorted, hlo.group_sets(site, NUM_DEVICES)))
 
 
 def test_hsdp_window_reduce_scattered_over_replica_once():
@@ -555,21 +406,21 @@ def test_hsdp_window_reduce_scattered_over_replica_once():
   accumulator shard over 'replica' into (4, 2), all-gathers the (4, 4)
   updates over 'replica', and all-reduces nothing of ``w``'s size (only
   the count, the loss, ``b`` and the clip's norm are reduced whole)."""
-  mesh, tx, step = make_run('hsdp')
+  mesh, tx, step = placements.zero1_run('hsdp')
   with jax.set_mesh(mesh):
-    params, place = placed(mesh, 'hsdp')
-    state = init_state(tx, params, mesh, 'hsdp')
-    batch = place(make_windows()[0][0])
+    params, place = placements.zero1_placed(mesh, 'hsdp')
+    state = placements.zero1_init(tx, params, mesh, 'hsdp')
+    batch = place(helpers.zero1_windows()[0][0])
     text = step.lower(params, state, batch).compile().as_text()
-  sites = explicit_ddp.sites_of(text)
-  micro = explicit_ddp.on_micro_step_path(sites)
+  sites = hlo.compiled_collectives(text)
+  micro = hlo.on_micro_step_path(sites)
   assert micro, 'the forward pass gathers w within fsdp'
   for site in micro:
     assert groups(site) == FSDP_GROUPS, site
-  closing = [s for s, path in sites if explicit_ddp.closing_only(path)]
-  fsdp_shard = ('f32', (helpers.FEATURES // 2, OUTPUTS))
-  state_shard = ('f32', (helpers.FEATURES // 2, OUTPUTS // 2))
-  whole = ('f32', (helpers.FEATURES, OUTPUTS))
+  closing = hlo.on_closing_step_only(sites)
+  fsdp_shard = ('f32', (helpers.FEATURES // 2, helpers.ZERO1_OUTPUTS))
+  state_shard = ('f32', (helpers.FEATURES // 2, helpers.ZERO1_OUTPUTS // 2))
+  whole = ('f32', (helpers.FEATURES, helpers.ZERO1_OUTPUTS))
   scatters = [s for s in closing if s.collective == 'reduce-scatter']
   assert [(s.shapes, groups(s)) for s in scatters] == [
     ((state_shard,), REPLICA_GROUPS)
@@ -593,11 +444,11 @@ def test_fsdp_only_is_refused_naming_the_argument():
     axis_types=(jax.sharding.AxisType.Explicit,),
     devices=jax.devices()[:NUM_DEVICES],
   )
-  tx = tokacc.token_weighted_multistep(inner(), K)
+  tx = tokacc.token_weighted_multistep(placements.zero1_inner(), K)
   with jax.set_mesh(mesh):
     params = {
-      'w': jax.device_put(init_params()['w'], P('fsdp', None)),
-      'b': jax.device_put(init_params()['b'], P(None)),
+      'w': jax.device_put(helpers.zero1_params()['w'], P('fsdp', None)),
+      'b': jax.device_put(helpers.zero1_params()['b'], P(None)),
     }
     for helper in (
       tokacc.init_sharded,
@@ -626,7 +477,7 @@ def test_bad_axes_are_refused_naming_the_argument(axes, message):
     axis_types=(jax.sharding.AxisType.Explicit,) * 2,
     devices=jax.devices()[:4],
   )
-  tx = tokacc.token_weighted_multistep(inner(), K)
+  tx = tokacc.token_weighted_multistep(placements.zero1_inner(), K)
   with jax.set_mesh(mesh):
     params = jax.device_put(
       {'w': np.ones((8, 4), np.float32)}, P('fsdp', None, reduced=set())
@@ -640,7 +491,9 @@ def test_bad_axes_are_refused_naming_the_argument(axes, message):
 
 def test_with_axis_name_is_refused_pointing_to_explicit_sharding():
   mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2])
-  tx = tokacc.token_weighted_multistep(inner(), K, axis_name='data')
+  tx = tokacc.token_weighted_multistep(
+    placements.zero1_inner(), K, axis_name='data'
+  )
   with pytest.raises(ValueError, match='shard_optimizer_over') as error:
     tokacc.init_sharded(
       tx,
@@ -653,16 +506,16 @@ def test_with_axis_name_is_refused_pointing_to_explicit_sharding():
 
 
 def test_without_a_mesh_the_error_asks_for_one():
-  """Outside ``jax.set_mesh``, with parameters not placed on a mesh (plain
+  """Outside ``jax.set_mesh``, with parameters not placements.zero1_placed on a mesh (plain
   arrays, typed on JAX's empty mesh) and no ``mesh=``, the error asks for
   the mesh; it used to say "'data' is not an axis of the mesh ()"."""
-  tx = tokacc.token_weighted_multistep(inner(), K)
+  tx = tokacc.token_weighted_multistep(placements.zero1_inner(), K)
   specs = {'w': P(None, None, reduced={'data'}), 'b': P(reduced={'data'})}
   for param_specs in (None, specs):
     with pytest.raises(ValueError, match='shard_optimizer_over') as error:
       tokacc.state_partition_specs(
         tx,
-        jax.tree.map(jnp.asarray, init_params()),
+        jax.tree.map(jnp.asarray, helpers.zero1_params()),
         param_specs=param_specs,
         shard_optimizer_over=('data',),
       )
@@ -671,10 +524,10 @@ def test_without_a_mesh_the_error_asks_for_one():
 
 def test_an_inner_without_parameter_shaped_state_is_refused():
   """Plain SGD keeps no state: nothing to shard, said rather than ignored."""
-  mesh = test_explicit.ddp_mesh()
+  mesh = placements.explicit_ddp_mesh()
   tx = tokacc.token_weighted_multistep(optax.sgd(0.1), K)
   with jax.set_mesh(mesh):
-    params = jax.device_put(init_params(), P(reduced={'data'}))
+    params = jax.device_put(helpers.zero1_params(), P(reduced={'data'}))
     with pytest.raises(ValueError, match='shard_optimizer_over') as error:
       tokacc.init_sharded(tx, params, mesh, shard_optimizer_over=('data',))
   assert 'nothing to shard' in str(error.value)

@@ -45,9 +45,21 @@ def public_modules() -> list[str]:
 
 
 MODULES = public_modules()
+# the longest (5 s or more of a core, --durations=0)
+SLOW_MODULES = (
+  'optax_tokacc._losses',
+  'optax_tokacc._state',
+  'optax_tokacc.flax',
+)
 
 
-@pytest.mark.parametrize('name', MODULES)
+@pytest.mark.parametrize(
+  'name',
+  [
+    pytest.param(name, marks=pytest.mark.slow if name in SLOW_MODULES else ())
+    for name in MODULES
+  ],
+)
 def test_docstring_examples(name):
   if name == 'optax_tokacc.flax':
     pytest.importorskip('flax')

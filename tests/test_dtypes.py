@@ -8,12 +8,16 @@ dtype) are summed in float32, divided by the window's tokens, cast to the
 gradient dtype and fed to the inner optimizer, whose new state is cast back
 to the dtypes it had. The returned updates must have the dtypes that
 `jax.eval_shape` of the inner update gives, and the inner state must keep
-its dtypes from window to window.
+its dtypes from window to window (``helpers.full_batch`` with
+``gradient_fn`` and ``keep_state_dtypes``). Also bfloat16 parameters with
+Adam under ``pmap`` (issue 11, defect 2), and micro-steps that keep every
+bit of the parameters.
 """
 
 import functools
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +26,6 @@ import pytest
 
 import optax_tokacc as tokacc
 
-FEATURES = 3
-SEQS, SEQ_LEN = 2, 4  # a micro-batch holds up to 8 counted tokens
 K = 2
 TOKEN_COUNTS = ((6, 1), (0, 8), (3, 5))  # unequal, with an empty micro-batch
 LEARNING_RATE = 0.05
@@ -75,37 +77,8 @@ OPTIMIZERS = {
 }
 
 
-def init_params(dtype):
-  rng = np.random.default_rng(0)
-  return {
-    'w': jnp.asarray(rng.normal(size=(FEATURES, FEATURES)), dtype),
-    'v': jnp.asarray(rng.normal(size=(FEATURES,)), dtype),
-  }
-
-
-def loss_sum(params, batch):
-  """Squared error summed over the counted tokens of the batch."""
-  hidden = jnp.tanh(batch['x'] @ params['w'])
-  prediction = hidden @ params['v']
-  return jnp.sum((prediction - batch['y']) ** 2 * batch['mask'])
-
-
 def make_windows():
-  windows = []
-  for w, counts in enumerate(TOKEN_COUNTS):
-    window = []
-    for i, count in enumerate(counts):
-      rng = np.random.default_rng(10 * w + i)
-      mask = (np.arange(SEQS * SEQ_LEN) < count).reshape(SEQS, SEQ_LEN)
-      window.append(
-        {
-          'x': rng.normal(size=(SEQS, SEQ_LEN, FEATURES)).astype(np.float32),
-          'y': rng.normal(size=(SEQS, SEQ_LEN)).astype(np.float32),
-          'mask': mask.astype(np.float32),
-        }
-      )
-    windows.append(window)
-  return windows
+  return helpers.windows_of(TOKEN_COUNTS)
 
 
 @functools.cache
@@ -116,55 +89,53 @@ def micro_grads(grad_dtype):
   def grads(params, batch):
     params = jax.tree.map(lambda p: p.astype(grad_dtype), params)
     batch = jax.tree.map(lambda x: x.astype(grad_dtype), batch)
-    return jax.grad(loss_sum)(params, batch)
+    return jax.grad(helpers.loss_sum)(params, batch)
 
   return grads
 
 
+def mixed_precision_gradient(grad_dtype):
+  """The window's gradient as ``optax.MultiSteps`` forms it: each
+  micro-batch's in ``grad_dtype``, summed in float32, divided by the
+  window's tokens and cast to ``grad_dtype`` (``helpers.full_batch``'s
+  ``gradient_fn``)."""
+
+  def gradient(params, window):
+    total = sum(helpers.mask_count(batch) for batch in window)
+    window_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    for batch in window:
+      window_sum = jax.tree.map(
+        lambda s, g: s + g.astype(jnp.float32),
+        window_sum,
+        micro_grads(grad_dtype)(params, batch),
+      )
+    return jax.tree.map(lambda s: (s / total).astype(grad_dtype), window_sum)
+
+  return gradient
+
+
+def reference(inner, params, windows, grad_dtype):
+  """Full-batch training whose inner state keeps its dtypes, as
+  ``optax.MultiSteps`` keeps them (``helpers.full_batch``)."""
+  return helpers.full_batch(
+    inner,
+    params,
+    windows,
+    gradient_fn=mixed_precision_gradient(grad_dtype),
+    keep_state_dtypes=True,
+  )
+
+
+def expected_update_dtypes(inner, params, grad_dtype):
+  """The dtypes of ``inner``'s updates of gradients in ``grad_dtype``
+  (``jax.eval_shape``)."""
+  grads = jax.tree.map(lambda p: jnp.zeros(p.shape, grad_dtype), params)
+  updates, _ = jax.eval_shape(inner.update, grads, inner.init(params), params)
+  return dtypes_of(updates)
+
+
 def dtypes_of(tree):
   return jax.tree.map(lambda x: jnp.result_type(x), tree)
-
-
-def train_reference(inners, params, windows, grad_dtype):
-  """Full-batch training whose inner state keeps its dtypes.
-
-  ``inners`` maps names to inner optimizers, each trained from ``params``.
-  Returns, per name, the parameters and the inner state after every window.
-  """
-
-  @jax.jit
-  def window_step(params, states, grads):
-    """One step of every inner optimizer (one compilation)."""
-    results = {}
-    for name, inner in inners.items():
-      updates, new_state = inner.update(grads[name], states[name], params[name])
-      new_state = optax.tree.cast_like(new_state, states[name])
-      results[name] = (optax.apply_updates(params[name], updates), new_state)
-    return results
-
-  params = {name: params for name in inners}
-  states = {name: inner.init(params[name]) for name, inner in inners.items()}
-  trained = {name: [] for name in inners}
-  for window in windows:
-    total = sum(float(np.sum(batch['mask'])) for batch in window)
-    grads = {}
-    for name in inners:
-      window_sum = jax.tree.map(np.zeros_like, params[name])
-      for batch in window:
-        window_sum = jax.tree.map(
-          lambda s, g: s + np.asarray(g, np.float32),
-          window_sum,
-          micro_grads(grad_dtype)(params[name], batch),
-        )
-      grads[name] = jax.tree.map(
-        lambda s, t=total: np.asarray(s / t, np.float32).astype(grad_dtype),
-        window_sum,
-      )
-    results = window_step(params, states, grads)
-    for name, (new_params, new_state) in results.items():
-      params[name], states[name] = new_params, new_state
-      trained[name].append((new_params, new_state))
-  return trained
 
 
 def optimizers_for(param_name):
@@ -172,8 +143,21 @@ def optimizers_for(param_name):
   return names + ['adam_mu_f32'] if param_name == 'bf16' else names
 
 
-@pytest.mark.parametrize('grad_name', list(DTYPES))
-@pytest.mark.parametrize('param_name', list(DTYPES))
+@pytest.mark.parametrize(
+  ('param_name', 'grad_name'),
+  [
+    pytest.param(
+      param_name,
+      grad_name,
+      # all but float32 with float32 gradients take 5 s or more of a core
+      marks=pytest.mark.slow
+      if (param_name, grad_name) != ('f32', 'f32')
+      else (),
+    )
+    for grad_name in DTYPES
+    for param_name in DTYPES
+  ],
+)
 def test_dtype_pair_equals_full_batch(param_name, grad_name):
   param_dtype, grad_dtype = DTYPES[param_name], DTYPES[grad_name]
   names = optimizers_for(param_name)
@@ -198,26 +182,18 @@ def test_dtype_pair_equals_full_batch(param_name, grad_name):
       results[name] += (updates,)
     return results
 
-  params = {name: init_params(param_dtype) for name in names}
+  params = {name: helpers.init_params(param_dtype) for name in names}
   states = {name: txs[name].init(params[name]) for name in names}
   trained = run(step, params, states, windows, grad_fn)
-  zero_grads = jax.tree.map(
-    lambda p: jnp.zeros(p.shape, grad_dtype), init_params(param_dtype)
-  )
-  references = train_reference(
-    inners, init_params(param_dtype), windows, grad_dtype
-  )
   for name, inner in inners.items():
-    expected = references[name]
+    expected = reference(
+      OPTIMIZERS[name](), helpers.init_params(param_dtype), windows, grad_dtype
+    ).windows
     inner_dtypes = dtypes_of(inner.init(params[name]))
-    update_dtypes = dtypes_of(
-      jax.eval_shape(
-        inner.update, zero_grads, inner.init(params[name]), params[name]
-      )[0]
-    )
+    update_dtypes = expected_update_dtypes(inner, params[name], grad_dtype)
     actual_params, actual_states, actual_updates = trained[name]
     for w in range(len(windows)):
-      expected_params, expected_state = expected[w]
+      expected_params, expected_state = expected[w][:2]
       chex.assert_trees_all_close(
         actual_params[w],
         expected_params,
@@ -299,3 +275,123 @@ def test_micro_steps_keep_parameters_bit_identical_negative_zero(
     return np.asarray(tree['w']).view(unsigned)
 
   np.testing.assert_array_equal(bits(new_params), bits(params))
+
+
+# bf16 parameters with Adam, data parallel: f32 gradients (Adam's mu is
+# promoted by the update), and mu_dtype=float32 with bf16 gradients (f32
+# updates).
+BF16 = jnp.bfloat16
+MIXED_PRECISION = {
+  'adam_f32_grads': (lambda: optax.adam(LEARNING_RATE, eps=EPS), jnp.float32),
+  'adam_mu_f32_bf16_grads': (
+    lambda: optax.adam(LEARNING_RATE, eps=EPS, mu_dtype=jnp.float32),
+    jnp.bfloat16,
+  ),
+}
+PMAP_K = 3
+
+
+@pytest.mark.slow
+def test_bf16_parameters_with_adam_under_pmap():
+  """Regression (issue 11, defect 2): both settings of ``MIXED_PRECISION``
+  in one pmapped step over 2 devices: the updates have the dtypes of
+  ``inner``'s, and every device's parameters are those of full-batch
+  training that keeps the inner state's dtypes."""
+  devices = jax.devices()[:2]
+  inners = {name: make() for name, (make, _) in MIXED_PRECISION.items()}
+  txs = {
+    name: tokacc.token_weighted_multistep(inner, PMAP_K, axis_name='data')
+    for name, inner in inners.items()
+  }
+  # Device d holds micro-batches of its own: both together make the window.
+  per_device = [
+    helpers.windows_of(((5, 0, 8), (2, 7, 1))),
+    helpers.windows_of(((1, 8, 0), (6, 3, 4)), seed=50),
+  ]
+  reference_windows = [a + b for a, b in zip(*per_device)]
+
+  def step(params, states, batch):
+    results = {}
+    for name, tx in txs.items():
+      grad_dtype = MIXED_PRECISION[name][1]
+      grads = jax.grad(helpers.loss_sum)(
+        jax.tree.map(lambda p, g=grad_dtype: p.astype(g), params[name]),
+        jax.tree.map(lambda x, g=grad_dtype: x.astype(g), batch),
+      )
+      updates, state = tx.update(
+        grads, states[name], params[name], num_tokens=helpers.token_count(batch)
+      )
+      new_params = optax.apply_updates(params[name], updates)
+      results[name] = (new_params, state, updates)
+    return results
+
+  def stack(*xs):
+    return np.stack(xs)
+
+  # Sharded over the axis of the step's outputs, so that it compiles once.
+  replicate = jax.pmap(lambda x: x, axis_name='data', devices=devices)
+  params = {
+    name: replicate(
+      jax.tree.map(lambda x: stack(x, x), helpers.init_params(BF16))
+    )
+    for name in txs
+  }
+  states = {
+    name: jax.pmap(tx.init, axis_name='data', devices=devices)(params[name])
+    for name, tx in txs.items()
+  }
+  p_step = jax.pmap(step, axis_name='data', devices=devices)
+  updates = {name: [] for name in txs}
+  for w in range(len(reference_windows)):
+    for m in range(PMAP_K):
+      batch = jax.tree.map(stack, per_device[0][w][m], per_device[1][w][m])
+      results = p_step(params, states, batch)
+      for name, (new_params, state, new_updates) in results.items():
+        params[name], states[name] = new_params, state
+        updates[name].append(new_updates)
+  for name, inner in inners.items():
+    grad_dtype = MIXED_PRECISION[name][1]
+    expected = reference(
+      inner, helpers.init_params(BF16), reference_windows, grad_dtype
+    ).params
+    update_dtypes = expected_update_dtypes(
+      inner, helpers.init_params(BF16), grad_dtype
+    )
+    for step_updates in updates[name]:
+      assert dtypes_of(step_updates) == update_dtypes, (
+        f'{name}: updates of dtypes {dtypes_of(step_updates)}, but '
+        f'jax.eval_shape(inner.update, ...) gives {update_dtypes}'
+      )
+    rtol, atol = bfloat16_tolerances(grad_dtype, reference_windows)
+    for d in range(len(devices)):
+      chex.assert_trees_all_close(
+        jax.tree.map(lambda x, d=d: x[d], params[name]),
+        expected,
+        rtol=rtol,
+        atol=atol,
+        custom_message=f'{name} on device {d}',
+      )
+
+
+def bfloat16_tolerances(grad_dtype, windows):
+  """(rtol, atol) between bfloat16 parameters trained with Adam by
+  accumulation and by full-batch training that keeps the inner state's
+  dtypes (``reference``).
+
+  bfloat16 keeps 8 significant bits (u = 2**-8): each run rounds every
+  parameter to bfloat16 once per window (by at most u |p|), so the two may
+  end a window a unit in the last place (2 u |p|) further apart: rtol 2 u
+  per window. A window's float32 gradient differs by round-off
+  (``helpers.round_off_atol``'s 2 (n + m) u, u = 2**-24), and by about 2 u
+  (u = 2**-8) where it is taken at parameters a unit apart or cast to
+  bfloat16 (each): Adam's update moves by at most twice a relative change
+  of its gradient, times the learning rate: atol, per window. Measured: one
+  unit apart at |p| = 0.68 (3.9e-3), 0.37 of the bound.
+  """
+  bf16_round_off = 2.0**-8
+  n = helpers.window_tokens(windows)
+  gradient = 2 * (n + helpers.TERM_ROUNDINGS) * 2.0**-24
+  gradient += 2 * bf16_round_off * (2 if grad_dtype == BF16 else 1)
+  rtol = len(windows) * 2 * bf16_round_off
+  atol = len(windows) * 2 * gradient * LEARNING_RATE
+  return rtol, atol

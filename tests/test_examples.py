@@ -465,10 +465,10 @@ def test_explicit_sharding_example(mesh):
   micro, window = line.split(' per micro-step, ')
   assert per_micro_step in micro and 'replica' not in micro
   assert 'data' not in micro and per_window in window
-  assert_within_round_off(result.stdout)
+  assert_within_printed_bound(result.stdout)
 
 
-def assert_within_round_off(stdout: str) -> None:
+def assert_within_printed_bound(stdout: str) -> None:
   """The example's check against full-batch training on one device, under
   SGD: within the float32 round-off bound the example derives and prints
   (``sgd_round_off_bound``: 2 (n + m) 2**-24 of each step's largest update,
@@ -512,7 +512,7 @@ def test_explicit_sharding_example_token_budget():
   )
   sizes = re.search(r'updates of (\d+)-(\d+) micro-batches', result.stdout)
   assert int(sizes[2]) < 8
-  assert_within_round_off(result.stdout)
+  assert_within_printed_bound(result.stdout)
 
 
 def optimizer_state_bytes(stdout: str) -> tuple[int, int]:
@@ -547,7 +547,7 @@ def test_explicit_sharding_example_shard_optimizer():
   }
   for result in results.values():
     assert_ok(result)
-    assert_within_round_off(result.stdout)
+    assert_within_printed_bound(result.stdout)
   lines = {
     name: next(
       x for x in result.stdout.splitlines() if x.startswith('collectives:')

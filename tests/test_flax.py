@@ -1,21 +1,28 @@
-"""optax_tokacc.flax: TrainState and Optimizer equal full-batch training."""
+"""optax_tokacc.flax: the linen TrainState and the nnx Optimizer.
+
+Both equal full-batch training of a small transformer LM
+(``helpers.full_batch`` with its loss and roundings), count windows (also
+under ``optax.apply_if_finite``: issue 11, defect 4), keep the updates of
+other transforms (``optax.multi_transform``: defect 3), forward
+``emit_now`` and ``close`` (a host-closed window equals the device's, bit
+for bit: issue 24), report ``window_loss`` and ``window_metrics``, and
+refuse what they cannot take.
+"""
 
 import functools
 import importlib
 import sys
-from typing import NamedTuple
 
 import chex
 import flax
 from flax import nnx
 import flax.linen as nn
-from flax.training import train_state
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import test_multistep
 
 import optax_tokacc as tokacc
 from optax_tokacc import flax as tokacc_flax
@@ -56,17 +63,8 @@ def split(batch, every_k):
   return micro_batches
 
 
-def reference_mean_loss(logits, labels):
-  """Plain token-mean cross-entropy, written without the library."""
-  counted = labels != -100
-  log_probs = jax.nn.log_softmax(logits, axis=-1)
-  safe_labels = jnp.where(counted, labels, 0)[..., None]
-  picked = jnp.take_along_axis(log_probs, safe_labels, axis=-1)[..., 0]
-  return -jnp.sum(jnp.where(counted, picked, 0)) / counted.sum()
-
-
 # The roundings on one token's path to its gradient term, for
-# test_multistep.round_off_atol (the linen model's; the nnx one has fewer):
+# helpers.round_off_atol (the linen model's; the nnx one has fewer):
 # the terms of the dot products and reductions forward (three LayerNorms,
 # 2 DIM each for their mean and variance; the query/key/value, output and
 # two MLP projections, DIM, DIM, DIM and 2 DIM; the attention's scores,
@@ -76,45 +74,49 @@ def reference_mean_loss(logits, labels):
 TERM_ROUNDINGS = 2 * (12 * DIM + DIM // HEADS + 2 * LENGTH + VOCAB + 50)
 
 
-class Expected(NamedTuple):
-  """How far float32 round-off can take accumulation from a window of
-  full-batch training: its parameters after, and its loss."""
+def reference_cross_entropy(logits, labels):
+  """Plain cross-entropy summed over the counted tokens, written without
+  the library."""
+  counted = labels != -100
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  safe_labels = jnp.where(counted, labels, 0)[..., None]
+  picked = jnp.take_along_axis(log_probs, safe_labels, axis=-1)[..., 0]
+  return -jnp.sum(jnp.where(counted, picked, 0))
 
-  atol: float
-  loss_atol: float
+
+def valid_count(batch):
+  return float(np.sum(batch['valid']))
 
 
-def round_off_bounds(params, losses, gradient_norms) -> list[Expected]:
-  """An :class:`Expected` per window of full-batch training, from the
-  parameters before and after each window (``params``, one more than
-  windows), each window's loss and the 1-norm of its gradient.
+def full_batch(clipping, params, loss_fn):
+  """``helpers.full_batch`` of this file's windows (one batch each) and
+  language model (``loss_fn(params, inputs, valid)`` gives its logits),
+  with its ``TERM_ROUNDINGS``: ``optimizer(clipping)``'s updates are linear
+  in the gradient (momentum SGD) or homogeneous of degree 0 in it (a
+  global-norm clip that binds), as the bound needs."""
 
-  ``atol`` is ``test_multistep.round_off_atol`` (its docstring derives it)
-  with this model's ``TERM_ROUNDINGS``: per window 2 (n + m) u of the
-  gradient, doubled by the update (linear in it: momentum SGD; or
-  homogeneous of degree 0: a global-norm clip that binds), relative to the
-  window's largest update, plus a rounding of each parameter in each run.
-  As ``helpers.full_batch``, the window's loss, a sum
-  of n one-signed terms, is within 2 (n + m) u of it relatively, taken at
-  parameters up to the previous windows' ``atol`` apart: the 1-norm of its
-  gradient times that, doubled for the second-order term.
-  """
-  windows = [[{'mask': make_batch(w)['valid']}] for w in range(NUM_WINDOWS)]
-  n = test_multistep.window_tokens(windows)
-  loss_rtol = 2 * (n + TERM_ROUNDINGS) * test_multistep.UNIT_ROUND_OFF
-  largest_param = max(test_multistep.largest(p) for p in params)
-  bounds, largest_updates, atol = [], [], 0.0
-  for before, after, loss, gradient_norm in zip(
-    params, params[1:], losses, gradient_norms
-  ):
-    loss_atol = 2 * (loss_rtol * float(loss) + float(gradient_norm) * atol)
-    updates = jax.tree.map(jnp.subtract, after, before)
-    largest_updates.append(test_multistep.largest(updates))
-    atol = test_multistep.round_off_atol(
-      largest_updates, largest_param, windows, TERM_ROUNDINGS
-    )
-    bounds.append(Expected(atol, loss_atol))
-  return bounds
+  def loss_sum(params, batch):
+    logits = loss_fn(params, batch['inputs'], batch['valid'])
+    return reference_cross_entropy(logits, batch['labels'])
+
+  windows = [[make_batch(window)] for window in range(NUM_WINDOWS)]
+  return helpers.full_batch(
+    optimizer(clipping),
+    params,
+    windows,
+    loss_sum,
+    term_roundings=TERM_ROUNDINGS,
+    count_fn=valid_count,
+  )
+
+
+def assert_clipping_as_intended(reference, clipping):
+  """Whether clip_by_global_norm acted on the reference's gradients."""
+  grad_norms = np.asarray([optax.tree.norm(w.grads) for w in reference.windows])
+  if clipping == 'clipping':
+    assert np.all(grad_norms > MAX_NORMS['clipping']), grad_norms
+  else:
+    assert np.all(grad_norms < MAX_NORMS['not_clipping'] / 10), grad_norms
 
 
 def attention_mask(valid):
@@ -138,15 +140,6 @@ def multistep(every_k, in_chain=False, clipping='clipping'):
   """One transform object per setting, so jitted steps compile once."""
   tx = tokacc.token_weighted_multistep(optimizer(clipping), every_k)
   return optax.chain(tx) if in_chain else tx
-
-
-def assert_clipping_as_intended(grad_norms, clipping):
-  """Whether clip_by_global_norm acted on the reference's gradients."""
-  grad_norms = np.asarray(grad_norms)
-  if clipping == 'clipping':
-    assert np.all(grad_norms > MAX_NORMS['clipping']), grad_norms
-  else:
-    assert np.all(grad_norms < MAX_NORMS['not_clipping'] / 10), grad_norms
 
 
 class LinenBlock(nn.Module):
@@ -182,6 +175,17 @@ def linen_model_and_params():
   return model, params['params']
 
 
+@functools.cache
+def linen_reference_run(clipping):
+  """Full-batch training of the linen model."""
+  model, params = linen_model_and_params()
+
+  def logits(params, inputs, valid):
+    return model.apply({'params': params}, inputs, valid)
+
+  return full_batch(clipping, params, logits)
+
+
 def linen_state(state_class, tx):
   model, params = linen_model_and_params()
   return state_class.create(apply_fn=model.apply, params=params, tx=tx)
@@ -201,46 +205,15 @@ def linen_train_step(state, batch, emit_now):
   )
 
 
-@jax.jit
-def linen_reference_step(state, batch):
-  def loss_fn(params):
-    logits = state.apply_fn({'params': params}, batch['inputs'], batch['valid'])
-    return reference_mean_loss(logits, batch['labels'])
-
-  loss, grads = jax.value_and_grad(loss_fn)(state.params)
-  grad_norms = (optax.tree.norm(grads), optax.tree.norm(grads, ord=1))
-  return state.apply_gradients(grads=grads), loss, grad_norms
-
-
-@functools.cache
-def linen_reference_run(clipping):
-  """Full-batch training with the plain Flax TrainState, one per window:
-  (state, loss, :func:`round_off_bounds`) per window, and the full-batch
-  gradient norms."""
-  reference = linen_state(train_state.TrainState, optimizer(clipping))
-  states, losses, grad_norms, one_norms = [], [], [], []
-  params = [reference.params]
-  for window in range(NUM_WINDOWS):
-    reference, loss, (grad_norm, one_norm) = linen_reference_step(
-      reference, make_batch(window)
-    )
-    states.append(reference)
-    params.append(reference.params)
-    losses.append(loss)
-    grad_norms.append(grad_norm)
-    one_norms.append(one_norm)
-  bounds = round_off_bounds(params, losses, one_norms)
-  return list(zip(states, losses, bounds)), grad_norms
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize(('every_k', 'in_chain', 'clipping'), FULL_BATCH_CASES)
 def test_linen_train_state_equals_full_batch(every_k, in_chain, clipping):
   state = linen_state(
     tokacc_flax.TrainState, multistep(every_k, in_chain, clipping)
   )
-  reference_run, grad_norms = linen_reference_run(clipping)
-  assert_clipping_as_intended(grad_norms, clipping)
-  for window, (reference, reference_loss, bounds) in enumerate(reference_run):
+  reference = linen_reference_run(clipping)
+  assert_clipping_as_intended(reference, clipping)
+  for window, expected in enumerate(reference.windows):
     batch = make_batch(window)
     for i, micro_batch in enumerate(split(batch, every_k)):
       previous = state
@@ -250,20 +223,18 @@ def test_linen_train_state_equals_full_batch(every_k, in_chain, clipping):
         chex.assert_trees_all_equal(state.params, previous.params)
         assert int(state.step) == int(previous.step)
     assert bool(state.has_updated)
-    assert int(state.step) == int(reference.step) == window + 1
+    assert int(state.step) == window + 1
     assert int(state.micro_step) == every_k * (window + 1)
-    # Within the round-off bounds of round_off_bounds (derived there).
+    helpers.assert_within_round_off(state.params, expected)
     chex.assert_trees_all_close(
-      state.params, reference.params, rtol=0, atol=bounds.atol
-    )
-    chex.assert_trees_all_close(
-      state.window_loss, reference_loss, rtol=0, atol=bounds.loss_atol
+      state.window_loss, expected.loss, rtol=0, atol=expected.loss_atol
     )
     if window == 0:
       compiled = linen_train_step._cache_size()
   assert linen_train_step._cache_size() == compiled, 'retraced'
 
 
+@pytest.mark.slow
 def test_linen_emit_now_is_forwarded():
   state = linen_state(tokacc_flax.TrainState, multistep(4, True))
   micro_batches = split(make_batch(0), 4)
@@ -319,68 +290,32 @@ def nnx_train_step(model, optimizer, batch):
   optimizer.update(model, grads, num_tokens=num_tokens, loss=loss)
 
 
-@nnx.jit
-def nnx_reference_step(model, optimizer, batch):
-  def loss_fn(model):
-    logits = model(batch['inputs'], batch['valid'])
-    return reference_mean_loss(logits, batch['labels'])
-
-  loss, grads = nnx.value_and_grad(loss_fn)(model)
-  optimizer.update(model, grads)
-  return loss, (optax.tree.norm(grads), optax.tree.norm(grads, ord=1))
-
-
 def nnx_params(model):
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def assert_same_bits(actual, expected):
-  """Bit-for-bit equality (unlike ==, tells -0.0 from 0.0)."""
-
-  def same_bits(x, y):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape
-    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
-
-  jax.tree.map(same_bits, actual, expected)
-
-
 @functools.cache
 def nnx_reference_run(clipping):
-  """Full-batch training with nnx.Optimizer: (params, loss, step,
-  :func:`round_off_bounds`) per window, and the full-batch gradient
-  norms."""
-  model = NnxLM(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, optimizer(clipping), wrt=nnx.Param)
-  params, losses, steps, grad_norms, one_norms = (
-    [nnx_params(model)],
-    [],
-    [],
-    [],
-    [],
-  )
-  for window in range(NUM_WINDOWS):
-    loss, (grad_norm, one_norm) = nnx_reference_step(
-      model, opt, make_batch(window)
-    )
-    params.append(nnx_params(model))
-    losses.append(loss)
-    steps.append(int(opt.step[...]))
-    grad_norms.append(grad_norm)
-    one_norms.append(one_norm)
-  bounds = round_off_bounds(params, losses, one_norms)
-  return list(zip(params[1:], losses, steps, bounds)), grad_norms
+  """Full-batch training of the nnx model's parameters (a pure dict)."""
+  graphdef, params, rest = nnx.split(NnxLM(nnx.Rngs(0)), nnx.Param, ...)
+
+  def logits(params, inputs, valid):
+    state = nnx.State(params)
+    return nnx.merge(graphdef, state, rest)(inputs, valid)
+
+  return full_batch(clipping, nnx.to_pure_dict(params), logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(('every_k', 'in_chain', 'clipping'), FULL_BATCH_CASES)
 def test_nnx_optimizer_equals_full_batch(every_k, in_chain, clipping):
   model = NnxLM(nnx.Rngs(0))
   opt = tokacc_flax.Optimizer(
     model, multistep(every_k, in_chain, clipping), wrt=nnx.Param
   )
-  reference_run, grad_norms = nnx_reference_run(clipping)
-  assert_clipping_as_intended(grad_norms, clipping)
-  for window, (params, loss, step, bounds) in enumerate(reference_run):
+  reference = nnx_reference_run(clipping)
+  assert_clipping_as_intended(reference, clipping)
+  for window, expected in enumerate(reference.windows):
     for i, micro_batch in enumerate(split(make_batch(window), every_k)):
       previous = nnx_params(model)
       nnx_train_step(model, opt, micro_batch)
@@ -388,15 +323,12 @@ def test_nnx_optimizer_equals_full_batch(every_k, in_chain, clipping):
       if i < every_k - 1:
         assert not bool(opt.has_updated)
         assert int(opt.step[...]) == window
-        assert_same_bits(nnx_params(model), previous)
+        helpers.assert_same_bits(nnx_params(model), previous)
     assert bool(opt.has_updated)
-    assert int(opt.step[...]) == step == window + 1
-    # Within the round-off bounds of round_off_bounds (derived there).
+    assert int(opt.step[...]) == window + 1
+    helpers.assert_within_round_off(nnx_params(model), expected)
     chex.assert_trees_all_close(
-      nnx_params(model), params, rtol=0, atol=bounds.atol
-    )
-    chex.assert_trees_all_close(
-      opt.window_loss, loss, rtol=0, atol=bounds.loss_atol
+      opt.window_loss, expected.loss, rtol=0, atol=expected.loss_atol
     )
 
 
@@ -445,36 +377,40 @@ class TwoParams(nnx.Module):
     self.b = nnx.Param(jnp.asarray(INITIAL['b']))
 
 
-@jax.jit
-def linen_feed(state, grads, num_tokens):
-  return state.apply_gradients(grads=grads, num_tokens=num_tokens)
+@functools.partial(jax.jit, static_argnames='close')
+def linen_feed(state, grads, num_tokens, close=None):
+  return state.apply_gradients(grads=grads, num_tokens=num_tokens, close=close)
 
 
-@nnx.jit
-def nnx_feed(model, opt, grads, num_tokens):
+@functools.partial(nnx.jit, static_argnames='close')
+def nnx_feed(model, opt, grads, num_tokens, close=None):
   def linear_loss(model):  # its gradient is `grads`
     return jnp.sum(grads['a'] * model.a[...]) + jnp.sum(
       grads['b'] * model.b[...]
     )
 
-  opt.update(model, nnx.grad(linear_loss)(model), num_tokens=num_tokens)
+  opt.update(
+    model, nnx.grad(linear_loss)(model), num_tokens=num_tokens, close=close
+  )
 
 
-def run(framework, tx, feeds):
-  """(params, step, has_updated, micro_step) after each micro-batch."""
+def run(framework, tx, feeds, closes=None):
+  """(params, step, has_updated, micro_step) after each micro-batch;
+  ``closes[i]``: who closes the window at micro-batch ``i`` (None: the
+  device; a bool: the host)."""
   if framework == 'linen':
     state = tokacc_flax.TrainState.create(apply_fn=None, params=INITIAL, tx=tx)
   else:
     model = TwoParams()
     opt = tokacc_flax.Optimizer(model, tx, wrt=nnx.Param)
   trace = []
-  for grads, num_tokens in feeds:
+  for (grads, num_tokens), close in zip(feeds, closes or [None] * len(feeds)):
     if framework == 'linen':
-      state = linen_feed(state, grads, num_tokens)
+      state = linen_feed(state, grads, num_tokens, close)
       params, step, updated = state.params, state.step, state.has_updated
       micro_step = state.micro_step
     else:
-      nnx_feed(model, opt, grads, num_tokens)
+      nnx_feed(model, opt, grads, num_tokens, close)
       params = {'a': model.a[...], 'b': model.b[...]}
       step, updated, micro_step = (
         opt.step[...],
@@ -566,6 +502,41 @@ def test_multi_transform_keeps_the_updates_of_other_transforms(framework):
     assert (actual_step, actual_updated) == ((i + 1) // every_k, updated)
     # Bit for bit: see window_update ('b': one rounding of b - g, in both).
     chex.assert_trees_all_equal(actual_params, {'a': a, 'b': b})
+
+
+@pytest.mark.parametrize(
+  'framework', ['linen', pytest.param('nnx', marks=pytest.mark.slow)]
+)
+def test_host_closed_windows_equal_device_decided(framework):
+  """``close`` forwarded (issue 24): the host closes windows of 2, 3 and
+  1 micro-batches: the same
+  parameters (bit for bit), steps and flags as the device deciding with a
+  schedule that agrees, and plain SGD on each window's token-mean
+  gradient."""
+  sizes, learning_rate = (2, 3, 1), 0.5  # a power of two: -lr * g is exact
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(learning_rate), helpers.schedule_of(sizes)
+  )
+  feeds = micro_batches([True] * sum(sizes))
+  ends = np.cumsum(sizes) - 1
+  closes = [i in ends for i in range(len(feeds))]
+  expected = run(framework, tx, feeds)
+  actual = run(framework, tx, feeds, closes)
+  params, start = dict(INITIAL), 0
+  for i, ((a_params, *a_counts), (e_params, *e_counts)) in enumerate(
+    zip(actual, expected)
+  ):
+    helpers.assert_same_bits(a_params, e_params, f'params after call {i}')
+    assert a_counts == e_counts, i
+    step, updated, micro_step = a_counts
+    assert (updated, micro_step) == (closes[i], i + 1)
+    if closes[i]:
+      update = window_update(feeds[start : i + 1], learning_rate)
+      params = {k: params[k] + update[k] for k in params}
+      start = i + 1
+    assert step == int(np.sum(np.asarray(closes[: i + 1])))
+    # Sums of at most 3 float32 terms, one division: a few 2**-24.
+    chex.assert_trees_all_close(a_params, params, rtol=1e-6)
 
 
 @pytest.mark.parametrize('framework', ['linen', 'nnx'])
@@ -660,3 +631,77 @@ def test_import_without_flax_names_the_extra(monkeypatch):
   with pytest.raises(ModuleNotFoundError, match=r'optax_tokacc\[flax\]') as e:
     importlib.import_module('optax_tokacc.flax')
   assert e.value.name.split('.')[0] == 'flax'
+
+
+# The linen TrainState on the model of helpers.
+
+
+def model_step(state, batch):
+  loss, grads = jax.value_and_grad(helpers.loss_sum)(state.params, batch)
+  return state.apply_gradients(
+    grads=grads, num_tokens=helpers.token_count(batch), loss=loss
+  )
+
+
+def test_train_state_applies_the_updates_of_other_transforms():
+  """Regression (issue 11, defect 3): under ``optax.multi_transform`` the
+  TrainState applies the plain transform's updates on every micro-step and
+  the accumulator's once per window (``helpers.split_reference``); its
+  step counts windows."""
+  k, plain_learning_rate = 3, 0.01
+  inner = optax.adam(0.1)
+  tx = optax.multi_transform(
+    {
+      'acc': tokacc.token_weighted_multistep(inner, k),
+      'plain': optax.sgd(plain_learning_rate),
+    },
+    {'w': 'acc', 'v': 'plain'},
+  )
+  windows = helpers.windows_of(((5, 0, 8), (2, 7, 1)))
+  micro_batches = [batch for window in windows for batch in window]
+  expected = helpers.split_reference(
+    inner, helpers.init_params(), micro_batches, k, plain_learning_rate
+  )
+  step = jax.jit(model_step)
+  state = tokacc_flax.TrainState.create(
+    apply_fn=helpers.loss_sum, params=helpers.init_params(), tx=tx
+  )
+  for i, batch in enumerate(micro_batches):
+    state = step(state, batch)
+    helpers.assert_within_round_off(state.params, expected[i])
+    assert int(state.step) == (i + 1) // k
+
+
+def test_train_state_step_under_apply_if_finite_after_each_window():
+  """Regression (issue 11, defect 4): under ``optax.apply_if_finite``, a
+  NaN micro-batch right after each window's last (rejected entirely: the
+  previous state, whose window had just closed, is kept) does not advance
+  the TrainState's step; training equals full-batch training."""
+  k = 3
+  inner = optax.adam(0.1)
+  tx = optax.apply_if_finite(
+    tokacc.token_weighted_multistep(inner, k), max_consecutive_errors=10
+  )
+  windows = helpers.windows_of(((5, 0, 8), (2, 7, 1)))
+  stream = []
+  for window in windows:
+    stream.extend(window)
+    nan = helpers.micro_batch(99, helpers.LOCAL_TOKENS)
+    nan['y'][0, 0] = np.nan
+    stream.append(nan)
+  windows_closed, closed = [], 0
+  for batch in stream:
+    closed += bool(np.isfinite(batch['y']).all())
+    windows_closed.append(closed // k)
+  step = jax.jit(model_step)
+  state = tokacc_flax.TrainState.create(
+    apply_fn=helpers.loss_sum, params=helpers.init_params(), tx=tx
+  )
+  steps = []
+  for batch in stream:
+    state = step(state, batch)
+    steps.append(int(state.step))
+  assert steps == windows_closed
+  assert int(tokacc.find_state(state.opt_state).gradient_step) == len(windows)
+  expected = helpers.full_batch(inner, helpers.init_params(), windows)
+  helpers.assert_within_round_off(state.params, expected)

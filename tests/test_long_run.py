@@ -3,25 +3,21 @@
 import functools
 
 import chex
+import helpers
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import test_multistep
 
 import optax_tokacc as tokacc
 
 INT32_MAX = 2**31 - 1
-UNIT_ROUND_OFF = test_multistep.UNIT_ROUND_OFF  # float32
+UNIT_ROUND_OFF = helpers.UNIT_ROUND_OFF  # float32
 NUM_MICRO_STEPS = 3000
 EVERY_K = 4
 MAX_TOKENS = 8
-
-
-def loss_sum(params, x, y, mask):
-  return jnp.sum(mask * (jnp.tanh(x @ params['w']) + params['b'] - y) ** 2)
 
 
 def long_run_optimizer():
@@ -47,36 +43,7 @@ def emitting_windows(tokens, non_finite):
   return np.array(windows), window
 
 
-@jax.jit
-def train_full_batch(params, x, y, mask):
-  """Reference: one step of the optimizer per window, on the gradient of
-  the window's token-summed loss over its tokens; ``x[w]`` holds window
-  ``w``'s micro-batches. Returns the parameters, each window's largest
-  update and the largest parameter, for ``test_multistep.round_off_atol``.
-  """
-  optimizer = long_run_optimizer()
-
-  def window_step(carry, window):
-    params, state = carry
-
-    def window_loss(params):
-      return loss_sum(params, *window) / jnp.sum(window[2])
-
-    grads = jax.grad(window_loss)(params)
-    updates, state = optimizer.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-    return (params, state), (largest(updates), largest(params))
-
-  def largest(tree):
-    return jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in tree.values()]))
-
-  carry = (params, optimizer.init(params))
-  (params, _), (largest_updates, largest_params) = lax.scan(
-    window_step, carry, (x, y, mask)
-  )
-  return params, largest_updates, jnp.max(largest_params)
-
-
+@pytest.mark.slow
 def test_long_run_with_empty_and_non_finite_micro_batches():
   """3,000 micro-steps with empty and NaN/inf micro-batches (rejected): the
   counters, and the parameters against full-batch training on the windows
@@ -85,7 +52,8 @@ def test_long_run_with_empty_and_non_finite_micro_batches():
   tokens = rng.integers(0, MAX_TOKENS + 1, NUM_MICRO_STEPS)
   tokens[rng.random(NUM_MICRO_STEPS) < 0.2] = 0  # padding-only batches
   non_finite = rng.random(NUM_MICRO_STEPS) < 0.05
-  x = rng.normal(size=(NUM_MICRO_STEPS, MAX_TOKENS, 3)).astype(np.float32)
+  x = rng.normal(size=(NUM_MICRO_STEPS, MAX_TOKENS, helpers.FEATURES))
+  x = x.astype(np.float32)
   x[non_finite, 0, 0] = np.where(
     rng.random(non_finite.sum()) < 0.5, np.nan, np.inf
   )
@@ -97,19 +65,19 @@ def test_long_run_with_empty_and_non_finite_micro_batches():
     EVERY_K,
     should_skip_update_fn=tokacc.skip_not_finite,
   )
-  initial = {'w': jnp.array([0.3, -0.2, 0.1]), 'b': jnp.array(0.0)}
+  initial = jax.tree.map(jnp.asarray, helpers.init_params())
   params = initial
 
   @jax.jit
   def run(params, data):
     def micro_step(carry, batch):
       params, state = carry
-      loss, grads = jax.value_and_grad(loss_sum)(params, *batch)
+      loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
       updates, state = tx.update(
         grads,
         state,
         params,
-        num_tokens=jnp.sum(batch[2]).astype(jnp.int32),
+        num_tokens=helpers.token_count(batch),
         loss=loss,
       )
       params = tokacc.apply_if_updated(params, updates, state)
@@ -117,7 +85,8 @@ def test_long_run_with_empty_and_non_finite_micro_batches():
 
     return lax.scan(micro_step, (params, tx.init(params)), data)
 
-  (params, state), (emitted, last_tokens) = run(params, (x, y, mask))
+  data = {'x': x, 'y': y, 'mask': mask}
+  (params, state), (emitted, last_tokens) = run(params, data)
   emitted, last_tokens = np.asarray(emitted), np.asarray(last_tokens)
 
   windows, open_window = emitting_windows(tokens, non_finite)
@@ -137,21 +106,15 @@ def test_long_run_with_empty_and_non_finite_micro_batches():
   assert bool(state.skip_state['should_skip']) == non_finite[-1]
   # adam's own counter advanced once per emitted window.
   assert int(state.inner_state[1][0].count) == len(window_sums)
-  # The parameters are those of full-batch training on the emitting windows.
-  expected, largest_updates, largest_param = train_full_batch(
-    initial, x[windows], y[windows], mask[windows]
+  # The parameters are those of full-batch training on the emitting windows,
+  # within helpers.full_batch's bound (derived there: a global-norm clip and
+  # Adam, homogeneous of degree 0 in the gradient).
+  expected = helpers.full_batch(
+    long_run_optimizer(),
+    helpers.init_params(),
+    [[{k: v[i] for k, v in data.items()} for i in w] for w in windows],
   )
-  # test_multistep.round_off_atol's bound (derived there): this model's
-  # token terms take fewer roundings than that module's (one dot product of
-  # 3 features against two); a global-norm clip and Adam, homogeneous of
-  # degree 0 in the gradient. Summed over the windows, 5e-5: measured 2e-8
-  # (0.0003 of it); addends 1.01 times too large on first micro-steps: 3x it.
-  atol = test_multistep.round_off_atol(
-    np.asarray(largest_updates),
-    max(float(largest_param), test_multistep.largest(initial)),
-    [[{'mask': window_mask}] for window_mask in mask[windows]],
-  )
-  chex.assert_trees_all_close(params, expected, rtol=0, atol=atol)
+  helpers.assert_within_round_off(params, expected)
 
 
 def sgd_reference(params, grads_per_window, learning_rate=0.1):

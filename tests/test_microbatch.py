@@ -1,6 +1,7 @@
 """Tests of microbatched_value_and_grad against full-batch gradients."""
 
 import chex
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,7 @@ VOCAB, DIM, LENGTH = 11, 8, 6
 ROUND_OFF = 2 * (8 * LENGTH + DIM + VOCAB + 10) * 2.0**-24
 
 
-def init_params(dtype=jnp.float32):
+def lm_params(dtype=jnp.float32):
   keys = jax.random.split(jax.random.key(0), 2)
   return {
     'embed': jax.random.normal(keys[0], (VOCAB, DIM), dtype),
@@ -46,19 +47,30 @@ def loss_fn(params, batch):
   return tokacc.token_cross_entropy(logits, batch['labels'])
 
 
-def reference_mean_loss(params, batch):
-  """Plain token-mean cross-entropy of the whole batch."""
+def reference_loss_sum(params, batch):
+  """Plain cross-entropy summed over the batch's counted tokens."""
   hidden = jnp.tanh(params['embed'][batch['inputs']])
   log_probs = jax.nn.log_softmax(hidden @ params['out'], axis=-1)
   counted = batch['labels'] != -100
   labels = jnp.where(counted, batch['labels'], 0)
   picked = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
-  return -jnp.sum(jnp.where(counted, picked, 0)) / counted.sum()
+  return -jnp.sum(jnp.where(counted, picked, 0))
 
 
-@pytest.mark.parametrize('microbatch_size', [1, 2, 4, 8])
+def counted(batch):
+  return float(np.sum(batch['labels'] != -100))
+
+
+def reference_mean_loss(params, batch):
+  """Plain token-mean cross-entropy of the whole batch."""
+  return reference_loss_sum(params, batch) / counted(batch)
+
+
+@pytest.mark.parametrize(
+  'microbatch_size', [pytest.param(1, marks=pytest.mark.slow), 2, 4, 8]
+)
 def test_equals_full_batch_sum(microbatch_size):
-  params, batch = init_params(), make_batch(8)
+  params, batch = lm_params(), make_batch(8)
   grad_fn = jax.jit(
     tokacc.microbatched_value_and_grad(loss_fn, microbatch_size)
   )
@@ -71,7 +83,10 @@ def test_equals_full_batch_sum(microbatch_size):
   assert int(num_tokens) == int(expected_tokens)
   chex.assert_trees_all_close(loss_sum, expected_sum, rtol=ROUND_OFF)
   chex.assert_trees_all_close(
-    grads_sum, expected_grads, rtol=0, atol=ROUND_OFF * largest(expected_grads)
+    grads_sum,
+    expected_grads,
+    rtol=0,
+    atol=ROUND_OFF * helpers.largest(expected_grads),
   )
   # Divided by the tokens: the gradient of the plain token-mean loss.
   expected_mean = jax.grad(reference_mean_loss)(params, batch)
@@ -79,22 +94,20 @@ def test_equals_full_batch_sum(microbatch_size):
     jax.tree.map(lambda g: g / num_tokens, grads_sum),
     expected_mean,
     rtol=0,
-    atol=ROUND_OFF * largest(expected_mean),
+    atol=ROUND_OFF * helpers.largest(expected_mean),
   )
 
 
-def largest(tree) -> float:
-  return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
-
-
+@pytest.mark.slow
 def test_gradients_keep_the_parameter_dtype():
-  params = init_params(jnp.bfloat16)
+  params = lm_params(jnp.bfloat16)
   grad_fn = jax.jit(tokacc.microbatched_value_and_grad(loss_fn, 2))
   (loss_sum, _), grads_sum = grad_fn(params, make_batch(8))
   chex.assert_trees_all_equal_dtypes(grads_sum, params)
   assert loss_sum.dtype == jnp.float32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('every_k', [1, 2])
 def test_composes_with_token_weighted_multistep(every_k):
   """Micro-batches inside and across steps equal full-batch training."""
@@ -114,40 +127,30 @@ def test_composes_with_token_weighted_multistep(every_k):
     )
     return tokacc.apply_if_updated(params, updates, opt_state), opt_state
 
-  @jax.jit
-  def reference_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(reference_mean_loss)(params, batch)
-    updates, opt_state = inner.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  params = reference_params = init_params()
-  opt_state, reference_state = tx.init(params), inner.init(params)
-  atol = 0.0  # how far round-off can take params from reference_params
-  for batch in batches:
-    # The loss is a sum of one-signed terms, within ROUND_OFF of it, taken
-    # at parameters up to atol apart: that moves it by at most its
-    # gradient's 1-norm times atol (twice both covers the second order).
-    gradient = jax.grad(reference_mean_loss)(reference_params, batch)
-    gradient_norm = sum(float(jnp.sum(jnp.abs(g))) for g in gradient.values())
+  # helpers.full_batch with this model's roundings of a token's term (the
+  # dot product, the log-softmax over the vocabulary, about 10 elementwise
+  # operations): the window's gradient within 2 (n + m) u of its terms,
+  # relative to the update, doubled by the clip and Adam (homogeneous of
+  # degree 0 in it); a rounding of each parameter.
+  expected = helpers.full_batch(
+    inner,
+    lm_params(),
+    [[batch] for batch in batches],
+    reference_loss_sum,
+    term_roundings=DIM + VOCAB + 10,
+    count_fn=counted,
+  )
+  params, opt_state = lm_params(), tx.init(lm_params())
+  for batch, window in zip(batches, expected.windows):
     for i in range(every_k):
       step_batch = jax.tree.map(
         lambda x, i=i: x[i * step_size : (i + 1) * step_size], batch
       )
       params, opt_state = train_step(params, opt_state, step_batch)
-    previous = reference_params
-    reference_params, reference_state, reference_loss = reference_step(
-      reference_params, reference_state, batch
-    )
-    loss_atol = 2 * (ROUND_OFF * float(reference_loss) + gradient_norm * atol)
-    # As test_multistep.round_off_atol: the window's gradient within
-    # ROUND_OFF of its terms, relative to the update, doubled by the clip
-    # and Adam (homogeneous of degree 0 in it); a rounding of each parameter.
-    update = largest(jax.tree.map(jnp.subtract, reference_params, previous))
-    atol += 2 * ROUND_OFF * update + 2 * 2.0**-24 * largest(reference_params)
     assert bool(tokacc.has_updated(opt_state))
-    chex.assert_trees_all_close(params, reference_params, rtol=0, atol=atol)
+    helpers.assert_within_round_off(params, window)
     chex.assert_trees_all_close(
-      tokacc.window_loss(opt_state), reference_loss, rtol=0, atol=loss_atol
+      tokacc.window_loss(opt_state), window.loss, rtol=0, atol=window.loss_atol
     )
 
 
@@ -171,7 +174,7 @@ def test_batch_not_divisible():
   with pytest.raises(
     ValueError, match='batch size 6 is not divisible by microbatch_size=4'
   ):
-    grad_fn(init_params(), make_batch(6))
+    grad_fn(lm_params(), make_batch(6))
 
 
 def test_batch_leading_axes_differ():
@@ -179,4 +182,4 @@ def test_batch_leading_axes_differ():
   batch['labels'] = batch['labels'][:4]
   grad_fn = jax.jit(tokacc.microbatched_value_and_grad(loss_fn, 2))
   with pytest.raises(ValueError, match='same leading'):
-    grad_fn(init_params(), batch)
+    grad_fn(lm_params(), batch)

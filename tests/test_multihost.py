@@ -92,7 +92,7 @@ def test_two_processes_equal_full_batch(tmp_path):
   assert int(result['num_devices']) == num_devices
 
   windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
-  expected = full_batch(windows)
+  expected = adamw_full_batch(windows)
   for prefix in ('shard_map', 'jit'):
     assert_equals_full_batch(result, prefix, expected)
 
@@ -107,7 +107,7 @@ def test_two_processes_hsdp_equal_full_batch(tmp_path):
   assert int(result['num_devices']) == num_devices
 
   windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
-  expected = full_batch(windows)
+  expected = adamw_full_batch(windows)
   for layout in worker.MULTIHOST_HSDP_LAYOUTS:
     assert_equals_full_batch(result, layout, expected)
 
@@ -122,14 +122,12 @@ def test_two_processes_explicit_ddp_equal_full_batch(tmp_path):
   result = dict(np.load(out))
   num_devices = NUM_PROCESSES * LOCAL_DEVICES
   windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
-  assert_equals_full_batch(result, 'explicit', full_batch(windows))
+  assert_equals_full_batch(result, 'explicit', adamw_full_batch(windows))
 
 
-def full_batch(windows):
-  """``helpers.full_batch`` with AdamW: full-batch training, and
-  how far float32 round-off can take a run of the same windows from it
-  (relative to each window's largest update; derived there)."""
-  return helpers.full_batch(worker.adamw(), helpers.init_params(), windows)
+def adamw_full_batch(windows):
+  """``helpers.full_batch`` of the workers' AdamW."""
+  return helpers.full_batch(helpers.adamw(), helpers.init_params(), windows)
 
 
 def assert_equals_full_batch(result, prefix, expected, with_loss=True):
@@ -165,15 +163,13 @@ def test_two_processes_zero1_equal_full_batch(tmp_path):
   )
   assert tuple(result['zero1_mu_shard_v']) == (features // num_devices,)
   windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
-  assert_equals_full_batch(result, 'zero1', full_batch(windows))
+  assert_equals_full_batch(result, 'zero1', adamw_full_batch(windows))
 
 
 def test_two_processes_token_budget_equal_full_batch(tmp_path):
   """``tokens_per_update`` counts the tokens of both processes' devices:
   the windows close where the global counts say, as in full-batch
   training on those windows."""
-  from test_window_rules import window_sizes  # noqa: PLC0415
-
   out = tmp_path / 'result.npz'
   run_workers(out, mode='budget')
   result = dict(np.load(out))
@@ -181,12 +177,14 @@ def test_two_processes_token_budget_equal_full_batch(tmp_path):
   windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
   stream = [batch for window in windows for batch in window]
   counts = [int(np.sum(batch['mask'])) for batch in stream]
-  sizes = window_sizes(counts, worker.MULTIHOST_BUDGET, worker.MULTIHOST_K)
+  sizes = helpers.budget_window_sizes(
+    counts, worker.MULTIHOST_BUDGET, worker.MULTIHOST_K
+  )
   assert len(set(sizes)) > 1, sizes  # the budget decides some windows
   budget_windows, start = [], 0
   for size in sizes:
     budget_windows.append(stream[start : start + size])
     start += size
   assert int(result['budget_updates']) == len(sizes)
-  expected = full_batch(budget_windows)
+  expected = adamw_full_batch(budget_windows)
   assert_equals_full_batch(result, 'budget', expected, with_loss=False)

@@ -2,25 +2,23 @@
 
 Hypothesis draws k, per-micro-step and per-device token counts (zeros
 included), where ``emit_now`` closes a window early, and the optimizer. The
-reference below trains plainly on each closed window's full batch.
+reference is ``helpers.full_batch`` on each closed window's full batch.
 """
 
 import functools
 
-import chex
+import helpers
 import hypothesis
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import test_multistep
+import pytest
 
 import optax_tokacc as tokacc
 
 MAX_TOKENS = 6  # token positions per micro-batch
-FEATURES = 3
-
 OPTIMIZERS = {
   'sgd': lambda: optax.sgd(0.1, momentum=0.9),
   'adam': lambda: optax.adam(0.05),
@@ -28,15 +26,6 @@ OPTIMIZERS = {
     optax.clip_by_global_norm(0.5), optax.adamw(0.05, weight_decay=0.1)
   ),
 }
-
-
-def init_params():
-  return {'w': jnp.array([0.5, -1.0, 0.25]), 'b': jnp.array(0.1)}
-
-
-def loss_sum(params, x, y, mask):
-  """Squared error summed over the counted tokens."""
-  return jnp.sum(mask * (jnp.tanh(x @ params['w']) + params['b'] - y) ** 2)
 
 
 @functools.cache
@@ -49,8 +38,9 @@ def accumulated_step(k, optimizer_name, num_devices):
   )
 
   def step(params, state, x, y, mask, emit_now):
-    grads = jax.grad(loss_sum)(params, x, y, mask)
-    num_tokens = jnp.sum(mask).astype(jnp.int32)
+    batch = {'x': x, 'y': y, 'mask': mask}
+    grads = jax.grad(helpers.loss_sum)(params, batch)
+    num_tokens = helpers.token_count(batch)
     updates, state = tx.update(
       grads, state, params, num_tokens=num_tokens, emit_now=emit_now
     )
@@ -66,7 +56,7 @@ def train_accumulated(k, optimizer_name, data, emit_on):
   x, y, mask = data
   num_devices = x.shape[1]
   tx, step = accumulated_step(k, optimizer_name, num_devices)
-  params = init_params()
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
   if num_devices == 1:
     state = tx.init(params)
     for i in range(x.shape[0]):
@@ -84,46 +74,23 @@ def train_accumulated(k, optimizer_name, data, emit_on):
   )
 
 
-def train_full_batch(k, optimizer_name, data, emit_on):
-  """Reference: one optimizer step per closed window on its full batch.
-
-  Returns the parameters, the number of steps, and the bound of
-  ``test_multistep.round_off_atol`` (derived there) on how far float32
-  round-off can take accumulation from them: this model's token terms
-  take fewer roundings than that module's (one dot product of FEATURES
-  against two), and its optimizers are linear in the gradient (momentum
-  SGD) or homogeneous of degree 0 (Adam, AdamW's decay aside, which is
-  linear in the parameters; a global-norm clip that binds).
-  """
+def closed_windows(k, data, emit_on):
+  """The windows the transform closes: ``k`` micro-steps, or fewer where
+  ``emit_now`` is raised; each micro-batch all devices' rows at once."""
   x, y, mask = data
-  optimizer = OPTIMIZERS[optimizer_name]()
-  params = init_params()
-  opt_state = optimizer.init(params)
-  window, num_steps = [], 0
-  windows, largest_updates = [], []
-  largest_param = test_multistep.largest(params)
+  windows, window = [], []
   for i in range(x.shape[0]):
-    window.append(i)
-    if len(window) < k and emit_on[i] < 0:
-      continue
-    # All micro-batches of the window, on all devices, as one batch.
-    batch = [a[window].reshape(-1, *a.shape[3:]) for a in (x, y, mask)]
-    total_tokens = batch[2].sum()
-    window = []
-    if total_tokens == 0:
-      continue  # no tokens: no step
-    grads = jax.grad(loss_sum)(params, *batch)  # full-batch token mean:
-    grads = jax.tree.map(lambda g: g / total_tokens, grads)  # noqa: B023
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    num_steps += 1
-    windows.append([{'mask': batch[2]}])
-    largest_updates.append(test_multistep.largest(updates))
-    largest_param = max(largest_param, test_multistep.largest(params))
-  if not windows:
-    return params, num_steps, 0.0  # never updated: equal bit for bit
-  atol = test_multistep.round_off_atol(largest_updates, largest_param, windows)
-  return params, num_steps, atol
+    window.append(
+      {
+        'x': x[i].reshape(-1, *x.shape[3:]),
+        'y': y[i].reshape(-1),
+        'mask': mask[i].reshape(-1),
+      }
+    )
+    if len(window) == k or emit_on[i] >= 0:
+      windows.append(window)
+      window = []
+  return windows
 
 
 @st.composite
@@ -159,21 +126,24 @@ def scenarios(draw):
 def make_data(tokens, seed):
   rng = np.random.default_rng(seed)
   shape = tokens.shape + (MAX_TOKENS,)
-  x = rng.normal(size=shape + (FEATURES,)).astype(np.float32)
+  x = rng.normal(size=shape + (helpers.FEATURES,)).astype(np.float32)
   y = rng.normal(size=shape).astype(np.float32)
   mask = (np.arange(MAX_TOKENS) < tokens[..., None]).astype(np.float32)
   return x, y, mask
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
 @hypothesis.given(scenarios())
 def test_equals_full_batch_training(scenario):
   k, name = scenario['k'], scenario['optimizer_name']
   data = make_data(scenario['tokens'], scenario['seed'])
   params, state = train_accumulated(k, name, data, scenario['emit_on'])
-  expected, num_steps, atol = train_full_batch(
-    k, name, data, scenario['emit_on']
+  windows = closed_windows(k, data, scenario['emit_on'])
+  expected = helpers.full_batch(
+    OPTIMIZERS[name](), helpers.init_params(), windows
   )
-  # Within the round-off bound of train_full_batch (derived there).
-  chex.assert_trees_all_close(params, expected, rtol=0, atol=atol)
-  assert int(state.gradient_step) == num_steps
+  helpers.assert_within_round_off(params, expected)
+  # a window without tokens takes no step
+  steps = [w for w in expected.windows if w.grads is not None]
+  assert int(state.gradient_step) == len(steps)

@@ -17,7 +17,7 @@ shape (the two commands first, at most 250 lines, a link to every page of
 the documentation, the measured table of docs/, the citation of
 CITATION.cff).
 
-Each block is a program of its own, run as ``tests/test_docs.py`` runs the
+Each block is a program of its own, run as ``tests/doc_blocks.py`` runs the
 blocks of the documentation (same markers, same fake devices).
 """
 
@@ -25,9 +25,9 @@ import pathlib
 import re
 import tomllib
 
+import doc_blocks
 import helpers
 import pytest
-import test_docs
 
 import optax_tokacc
 
@@ -36,7 +36,7 @@ README = REPO / 'README.md'
 TEXT = README.read_text() if README.exists() else ''
 pytestmark = helpers.needs_repository('README.md', 'CITATION.cff')
 needs_docs = helpers.needs_repository('docs')
-BLOCKS = test_docs.python_blocks(TEXT, 'README.md')
+BLOCKS = doc_blocks.python_blocks(TEXT, 'README.md')
 MAX_LINES = 250
 COMMANDS = (
   "pip install -e '.[examples]' && python examples/train_lm.py",
@@ -50,11 +50,11 @@ def test_readme_has_a_quickstart_program():
 
 
 @pytest.mark.slow  # each block runs in a Python process
-@pytest.mark.waits_on_processes(test_docs.TIMEOUT_S)
+@pytest.mark.waits_on_processes(doc_blocks.TIMEOUT_S)
 @pytest.mark.parametrize('block', BLOCKS, ids=[block.id for block in BLOCKS])
 def test_readme_block_runs(block, tmp_path):
   assert not block.skip, 'every block of the README is a complete program'
-  test_docs.run_block(block, tmp_path)
+  doc_blocks.run_block(block, tmp_path)
 
 
 def test_readme_starts_with_the_two_commands():
@@ -104,7 +104,7 @@ def test_readme_links_resolve():
 
 def _toctree_pages() -> list[str]:
   """The pages of the site's tables of contents, as docs/index.md lists."""
-  index = (test_docs.DOCS / 'index.md').read_text()
+  index = (doc_blocks.DOCS / 'index.md').read_text()
   pages = []
   for body in re.findall(r'```\{toctree\}\n(.*?)```', index, re.S):
     pages += [
@@ -119,7 +119,7 @@ def _page_file(page: str) -> pathlib.Path:
   """The file a README link to ``page`` may name: the page itself, or the
   repository file it includes (CHANGELOG.md, CONTRIBUTING.md)."""
   for suffix in ('.md', '.rst'):
-    path = test_docs.DOCS / (page + suffix)
+    path = doc_blocks.DOCS / (page + suffix)
     if path.exists():
       included = re.fullmatch(r'```\{include\} (\S+)\n```\n', path.read_text())
       if included:
@@ -143,7 +143,7 @@ def _table(text: str) -> list[str]:
 
 @needs_docs
 def test_readme_shows_the_measured_table_of_the_docs():
-  measured = (test_docs.DOCS / 'accumulation_bug.md').read_text()
+  measured = (doc_blocks.DOCS / 'accumulation_bug.md').read_text()
   rows = _table(measured)
   assert len(rows) >= 3
   start = TEXT.index(rows[0])

@@ -13,10 +13,9 @@ Each of ``'sum'`` and ``'mean'`` trains through
 
 and is compared, window by window, with plain full-batch SGD on the
 token-mean loss of all the window's tokens (all micro-steps, all devices),
-computed in float64 numpy. The model is linear, so the gradient is affine in
-the parameters and the float32 round-off of a run can be bounded from the
-data (``reference_and_bound``, also used by
-``test_explicit_collectives.py``). Token counts are unequal per device and
+computed in float64 (``helpers.linear_reference``). The model is linear
+(``helpers.linear_loss_sum``), so the gradient is affine in the parameters
+and the float32 round-off of a run is bounded from the data. Token counts are unequal per device and
 micro-step, with devices that count no token.
 
 A mean loss whose gradients autodiff has already summed over the devices
@@ -51,34 +50,22 @@ VARIANTS = (
 )
 # The one combination that cannot be exact: refused (see the last test).
 REFUSED = ('mean', 'shard_map_autodiff_sum')
-UNIT_ROUNDOFF = np.finfo(np.float32).eps / 2  # 2**-24
 AUTO = jax.sharding.AxisType.Auto
 
 
-def init_params():
-  """A linear per-token regression: ``x @ w + b``."""
-  rng = np.random.default_rng(7)
-  return {
-    'w': rng.normal(size=(helpers.FEATURES,)).astype(np.float32),
-    'b': np.float32(rng.normal()),
-  }
-
-
-def loss_sum(params, batch):
-  """Squared error summed over the batch's counted tokens."""
-  error = batch['x'] @ params['w'] + params['b'] - batch['y']
-  return jnp.sum(error**2 * batch['mask'])
+def linear_params():
+  return helpers.linear_params(1, seed=7)
 
 
 def micro_batch_loss(reduction):
   """The loss a user differentiates: the token sum, or the token mean
   (over at least one token, the usual guard against empty batches)."""
   if reduction == 'sum':
-    return loss_sum
+    return helpers.linear_loss_sum
 
   def loss_mean(params, batch):
     count = jnp.maximum(jnp.sum(batch['mask']), 1.0)
-    return loss_sum(params, batch) / count
+    return helpers.linear_loss_sum(params, batch) / count
 
   return loss_mean
 
@@ -134,7 +121,7 @@ class Run(NamedTuple):
 def make_run(reduction, variant, k):
   tx = make_tx(reduction, k)
   step = local_step(tx, reduction, variant)
-  params = init_params()
+  params = linear_params()
   if variant == 'pmap':
     params = jax.tree.map(replicate, params)
     state = jax.pmap(tx.init, devices=jax.devices()[:NUM_DEVICES])(params)
@@ -157,13 +144,6 @@ def make_run(reduction, variant, k):
   return Run(step, params, state, lambda b: jax.device_put(b, data))
 
 
-def as_matrix(params):
-  """The parameters as one ``(FEATURES + 1, 1)`` matrix ``[w; b]`` (with a
-  leading device axis if they have one)."""
-  w, b = np.asarray(params['w']), np.asarray(params['b'])
-  return np.concatenate([w, b[..., None]], axis=-1)[..., None]
-
-
 def train(reduction, variant, k, windows):
   """Parameters (per device) and window loss after each window."""
   step, params, state, place = make_run(reduction, variant, k)
@@ -173,101 +153,24 @@ def train(reduction, variant, k, windows):
       params, state = step(params, state, place(batch))
     assert np.all(np.asarray(tokacc.has_updated(state)))
     matrix = np.broadcast_to(
-      as_matrix(params), (NUM_DEVICES, helpers.FEATURES + 1, 1)
+      helpers.linear_theta(params), (NUM_DEVICES, helpers.FEATURES + 1, 1)
     )
     loss = np.broadcast_to(tokacc.window_loss(state), (NUM_DEVICES,))
     trajectory.append((matrix, loss))
   return trajectory
 
 
-def counted_tokens(window, num_outputs):
-  """The regressors ``x`` and targets ``y`` of the window's counted tokens
-  (all micro-steps, all devices), in float64."""
-  batch = jax.tree.map(lambda *xs: np.concatenate(xs), *window)
-  counted = batch['mask'].reshape(-1) > 0
-  x = batch['x'].reshape(-1, batch['x'].shape[-1])[counted]
-  y = batch['y'].reshape(-1, num_outputs)[counted]
-  return x.astype(np.float64), y.astype(np.float64)
-
-
-def reference_and_bound(theta, windows, learning_rate):
-  """Full-batch SGD on each window's token-mean loss, in float64, and an
-  elementwise bound on how far a float32 run of the same windows can be.
-
-  The model is linear, ``z @ theta`` for ``theta`` of shape ``(P, O)``, the
-  loss per token its squared error summed over the ``O`` outputs; each
-  window is given as ``(z, y)`` of its ``n`` counted tokens. Returns
-  ``(theta, loss, theta_bound, loss_bound)`` per window: the parameters
-  after it, the token-mean loss before its update, and the bounds.
-
-  The bound is Higham's: a float32 sum or dot product of ``m`` terms, each
-  with its own rounded factors, in any order (micro-steps, devices,
-  tokens), is within ``gamma(m) = m u / (1 - m u)`` of the exact sum,
-  relative to the sum of the terms' absolute values. Each gradient entry
-  and the loss see fewer than ``m = n + P + O + 10`` roundings on their way
-  (the residual's P products and additions, the square or the product with
-  the regressor, the sum over the outputs and over the window's ``n``
-  tokens, a mean's division and the transform's scaling by the count, the
-  division by the window's count, the product with the learning rate).
-  The subtraction from the parameter adds ``u`` of its size. An error
-  ``e`` already in the parameters comes back through the affine gradient
-  as ``(I - lr H) e``, ``H`` the Hessian; in the loss as ``g . e`` plus
-  ``e H e / 2``.
-  """
-  error = np.zeros_like(theta)
-  out = []
-  for z, y in windows:
-    n, num_outputs = y.shape
-    residual = z @ theta - y
-    gradient = 2 * z.T @ residual / n
-    hessian = 2 * z.T @ z / n
-    m = n + len(theta) + num_outputs + 10
-    gamma = m * UNIT_ROUNDOFF / (1 - m * UNIT_ROUNDOFF)
-    size = np.abs(z) @ (np.abs(theta) + error) + np.abs(y)
-    loss = np.sum(residual**2) / n
-    loss_bound = (
-      gamma * np.sum(size**2) / n
-      + np.sum(np.abs(gradient) * error)
-      + np.sum(error * (np.abs(hessian) @ error)) / 2
-    )
-    theta = theta - learning_rate * gradient
-    error = (
-      np.abs(np.eye(len(theta)) - learning_rate * hessian) @ error
-      + learning_rate * gamma * 2 * np.abs(z).T @ size / n
-      + UNIT_ROUNDOFF * (np.abs(theta) + error)
-    )
-    out.append((theta, loss, error, loss_bound))
-  return out
-
-
-def check_trajectory(trajectory, expected):
-  """Every device's parameters and window loss, after every window, within
-  the float32 round-off bound of ``reference_and_bound``."""
-  for (params, loss), (theta, expected_loss, bound, loss_bound) in zip(
-    trajectory, expected, strict=True
-  ):
-    for device_params in params:
-      assert np.all(np.abs(device_params - theta) <= bound), (
-        device_params - theta,
-        bound,
-      )
-    np.testing.assert_array_less(np.abs(loss - expected_loss), loss_bound)
-
-
-def full_batch(windows):
-  """``reference_and_bound`` of the model ``x @ w + b``."""
-  regression = []
-  for window in windows:
-    x, y = counted_tokens(window, 1)
-    regression.append((np.concatenate([x, np.ones((len(x), 1))], 1), y))
-  theta = as_matrix(init_params()).astype(np.float64)
-  return reference_and_bound(theta, regression, LEARNING_RATE)
+def one_output(windows):
+  """``windows`` with their target as the model's one output."""
+  return [[dict(b, y=b['y'][..., None]) for b in window] for window in windows]
 
 
 def random_windows(k):
   """Unequal counts per device and micro-step; device 1 counts no token on
   the first micro-step of each window, device 2 none in the first window."""
-  windows = helpers.make_windows(WINDOW_SIZES[k], NUM_DEVICES, seed=k)
+  windows = one_output(
+    helpers.make_windows(WINDOW_SIZES[k], NUM_DEVICES, seed=k)
+  )
   counts = [
     per_device(batch['mask']).reshape(NUM_DEVICES, -1).sum(axis=1)
     for window in windows
@@ -286,7 +189,7 @@ def smallest_case():
   for device in range(NUM_DEVICES):
     mask[device, : device + 1] = 1
   batch = dict(window[0], mask=mask.reshape(window[0]['mask'].shape))
-  return [[batch]]
+  return one_output([[batch]])
 
 
 EXACT = [
@@ -303,7 +206,8 @@ def check_against_full_batch(reduction, variant, k, windows):
       trajectory = train(reduction, variant, k, windows)
   else:
     trajectory = train(reduction, variant, k, windows)
-  check_trajectory(trajectory, full_batch(windows))
+  expected = helpers.linear_reference(linear_params(), windows, LEARNING_RATE)
+  helpers.assert_within_linear_bound(trajectory, expected)
 
 
 @pytest.mark.parametrize('k', sorted(WINDOW_SIZES))
@@ -319,7 +223,7 @@ def test_smallest_case_equals_full_batch_sgd(reduction, variant):
   check_against_full_batch(reduction, variant, 1, smallest_case())
 
 
-def test_mean_loss_with_autodiff_summed_grads_is_refused():
+def test_mean_loss_with_grads_summed_over_devices_by_autodiff_is_refused():
   """Without ``pcast``, autodiff sums the devices' mean-loss gradients on
   every micro-step: no scaling by the counts gives the token-weighted mean
   back. Refused when the step is traced, naming the argument and the fix."""

@@ -23,16 +23,15 @@ import functools
 import math
 from typing import NamedTuple
 
-import chex
 import helpers
 import hlo
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import multihost_worker as harness
 import numpy as np
 import optax
+import placements
 import pytest
 
 import optax_tokacc as tokacc
@@ -44,12 +43,8 @@ MAX_NORM = 1.0  # below every window's gradient norm (about 8): clips
 AUTO = jax.sharding.AxisType.Auto
 
 
-def sgd():
-  return optax.sgd(helpers.LEARNING_RATE, momentum=0.9)
-
-
 def clipped_sgd():
-  return optax.chain(optax.clip_by_global_norm(MAX_NORM), sgd())
+  return optax.chain(optax.clip_by_global_norm(MAX_NORM), helpers.sgd())
 
 
 def clip_each_shard(max_norm, num_shards):
@@ -71,24 +66,17 @@ def clip_each_shard(max_norm, num_shards):
 
 
 REFERENCE_OPTIMIZERS = {
-  'adamw': harness.adamw,
-  'sgd': sgd,
+  'adamw': helpers.adamw,
+  'helpers.sgd': helpers.sgd,
   'clipped_sgd': clipped_sgd,
-  'shard_clipped_sgd': lambda: optax.chain(clip_each_shard(MAX_NORM, 2), sgd()),
+  'shard_clipped_sgd': lambda: optax.chain(
+    clip_each_shard(MAX_NORM, 2), helpers.sgd()
+  ),
 }
 
 # Parameter specs. Every sharded dimension has 8 entries: 2 per device on a
 # 4-way `fsdp` axis, 4 on a 2-way one.
 FSDP_SPECS = {'w': P('fsdp', None), 'v': P('fsdp')}
-HSDP_SHARDED = {'w': P('fsdp', None), 'v': P('fsdp')}
-HSDP_MIXED = {'w': P(None, 'fsdp'), 'v': P()}  # v replicated
-
-LAYOUTS = {
-  # name: (axis_name, param specs, partial-manual)
-  'hsdp_partial_manual': ('replica', HSDP_SHARDED, True),
-  'hsdp_manual_sharded': (harness.HSDP_AXES, HSDP_SHARDED, False),
-  'hsdp_manual_mixed': (harness.HSDP_AXES, HSDP_MIXED, False),
-}
 
 
 def windows_and_params():
@@ -107,28 +95,9 @@ def full_batch(optimizer_name):
   return helpers.full_batch(optimizer, params, windows)
 
 
-def assert_within_round_off(params, expected):
-  """``params`` (global arrays) are ``expected.params`` up to round-off."""
-  chex.assert_trees_all_close(
-    helpers.fetch(params), expected.params, rtol=0, atol=expected.atol
-  )
-
-
-def fsdp_mesh():
-  return jax.make_mesh(
-    (NUM_DEVICES,), ('fsdp',), (AUTO,), devices=jax.devices()[:NUM_DEVICES]
-  )
-
-
-def ddp_mesh():
-  return jax.make_mesh(
-    (NUM_DEVICES,), ('data',), (AUTO,), devices=jax.devices()[:NUM_DEVICES]
-  )
-
-
 def train_fsdp(tx, params, windows, mesh):
   """GSPMD FSDP: ``jax.jit`` over global arrays, no ``axis_name``."""
-  params = harness.put_tree(params, mesh, FSDP_SPECS)
+  params = placements.put_tree(params, mesh, FSDP_SPECS)
   state = tokacc.init_sharded(tx, params, mesh, param_specs=FSDP_SPECS)
   data = NamedSharding(mesh, P('fsdp'))
 
@@ -157,17 +126,21 @@ def train(layout, optimizer, params, windows):
   """Final ``(params, state)`` of a sharded run: global arrays."""
   if layout == 'fsdp':
     tx = tokacc.token_weighted_multistep(optimizer, K)
-    return train_fsdp(tx, params, windows, fsdp_mesh())
+    return train_fsdp(
+      tx, params, windows, placements.data_mesh(NUM_DEVICES, ('fsdp',))
+    )
   if layout == 'ddp':
     tx = tokacc.token_weighted_multistep(optimizer, K, axis_name='data')
-    return harness.train_shard_map(tx, params, windows, ddp_mesh(), 'data')
-  axis_name, specs, partial_manual = LAYOUTS[layout]
+    return placements.train_shard_map(
+      tx, params, windows, placements.data_mesh(NUM_DEVICES), 'data'
+    )
+  axis_name, specs, partial_manual = placements.HSDP_LAYOUTS[layout]
   tx = tokacc.token_weighted_multistep(optimizer, K, axis_name=axis_name)
-  return harness.train_hsdp(
+  return placements.train_hsdp(
     tx,
     params,
     windows,
-    harness.hsdp_mesh(),
+    placements.hsdp_mesh(),
     specs,
     axis_name,
     partial_manual=partial_manual,
@@ -181,19 +154,19 @@ def max_difference(tree, expected):
   )
 
 
-def _is_spec(x):
-  return isinstance(x, P)
-
-
 def layout_specs(layout, optimizer, params):
   """The mesh, the parameters' specs, and the specs the state must have."""
   if layout == 'fsdp':
     tx = tokacc.token_weighted_multistep(optimizer, K)
-    mesh, specs, axis_name = fsdp_mesh(), FSDP_SPECS, None
+    mesh, specs, axis_name = (
+      placements.data_mesh(NUM_DEVICES, ('fsdp',)),
+      FSDP_SPECS,
+      None,
+    )
   else:
-    axis_name, specs, _ = LAYOUTS[layout]
+    axis_name, specs, _ = placements.HSDP_LAYOUTS[layout]
     tx = tokacc.token_weighted_multistep(optimizer, K, axis_name=axis_name)
-    mesh = harness.hsdp_mesh()
+    mesh = placements.hsdp_mesh()
   state_specs = tokacc.state_partition_specs(
     tx, params, param_specs=specs, axis_name=axis_name
   )
@@ -206,7 +179,7 @@ def check_layout(layout, optimizer, params, state):
   leading slot of length 1: this replica's share)."""
   mesh, specs, state_specs = layout_specs(layout, optimizer, params)
   leaves = jax.tree.leaves(state)
-  spec_leaves = jax.tree.leaves(state_specs, is_leaf=_is_spec)
+  spec_leaves = jax.tree.leaves(state_specs, is_leaf=placements.is_spec)
   assert len(leaves) == len(spec_leaves)
   for leaf, spec in zip(leaves, spec_leaves):
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
@@ -225,17 +198,21 @@ def check_layout(layout, optimizer, params, state):
 # Exactness against single-device full-batch training.
 
 
-@pytest.mark.parametrize('layout', ['fsdp'] + sorted(LAYOUTS))
+@pytest.mark.parametrize(
+  'layout',
+  [pytest.param('fsdp', marks=pytest.mark.slow)]
+  + sorted(placements.HSDP_LAYOUTS),
+)
 def test_equals_full_batch(layout):
   """AdamW here; SGD with momentum in the clipping tests below."""
   windows, params = windows_and_params()
   expected = full_batch('adamw')
-  actual, state = train(layout, harness.adamw(), params, windows)
-  assert_within_round_off(actual, expected)
+  actual, state = train(layout, helpers.adamw(), params, windows)
+  helpers.assert_within_round_off(helpers.fetch(actual), expected)
   np.testing.assert_allclose(
     tokacc.window_loss(state), expected.loss, rtol=0, atol=expected.loss_atol
   )
-  check_layout(layout, harness.adamw(), params, state)
+  check_layout(layout, helpers.adamw(), params, state)
   # The data is as described: unequal counts, and devices without tokens.
   counts = [
     np.reshape(batch['mask'], (NUM_DEVICES, -1)).sum(axis=1)
@@ -250,9 +227,9 @@ def test_fsdp_accumulator_sharded_like_the_params():
   """GSPMD FSDP: the accumulator takes the parameters' sharding, 1/4 of
   each parameter per device, from ``init_sharded`` on."""
   _, params = windows_and_params()
-  mesh = fsdp_mesh()
-  tx = tokacc.token_weighted_multistep(harness.adamw(), K)
-  global_params = harness.put_tree(params, mesh, FSDP_SPECS)
+  mesh = placements.data_mesh(NUM_DEVICES, ('fsdp',))
+  tx = tokacc.token_weighted_multistep(helpers.adamw(), K)
+  global_params = placements.put_tree(params, mesh, FSDP_SPECS)
   state = tokacc.init_sharded(tx, global_params, mesh, param_specs=FSDP_SPECS)
   for name, spec in FSDP_SPECS.items():
     acc = state.grad_sums[name]
@@ -268,13 +245,14 @@ def test_fsdp_accumulator_sharded_like_the_params():
 def masked_adamw():
   """AdamW on ``w`` only (``optax.masked``): its state holds a ``MaskedNode``
   where ``v`` is."""
-  return optax.masked(harness.adamw(), {'w': True, 'v': False})
+  return optax.masked(helpers.adamw(), {'w': True, 'v': False})
 
 
 def adamw_and_sgd():
   """AdamW on ``w``, momentum SGD on ``v`` (``optax.multi_transform``)."""
   return optax.multi_transform(
-    {'adamw': harness.adamw(), 'sgd': sgd()}, {'w': 'adamw', 'v': 'sgd'}
+    {'adamw': helpers.adamw(), 'helpers.sgd': helpers.sgd()},
+    {'w': 'adamw', 'v': 'helpers.sgd'},
   )
 
 
@@ -289,7 +267,10 @@ REFERENCE_OPTIMIZERS.update(
 )
 
 
-@pytest.mark.parametrize('optimizer', ['masked_adamw', 'multi', 'adafactor'])
+@pytest.mark.parametrize(
+  'optimizer',
+  ['masked_adamw', 'multi', pytest.param('adafactor', marks=pytest.mark.slow)],
+)
 def test_fsdp_with_masked_or_factored_inner_state(optimizer):
   """``optax.masked`` and ``optax.multi_transform`` (and so
   ``optax.contrib.muon``) keep ``MaskedNode``'s in their state where a
@@ -300,15 +281,20 @@ def test_fsdp_with_masked_or_factored_inner_state(optimizer):
   windows, params = windows_and_params()
   make = REFERENCE_OPTIMIZERS[optimizer]
   tx = tokacc.token_weighted_multistep(make(), K)
-  actual, state = train_fsdp(tx, params, windows, fsdp_mesh())
-  assert_within_round_off(actual, full_batch(optimizer))
+  actual, state = train_fsdp(
+    tx, params, windows, placements.data_mesh(NUM_DEVICES, ('fsdp',))
+  )
+  helpers.assert_within_round_off(helpers.fetch(actual), full_batch(optimizer))
   specs = tokacc.state_partition_specs(tx, params, param_specs=FSDP_SPECS)
-  mesh = fsdp_mesh()
+  mesh = placements.data_mesh(NUM_DEVICES, ('fsdp',))
   state = tokacc.init_sharded(
-    tx, harness.put_tree(params, mesh, FSDP_SPECS), mesh, param_specs=FSDP_SPECS
+    tx,
+    placements.put_tree(params, mesh, FSDP_SPECS),
+    mesh,
+    param_specs=FSDP_SPECS,
   )
   leaves = jax.tree.leaves(state)
-  spec_leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=placements.is_spec)
   assert len(leaves) == len(spec_leaves)
   for leaf, spec in zip(leaves, spec_leaves):
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
@@ -326,10 +312,10 @@ def test_partial_manual_shard_map_refuses_the_full_specs():
   of ``state_partition_specs`` mention ``fsdp``, which ``shard_map(...,
   axis_names={'replica'})`` does not accept."""
   _, params = windows_and_params()
-  mesh = harness.hsdp_mesh()
-  tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name='replica')
-  global_params, state, specs = harness.hsdp_setup(
-    tx, params, mesh, HSDP_SHARDED, 'replica'
+  mesh = placements.hsdp_mesh()
+  tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name='replica')
+  global_params, state, specs = placements.hsdp_setup(
+    tx, params, mesh, placements.HSDP_SHARDED, 'replica'
   )
   assert specs.grad_sums == {
     'w': P('replica', 'fsdp', None),
@@ -338,15 +324,15 @@ def test_partial_manual_shard_map_refuses_the_full_specs():
   step = jax.shard_map(
     lambda params, state: (params, state),
     mesh=mesh,
-    in_specs=(HSDP_SHARDED, specs),
-    out_specs=(HSDP_SHARDED, specs),
+    in_specs=(placements.HSDP_SHARDED, specs),
+    out_specs=(placements.HSDP_SHARDED, specs),
     axis_names={'replica'},
   )
   with pytest.raises(
     ValueError, match='must refer to an axis marked as manual'
   ):
     jax.jit(step)(global_params, state)
-  stripped = harness.manual_specs(specs, {'replica'})
+  stripped = placements.manual_specs(specs, {'replica'})
   assert stripped.grad_sums == {
     'w': P('replica', None, None),
     'v': P('replica', None),
@@ -354,16 +340,18 @@ def test_partial_manual_shard_map_refuses_the_full_specs():
   assert stripped.inner_state[0].mu == {'w': P(None, None), 'v': P(None)}
 
 
-@pytest.mark.parametrize('specs', [HSDP_MIXED, HSDP_SHARDED])
+@pytest.mark.parametrize(
+  'specs', [placements.HSDP_MIXED, placements.HSDP_SHARDED]
+)
 def test_manual_hsdp_with_the_replica_axis_only_names_the_fix(specs):
   """Fully manual HSDP with ``axis_name='replica'``: ``num_tokens`` (and the
   gradients of replicated parameters) vary over ``fsdp`` too; summed over
   ``replica`` only, the window would be wrong. Refused at trace time."""
   windows, params = windows_and_params()
-  tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name='replica')
+  tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name='replica')
   with pytest.raises(ValueError) as error:
-    harness.train_hsdp(
-      tx, params, windows[:1], harness.hsdp_mesh(), specs, 'replica'
+    placements.train_hsdp(
+      tx, params, windows[:1], placements.hsdp_mesh(), specs, 'replica'
     )
   message = str(error.value)
   assert "num_tokens varies over the mesh axes ['fsdp']" in message
@@ -377,7 +365,7 @@ def test_manual_hsdp_with_the_replica_axis_only_names_the_fix(specs):
 # is split there cannot be told). Either is refused at trace time, naming
 # the fix.
 UNTRACKED_REFUSALS = {
-  'both_axes': (harness.HSDP_AXES, 'names several data axes'),
+  'both_axes': (placements.HSDP_AXES, 'names several data axes'),
   'replica_only': ('replica', r"manual over \['fsdp'\] too"),
 }
 
@@ -386,14 +374,14 @@ UNTRACKED_REFUSALS = {
 def test_manual_hsdp_without_check_vma_is_refused(case):
   axis_name, reason = UNTRACKED_REFUSALS[case]
   windows, params = windows_and_params()
-  tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name=axis_name)
+  tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name=axis_name)
   with pytest.raises(ValueError, match=reason) as error:
-    harness.train_hsdp(
+    placements.train_hsdp(
       tx,
       params,
       windows[:1],
-      harness.hsdp_mesh(),
-      HSDP_MIXED,
+      placements.hsdp_mesh(),
+      placements.HSDP_MIXED,
       axis_name,
       check_vma=False,
     )
@@ -405,19 +393,19 @@ def test_manual_hsdp_without_check_vma_is_refused(case):
 
 def initial_state(layout, params):
   if layout == 'ddp':
-    mesh = ddp_mesh()
-    tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name='data')
-    global_params = harness.put_tree(params, mesh, {'w': P(), 'v': P()})
+    mesh = placements.data_mesh(NUM_DEVICES)
+    tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name='data')
+    global_params = placements.put_tree(params, mesh, {'w': P(), 'v': P()})
     return tokacc.init_sharded(tx, global_params, mesh, axis_name='data')
   if layout == 'fsdp':
-    mesh = fsdp_mesh()
-    tx = tokacc.token_weighted_multistep(harness.adamw(), K)
-    global_params = harness.put_tree(params, mesh, FSDP_SPECS)
+    mesh = placements.data_mesh(NUM_DEVICES, ('fsdp',))
+    tx = tokacc.token_weighted_multistep(helpers.adamw(), K)
+    global_params = placements.put_tree(params, mesh, FSDP_SPECS)
     return tokacc.init_sharded(tx, global_params, mesh, param_specs=FSDP_SPECS)
-  axis_name, specs, _ = LAYOUTS[layout]
-  tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name=axis_name)
-  _, state, _ = harness.hsdp_setup(
-    tx, params, harness.hsdp_mesh(), specs, axis_name
+  axis_name, specs, _ = placements.HSDP_LAYOUTS[layout]
+  tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name=axis_name)
+  _, state, _ = placements.hsdp_setup(
+    tx, params, placements.hsdp_mesh(), specs, axis_name
   )
   return state
 
@@ -496,21 +484,21 @@ class _Site(NamedTuple):
 def compiled_hsdp_step(layout, with_emit_now):
   """The compiled HLO of one micro-step of an HSDP layout, and its mesh."""
   windows, params = windows_and_params()
-  axis_name, specs, partial_manual = LAYOUTS[layout]
-  mesh = harness.hsdp_mesh()
-  tx = tokacc.token_weighted_multistep(harness.adamw(), K, axis_name=axis_name)
-  global_params, state, state_specs = harness.hsdp_setup(
+  axis_name, specs, partial_manual = placements.HSDP_LAYOUTS[layout]
+  mesh = placements.hsdp_mesh()
+  tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name=axis_name)
+  global_params, state, state_specs = placements.hsdp_setup(
     tx, params, mesh, specs, axis_name
   )
-  build = harness.fully_manual_step
+  build = placements.fully_manual_step
   if partial_manual:
-    build = harness.partial_manual_step
+    build = placements.partial_manual_step
   step = build(tx, mesh, specs, state_specs, with_emit_now=with_emit_now)
-  data = NamedSharding(mesh, P(harness.HSDP_AXES))
+  data = NamedSharding(mesh, P(placements.HSDP_AXES))
   batch = jax.tree.map(lambda x: helpers.put(x, data), windows[0][0])
   flags = ()
   if with_emit_now:
-    flag_axes = 'replica' if partial_manual else harness.HSDP_AXES
+    flag_axes = 'replica' if partial_manual else placements.HSDP_AXES
     count = mesh.shape['replica'] if partial_manual else mesh.size
     flags = (
       helpers.put(np.zeros(count, bool), NamedSharding(mesh, P(flag_axes))),
@@ -521,7 +509,7 @@ def compiled_hsdp_step(layout, with_emit_now):
 
 @pytest.mark.parametrize(
   ('layout', 'with_emit_now'),
-  [(layout, False) for layout in sorted(LAYOUTS)]
+  [(layout, False) for layout in sorted(placements.HSDP_LAYOUTS)]
   + [('hsdp_partial_manual', True), ('hsdp_manual_mixed', True)],
 )
 def test_hsdp_reduces_across_replicas_once_per_window(layout, with_emit_now):
@@ -539,10 +527,10 @@ def test_hsdp_reduces_across_replicas_once_per_window(layout, with_emit_now):
   """
   text, mesh = compiled_hsdp_step(layout, with_emit_now)
   assert [d.id for d in mesh.devices.flat] == [0, 1, 2, 3]
-  sites = hlo.collective_sites(hlo.parse_hlo(text))
+  sites = hlo.compiled_collectives(text)
   groups = {s.name: hlo.group_sets(s, mesh.size) for s, _ in sites}
 
-  every_step = [site for site, path in sites if not path]
+  every_step = hlo.on_every_call(sites)
   across = [s for s in every_step if groups[s.name] != FSDP_GROUPS]
   within = [s for s in every_step if groups[s.name] == FSDP_GROUPS]
   if with_emit_now:
@@ -592,10 +580,10 @@ def test_hsdp_reduces_across_replicas_once_per_window(layout, with_emit_now):
 def test_clip_by_global_norm_sees_the_global_norm(layout):
   windows, params = windows_and_params()
   expected = full_batch('clipped_sgd')
-  unclipped = full_batch('sgd').params
+  unclipped = full_batch('helpers.sgd').params
   assert max_difference(expected.params, unclipped) > 0.1  # the clip binds
   actual, _ = train(layout, clipped_sgd(), params, windows)
-  assert_within_round_off(actual, expected)
+  helpers.assert_within_round_off(helpers.fetch(actual), expected)
 
 
 def test_clip_by_global_norm_in_fully_manual_hsdp_sees_the_shard_norm():
@@ -605,7 +593,7 @@ def test_clip_by_global_norm_in_fully_manual_hsdp_sees_the_shard_norm():
   expected = full_batch('clipped_sgd').params
   shard_local = full_batch('shard_clipped_sgd')
   actual, _ = train('hsdp_manual_sharded', clipped_sgd(), params, windows)
-  assert_within_round_off(actual, shard_local)
+  helpers.assert_within_round_off(helpers.fetch(actual), shard_local)
   # Far outside the round-off bound of the global-norm reference too.
   assert max_difference(helpers.fetch(actual), expected) > 0.01
 

@@ -16,15 +16,16 @@
 plainly here, in every placement; what empty and dropped windows, a
 checkpoint and the ``acc_grads`` alias do; and the HLO of a micro-step.
 
-The reference is taken at the parameters the run had when each window
-began (recorded), so that it differs from the run by round-off only (a
-reference trained on its own would drift by the parameters' round-off
-too). The bound (:func:`reference`): a window's gradient is a sum over its
-``n`` tokens of per-token terms with at most ``TERM_ROUNDINGS`` roundings
-each, in any order (devices, micro-steps), so each entry is within
-``gamma(n + TERM_ROUNDINGS)`` of the sum of its terms' magnitudes
-(Higham), which per-token gradients give; the run and the reference both
-round, hence twice that, and the norms differ by at most the norm of the
+The reference (:func:`full_batch_metrics`) is taken at the parameters the
+run had when each window began (recorded), so that it differs from the run
+by round-off only (a reference trained on its own, ``helpers.full_batch``,
+would drift by the parameters' round-off too): not a trainer, the metrics
+of full-batch windows at given parameters. The bound: a window's gradient
+is a sum over its ``n`` tokens of per-token terms with at most
+``TERM_ROUNDINGS`` roundings each, in any order (devices, micro-steps), so
+each entry is within ``gamma(n + TERM_ROUNDINGS)`` of the sum of its terms'
+magnitudes (Higham), which per-token gradients give; the run and the
+reference both round, hence twice that, and the norms differ by at most the norm of the
 difference (triangle inequality). The update of momentum SGD (after a
 global-norm clip, a projection: 1-Lipschitz) differs by the learning rate
 times the momentum-weighted sum of the gradients' differences. Each norm's
@@ -42,12 +43,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import multihost_worker as harness
 import numpy as np
 import optax
+import placements
 import pytest
-import test_distributed_optimizer as zero1
-import test_explicit
 
 import optax_tokacc as tokacc
 from optax_tokacc import _typed_sharding
@@ -61,10 +60,10 @@ EXPLICIT = ('ddp', 'fsdp', 'hsdp')
 
 K = 3
 AUTO = jax.sharding.AxisType.Auto
-WINDOW_SIZES = test_explicit.WINDOW_SIZES  # the last closed by emit_now
+WINDOW_SIZES = (3, 3, 2)  # the last closed by emit_now
 U = np.finfo(np.float32).eps / 2
 # a token's forward and backward pass (either model)
-TERM_ROUNDINGS = 2 * (helpers.FEATURES + zero1.OUTPUTS) + 8
+TERM_ROUNDINGS = 2 * (helpers.FEATURES + helpers.ZERO1_OUTPUTS) + 8
 
 
 def gamma(m):
@@ -75,7 +74,7 @@ def momentum_sgd(lr=helpers.LEARNING_RATE):
   return optax.sgd(lr, momentum=0.9)
 
 
-def reference(
+def full_batch_metrics(
   windows, params_before, lr, loss_sum=helpers.loss_sum, inner=None
 ):
   """Per window: full-batch ``(loss, tokens, grad_norm, update_norm)`` at
@@ -125,7 +124,7 @@ def assert_metrics(records, windows, lr=helpers.LEARNING_RATE, **kwargs):
   leaf's norms too."""
   params_before = [p for p, _ in records]
   for (_, metrics), want in zip(
-    records, reference(windows, params_before, lr, **kwargs)
+    records, full_batch_metrics(windows, params_before, lr, **kwargs)
   ):
     assert float(metrics.tokens) == want['tokens']
     np.testing.assert_allclose(
@@ -218,11 +217,11 @@ def run_shard_map(windows, window_norms=True):
     momentum_sgd(), K, axis_name='data', window_norms=window_norms
   )
   params = helpers.init_params()
-  state = harness.shard_map_state(tx, params, mesh, 'data')
+  state = placements.shard_map_state(tx, params, mesh, 'data')
   params = jax.tree.map(
     lambda x: helpers.put(x, NamedSharding(mesh, P())), params
   )
-  step = harness.shard_map_step(tx, mesh, 'data', state)
+  step = placements.shard_map_step(tx, mesh, 'data')
   data = NamedSharding(mesh, P('data'))
   on_step, records = recorder(windows)
   on_step(params, state)
@@ -242,7 +241,7 @@ def run_gspmd_fsdp(windows, window_norms=True):
     momentum_sgd(), K, window_norms=window_norms
   )
   on_step, records = recorder(windows)
-  harness.train_sharded_jit(
+  placements.train_sharded_jit(
     tx, helpers.init_params(), windows, mesh, 'fsdp', on_step=on_step
   )
   return records
@@ -253,22 +252,41 @@ def run_explicit(windows, layout, window_norms=True):
     momentum_sgd(), K, window_norms=window_norms
   )
   on_step, records = recorder(windows)
-  make_mesh, specs = test_explicit.LAYOUTS[layout]
+  make_mesh, specs, _ = placements.EXPLICIT_LAYOUTS[layout]
   with jax.set_mesh(make_mesh()):
     on_step(
-      test_explicit.place_params(helpers.init_params(), make_mesh(), specs),
+      placements.place_params(helpers.init_params(), make_mesh(), specs),
       None,
     )
-  test_explicit.train(layout, tx, windows, on_step=on_step)
+  placements.train_explicit_layout(layout, tx, windows, on_step=on_step)
   return records
 
 
+# the cases that take 5 s or more of a core (--durations=0)
+SLOW_METRICS = {
+  (True, 'gspmd_fsdp'),
+  ('per_leaf', 'gspmd_fsdp'),
+  (True, 'single'),
+  ('per_leaf', 'single_host'),
+  ('per_leaf', 'fsdp'),
+  ('per_leaf', 'hsdp'),
+}
+
+
 @pytest.mark.parametrize(
-  'placement',
-  ['single', 'single_host', 'shard_map', 'gspmd_fsdp']
-  + [pytest.param(p, marks=needs_explicit) for p in EXPLICIT],
+  ('window_norms', 'placement'),
+  [
+    pytest.param(
+      window_norms,
+      placement,
+      marks=(needs_explicit,) * (placement in EXPLICIT)
+      + (pytest.mark.slow,) * ((window_norms, placement) in SLOW_METRICS),
+    )
+    for placement in ('single', 'single_host', 'shard_map', 'gspmd_fsdp')
+    + EXPLICIT
+    for window_norms in (True, 'per_leaf')
+  ],
 )
-@pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
 def test_equal_full_batch(placement, window_norms):
   """The global norms, and with ``window_norms='per_leaf'`` each leaf's
   (issue 41), against full batch."""
@@ -300,8 +318,8 @@ def test_explicit_fsdp_on_every_jax(monkeypatch):
     explicit = (jax.sharding.AxisType.Explicit,)
     return jax.make_mesh((4,), ('fsdp',), explicit, devices=devices)
 
-  layout = (mesh, {'w': P('fsdp'), 'v': P('fsdp')})
-  monkeypatch.setitem(test_explicit.LAYOUTS, 'fsdp_explicit', layout)
+  layout = placements.Layout(mesh, {'w': P('fsdp'), 'v': P('fsdp')})
+  monkeypatch.setitem(placements.EXPLICIT_LAYOUTS, 'fsdp_explicit', layout)
   windows = helpers.make_windows(WINDOW_SIZES, 4)
   records = run_explicit(windows, 'fsdp_explicit')
   assert len(records) == len(windows)
@@ -310,34 +328,29 @@ def test_explicit_fsdp_on_every_jax(monkeypatch):
 
 @needs_explicit
 @pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
-@pytest.mark.parametrize('host_closes', [False, True])
-@pytest.mark.parametrize('layout', sorted(zero1.LAYOUTS))
+@pytest.mark.parametrize(
+  'host_closes', [pytest.param(False, marks=pytest.mark.slow), True]
+)
+@pytest.mark.parametrize('layout', sorted(placements.ZERO1_LAYOUTS))
 def test_zero1_equals_full_batch(layout, host_closes, window_norms):
   """ZeRO-1: the norms of the shards summed over the devices (clip, then
-  momentum SGD at 0.5, as ``test_distributed_optimizer``)."""
-  windows = zero1.make_windows()
-  mesh, tx, step = zero1.make_run(layout, window_norms=window_norms)
+  momentum SGD at 0.5, ``placements.zero1_inner``)."""
+  windows = helpers.zero1_windows()
   on_step, records = recorder(windows)
-  with jax.set_mesh(mesh):
-    params, place = zero1.placed(mesh, layout)
-    state = zero1.init_state(tx, params, mesh, layout)
-    on_step(params, state)
-    for window in windows:
-      for i, batch in enumerate(window):
-        close = i + 1 == len(window) if host_closes else None
-        params, state = step(params, state, place(batch), close=close)
-        on_step(params, state)
-    assert_metrics(
-      records, windows, lr=0.5, loss_sum=zero1_loss, inner=zero1.inner()
-    )
-
-
-def zero1_loss(params, batch):
-  """``test_distributed_optimizer``'s loss, on host values."""
-  bias = params['b'].sum()
-  pred = batch['x'] @ params['w'] + bias
-  per_token = jnp.sum((pred - batch['y']) ** 2, axis=-1)
-  return jnp.sum(per_token * batch['mask'])
+  placements.train_zero1(
+    windows,
+    layout=layout,
+    host_closes=host_closes,
+    on_step=on_step,
+    window_norms=window_norms,
+  )
+  assert_metrics(
+    records,
+    windows,
+    lr=0.5,
+    loss_sum=helpers.zero1_loss_sum,
+    inner=placements.zero1_inner(),
+  )
 
 
 def small_run(every_k=2):
@@ -532,26 +545,6 @@ def test_acc_grads_warning_shows_under_default_filters(tmp_path):
     assert words in warned[0], warned[0]
 
 
-def outside_branches(text, opcode):
-  """The ``opcode`` instructions that run on every call (not inside a
-  conditional's branches) of compiled HLO text."""
-  module = hlo.parse_hlo(text)
-  found, seen = [], set()
-
-  def visit(name):
-    if name in seen or name not in module.computations:
-      return
-    seen.add(name)
-    for instruction in module.computations[name]:
-      if instruction.opcode == opcode:
-        found.append(instruction)
-      for callee in instruction.callees:
-        visit(callee)
-
-  visit(module.entry)
-  return found
-
-
 def test_micro_step_gains_no_work():
   """The norms are computed in the closing branch only (plain SGD takes
   no square root of its own): a micro-step computes no norm. Without a
@@ -568,10 +561,13 @@ def test_micro_step_gains_no_work():
     return tx.update(grads, state, params, num_tokens=2, close=close)
 
   device = step.lower(state, params).compile().as_text()
-  assert 'sqrt' in device  # in the closing branch
-  assert outside_branches(device, 'sqrt') == []
+  opcodes = hlo.compiled_opcodes(device)
+  assert opcodes['sqrt'] + opcodes['rsqrt'] > 0  # in the closing branch
+  every_call = hlo.compiled_opcodes(device, into_branches=False)
+  assert every_call['sqrt'] == every_call['rsqrt'] == 0
   host_micro = step.lower(state, params, close=False).compile().as_text()
-  assert 'sqrt' not in host_micro
+  opcodes = hlo.compiled_opcodes(host_micro)
+  assert opcodes['sqrt'] == opcodes['rsqrt'] == 0
 
 
 @needs_explicit
@@ -587,9 +583,14 @@ def test_closing_collectives():
   do not say what is split, two: the compiler all-reduces the gradient's
   squares where they are summed, before inner runs; test_sharded's
   partial-manual HSDP.)"""
-  every_step, window = test_explicit.compiled_sites('ddp', 'unreduced', sgd())
-  assert every_step == [] and len(window) == 1
-  every_step, window = test_explicit.compiled_sites('fsdp', 'replicated', sgd())
+  sites = hlo.compiled_collectives(
+    placements.explicit_compiled_text('ddp', 'unreduced', sgd())
+  )
+  assert hlo.on_every_call(sites) == [] and len(hlo.in_branches(sites)) == 1
+  sites = hlo.compiled_collectives(
+    placements.explicit_compiled_text('fsdp', 'replicated', sgd())
+  )
+  window = hlo.in_branches(sites)
   assert [site.shapes for site in window] == [(('f32', (2,)),)]
 
 
@@ -599,23 +600,22 @@ def sgd():
 
 def _closing_sites(layout, window_norms):
   """The closing branch's collective sites of one compiled step: the
-  explicit layouts of ``test_explicit`` (FSDP typed sharded, the compiler
+  explicit layouts of ``placements`` (FSDP typed sharded, the compiler
   reducing the gradients), or ZeRO-1 (``zero1_*``)."""
   if not layout.startswith('zero1_'):
     spelling = 'replicated' if layout == 'fsdp' else 'unreduced'
-    return test_explicit.compiled_sites(
+    text = placements.explicit_compiled_text(
       layout, spelling, sgd(), window_norms=window_norms
-    )[1]
+    )
+    return hlo.in_branches(hlo.compiled_collectives(text))
   layout = layout.removeprefix('zero1_')
-  mesh, tx, step = zero1.make_run(layout, window_norms=window_norms)
+  mesh, tx, step = placements.zero1_run(layout, window_norms=window_norms)
   with jax.set_mesh(mesh):
-    params, place = zero1.placed(mesh, layout)
-    state = zero1.init_state(tx, params, mesh, layout)
-    batch = place(zero1.make_windows()[0][0])
+    params, place = placements.zero1_placed(mesh, layout)
+    state = placements.zero1_init(tx, params, mesh, layout)
+    batch = place(helpers.zero1_windows()[0][0])
     text = step.lower(params, state, batch).compile().as_text()
-  return [
-    site for site, path in hlo.collective_sites(hlo.parse_hlo(text)) if path
-  ]
+  return hlo.in_branches(hlo.compiled_collectives(text))
 
 
 @needs_explicit
@@ -679,12 +679,13 @@ def test_without_window_norms_they_stay_nan_and_cost_nothing():
     assert np.isnan(metrics.grad_norm) and np.isnan(metrics.update_norm)
     assert int(state.gradient_step) == 1
     text = step.lower(state, grads, 1, close=close).compile().as_text()
-    assert 'sqrt' not in text
+    opcodes = hlo.compiled_opcodes(text)
+    assert opcodes['sqrt'] == opcodes['rsqrt'] == 0
   if jax.__version_info__ >= (0, 10):  # explicit types (test_explicit)
-    _, window = test_explicit.compiled_sites(
+    text = placements.explicit_compiled_text(
       'fsdp', 'replicated', sgd(), window_norms=False
     )
-    assert window == []
+    assert hlo.in_branches(hlo.compiled_collectives(text)) == []
 
 
 @pytest.mark.skipif(
