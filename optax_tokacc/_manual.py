@@ -153,16 +153,6 @@ class Manual(_placement.Placement):
     parts, loss = lax.psum(scalars, self._over(acc_tokens))
     return _base.Reduced(treedef.unflatten(leaves), parts, loss)
 
-  def reduced_types(self, grads: Any) -> Any:
-    return jax.tree.map(self.summed_now, grads)
-
-  def refusal_of(self, error: Exception) -> Optional[Exception]:
-    del error
-    return None
-
-  def typed_like(self, tree: Any, reference: Any) -> Any:
-    return _typed_sharding.like(tree, reference)
-
   def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
     """Where the accumulator is invariant over the manual axes (a
     gradient's share varies: its buffer cannot hold an invariant update)."""

@@ -124,20 +124,6 @@ class Placement(abc.ABC):
     (``_tokens.to_parts``) and its loss, summed over the devices."""
 
   @abc.abstractmethod
-  def reduced_types(self, grads: Any) -> Any:
-    """Values typed as :meth:`reduce_window` types the window's sums (for
-    their types only: ``jax.eval_shape`` of ``inner``)."""
-
-  @abc.abstractmethod
-  def refusal_of(self, error: Exception) -> Optional[Exception]:
-    """Our error for ``inner`` failing to trace here (None: its own)."""
-
-  @abc.abstractmethod
-  def typed_like(self, tree: Any, reference: Any) -> Any:
-    """``tree``, whole values such as ``inner``'s updates, typed and
-    laid out like ``reference`` (the parameters, ``inner``'s state)."""
-
-  @abc.abstractmethod
   def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
     """Whether an accumulator leaf's buffer may hold an update's value (the
     closing step writes the updates there: see ``_closing``)."""
@@ -162,6 +148,26 @@ class Placement(abc.ABC):
     ``updates``, from each device's share of the squares: one ``psum``
     of all of them per set of mesh axes they are split over; each leaf's
     too where ``per_leaf``."""
+
+  # The three members below are what ``inner`` sees. They are the same in
+  # every placement where ``inner`` runs on whole gradients; a placement
+  # that shards ``inner``'s state (``PartialSums`` with
+  # ``shard_optimizer_over``) overrides them.
+
+  def reduced_types(self, grads: Any) -> Any:
+    """Values typed as :meth:`reduce_window` types the window's sums (for
+    their types only: ``jax.eval_shape`` of ``inner``)."""
+    return jax.tree.map(self.summed_now, grads)
+
+  def refusal_of(self, error: Exception) -> Optional[Exception]:
+    """Our error for ``inner`` failing to trace here (None: its own)."""
+    del error
+    return None
+
+  def typed_like(self, tree: Any, reference: Any) -> Any:
+    """``tree``, whole values such as ``inner``'s updates, typed and
+    laid out like ``reference`` (the parameters, ``inner``'s state)."""
+    return _typed_sharding.like(tree, reference)
 
   # The members below are the same in every placement.
 

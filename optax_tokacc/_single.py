@@ -21,7 +21,7 @@ they are kept as they come.
 """
 
 from collections.abc import Callable
-from typing import Any, Optional, final
+from typing import Any, final
 
 import jax
 import jax.numpy as jnp
@@ -75,16 +75,6 @@ class Single(_placement.Placement):
     self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
     return _base.Reduced(sums, _tokens.to_parts(acc_tokens), acc_loss)
-
-  def reduced_types(self, grads: Any) -> Any:
-    return jax.tree.map(self.summed_now, grads)
-
-  def refusal_of(self, error: Exception) -> Optional[Exception]:
-    del error
-    return None
-
-  def typed_like(self, tree: Any, reference: Any) -> Any:
-    return _typed_sharding.like(tree, reference)
 
   def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
     return _typed_sharding.same_layout(acc, update)  # typed: split alike
