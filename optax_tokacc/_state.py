@@ -33,28 +33,6 @@ from optax_tokacc import _base
 TokenWeightedMultiStepState = _base.TokenWeightedMultiStepState
 
 
-def without_device_slot(state: _base.TokenWeightedMultiStepState):
-  """This device's share: the per-device fields without their slot axis.
-
-  With ``axis_name`` the per-device fields carry a leading axis of length 1
-  (this device's slot), so that the global state stacks the devices' shares
-  along it and ``shard_map`` / ``pmap`` need no hand-written layout.
-  """
-  for name in _base.PER_DEVICE_FIELDS:
-    for leaf in jax.tree.leaves(getattr(state, name)):
-      if jnp.shape(leaf)[:1] != (1,):
-        raise ValueError(
-          f'state.{name} needs a leading device-slot axis of length 1; got '
-          f'{jnp.shape(leaf)}: use tokacc.init_sharded or jax.pmap(tx.init).'
-        )
-  return _base.map_per_device(lambda x: x[0], state)
-
-
-def with_device_slot(state: _base.TokenWeightedMultiStepState):
-  """The inverse of :func:`without_device_slot`."""
-  return _base.map_per_device(lambda x: jnp.asarray(x)[None], state)
-
-
 def is_state(x: Any) -> bool:
   """Whether ``x`` is a :class:`~optax_tokacc.TokenWeightedMultiStepState`."""
   return isinstance(x, _base.TokenWeightedMultiStepState)
