@@ -105,19 +105,27 @@ def reference():
   return helpers.full_batch(helpers.sgd(), helpers.init_params(), windows)
 
 
+def _saved(
+  tmp_path, layout='explicit_ddp', n=4, variant='plain', stop=MID_WINDOW
+):
+  """A checkpoint of ``layout`` trained ``stop`` micro-steps on ``n``
+  devices: its path."""
+  _skip_unsupported(layout, n)
+  batches, _ = micro_batches()
+  run = build(layout, n, variant)
+  params, state = placements.train(run, run.params, run.state, batches[:stop])
+  save(tmp_path / 'ckpt', (run.unstack(params), state))
+  return tmp_path / 'ckpt'
+
+
 def resume(tmp_path, layout, saved_on, restored_on, stop, variant='plain'):
   """Trains ``stop`` micro-steps on ``saved_on`` devices, checkpoints, and
   finishes on ``restored_on``: the final host parameters and state."""
-  for n in (saved_on, restored_on):
-    _skip_unsupported(layout, n)
+  _skip_unsupported(layout, restored_on)
+  path = _saved(tmp_path, layout, saved_on, variant, stop)
   batches, _ = micro_batches()
-  first = build(layout, saved_on, variant)
-  params, state = placements.train(
-    first, first.params, first.state, batches[:stop]
-  )
-  save(tmp_path / 'ckpt', (first.unstack(params), state))
   second = build(layout, restored_on, variant)
-  params, state = restore(tmp_path / 'ckpt', second)
+  params, state = restore(path, second)
   params = second.stack(params)
   params, state = placements.train(second, params, state, batches[stop:])
   return second.host(params), state
@@ -210,25 +218,13 @@ def test_resumed_on_as_many_devices_is_bit_identical(tmp_path, layout):
   )
 
 
-def _saved_mid_window(tmp_path, layout='explicit_ddp', n=4, variant='plain'):
-  """A checkpoint of ``layout`` on ``n`` devices, mid-window."""
-  _skip_unsupported(layout, n)
-  batches, _ = micro_batches()
-  run = build(layout, n, variant)
-  params, state = placements.train(
-    run, run.params, run.state, batches[:MID_WINDOW]
-  )
-  save(tmp_path / 'ckpt', (run.unstack(params), state))
-  return tmp_path / 'ckpt'
-
-
 @pytest.mark.parametrize('layout', ['explicit_ddp', 'shard_map'])
 def test_orbax_strict_false_padding_or_truncation_is_refused(tmp_path, layout):
   """Orbax's hint on a shape mismatch (``strict=False``) pads or truncates
   the window's rows to a target of another number of devices: 4 -> 2 lost
   half of the window's shares, silently, before 0.6. Refused, naming both
   device counts and the fix."""
-  path = _saved_mid_window(tmp_path, layout)
+  path = _saved(tmp_path, layout)
   for n in (2, 8):  # truncated, padded
     run = build(layout, n, 'plain')
     like = (run.params, run.state)
@@ -247,7 +243,7 @@ def test_another_configuration_is_refused(tmp_path):
   """A checkpoint of another accumulator dtype, compensation or inner
   optimizer is refused by checkpoint_target, naming what differs, before
   orbax would cast or drop what it reads."""
-  path = _saved_mid_window(tmp_path, 'shard_map')
+  path = _saved(tmp_path, 'shard_map')
   mesh = placements.data_mesh(2)
   params = jax.tree.map(
     lambda x: helpers.put(x, NamedSharding(mesh, P())), helpers.init_params()
@@ -368,7 +364,7 @@ ONE_DEVICE_LIMIT_S = 240  # about 10 s on a quiet 2-core machine
 @pytest.mark.waits_on_processes(ONE_DEVICE_LIMIT_S)
 @pytest.mark.parametrize('layout', ['explicit_ddp', 'shard_map', 'zero1'])
 def test_a_one_device_process_loads_any_checkpoint(tmp_path, layout):
-  path = _saved_mid_window(tmp_path, layout)
+  path = _saved(tmp_path, layout)
   out = tmp_path / 'params.npz'
   result = subprocess.run(
     [sys.executable, '-c', _ONE_DEVICE_CHILD, str(path), str(out)],
