@@ -112,6 +112,14 @@ def tokacc_per_leaf(case):
   return tokacc_apply_updates(case, window_norms='per_leaf')
 
 
+def tokacc_compensated(case):
+  """``tokacc`` with a bfloat16 accumulator, Kahan-compensated (each
+  addition's rounding forced with ``lax.reduce_precision``)."""
+  return tokacc_apply_updates(
+    case, accumulator_dtype=jnp.bfloat16, compensated=True
+  )
+
+
 def tokacc_chain(case):
   """A transform chained after the accumulator (the clip never binds)."""
   accumulate = tokacc.token_weighted_multistep(case.adamw, case.k)
@@ -326,6 +334,7 @@ METHODS = {
   'multisteps': multisteps,
   'tokacc': tokacc_apply_updates,
   'tokacc_per_leaf': tokacc_per_leaf,
+  'tokacc_compensated': tokacc_compensated,
   'tokacc_chain': tokacc_chain,
   'tokacc_device': tokacc_device,
   'tokacc_host': tokacc_host,

@@ -19,13 +19,48 @@ them by zero, so nothing of a finished window leaks into the next). With
 ``compensated=True`` the rounding error of every addition is kept and added
 back (TwoSum in at least float32), so that a low-precision accumulator keeps
 about twice its precision over long windows.
+
+**The rule: a rounding the arithmetic relies on is forced, never assumed.**
+TwoSum's error term is exact only if the new total it starts from is
+really rounded to the accumulator's dtype. A round trip through ``astype``
+(float32 -> bfloat16 -> float32) does not force it: a compiler that keeps
+excess precision removes the pair (XLA:GPU's ``SimplifyFPConversions``,
+on under its default ``xla_allow_excess_precision``), the total stays
+unrounded and the error term is 0, silently. :func:`rounded` rounds with
+``lax.reduce_precision``, which compilers keep (JAX's own remat relies on
+it against excess precision), and gives the bits ``astype`` gives.
+``tests/test_compensated.py`` checks the compiled programs hold it.
 """
 
 from typing import Any, Optional
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
+
+
+def rounded(value: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
+  """``value`` rounded to ``dtype``, kept in its own (wider) dtype: the
+  bits of ``value.astype(dtype).astype(value.dtype)``, in a form no
+  compiler removes (see the module's rule).
+
+  ``lax.reduce_precision`` rounds to nearest even, as ``astype`` does, but
+  flushes to zero what would be subnormal in ``dtype``: where ``dtype``
+  has fewer exponent bits than ``value`` (float16 from float32), that
+  range is rounded here to ``dtype``'s subnormal spacing instead, by
+  arithmetic (a scaling by a power of two and ``round``), exact.
+  """
+  info = jnp.finfo(dtype)
+  if jnp.dtype(dtype) == value.dtype:
+    return value
+  normal = lax.reduce_precision(value, info.nexp, info.nmant)
+  if info.nexp >= jnp.finfo(value.dtype).nexp:  # bfloat16 from float32
+    return normal
+  spacing = jnp.asarray(info.smallest_subnormal, value.dtype)
+  subnormal = jnp.round(value / spacing) * spacing
+  is_subnormal = jnp.abs(value) < jnp.asarray(info.smallest_normal, value.dtype)
+  return jnp.where(is_subnormal, subnormal, normal)
 
 
 def _compensated_add(
@@ -34,13 +69,14 @@ def _compensated_add(
   """Kahan-compensated ``total + value``: the new total and its error.
 
   The arithmetic runs in at least float32 (explicitly, not relying on excess
-  precision); the new total is rounded to the accumulator dtype and its
-  exact rounding error (TwoSum) is kept, to be added back at the next step.
+  precision); the new total is rounded to the accumulator dtype, forced
+  (:func:`rounded`), and its exact rounding error (TwoSum) is kept, to be
+  added back at the next step.
   """
   value = _wide_sum(value, error)
   total_wide = total.astype(value.dtype)
-  new_total = (total_wide + value).astype(total.dtype)
-  new_wide = new_total.astype(value.dtype)
+  new_wide = rounded(total_wide + value, total.dtype)
+  new_total = new_wide.astype(total.dtype)  # exact: already rounded
   virtual = new_wide - total_wide
   new_error = (total_wide - (new_wide - virtual)) + (value - virtual)
   return new_total, new_error.astype(total.dtype)

@@ -71,6 +71,7 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRUE_FALSE = re.compile(r'\b(true|false)_computation=%?([\w.\-]+)')
+_ROUNDS_TO = re.compile(r'exponent_bits=(\d+), mantissa_bits=(\d+)')
 _GROUPS = re.compile(
   r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\]'
   r'(?:T\([\d,]+\))?|mesh\[[^\]]*\]'
@@ -97,6 +98,8 @@ class Instruction:
   groups: str = ''
   operands: tuple[str, ...] = ()  # the names it reads
   root: bool = False  # its computation's result
+  # A reduce-precision's format: (exponent_bits, mantissa_bits).
+  rounds_to: tuple[int, int] | None = None
 
   @property
   def collective(self):
@@ -158,9 +161,16 @@ def _parse_instruction(root, name, rest):
   groups = _GROUPS.search(rest)
   groups = groups.group(1) if groups else ''
   operands = _operands(rest, match)
+  rounds_to = None
+  if opcode == 'reduce-precision':
+    found = _ROUNDS_TO.search(rest)
+    if found is None:
+      raise ValueError(f'HLO text not understood: no format in {name}: {rest}')
+    rounds_to = tuple(int(bits) for bits in found.groups())
   return Instruction(
-    name, opcode, shapes, callees, branches, groups, operands, bool(root)
-  )
+    name, opcode, shapes, callees, branches, groups, operands, bool(root),
+    rounds_to,
+  )  # fmt: skip
 
 
 def parse_hlo(hlo_text):

@@ -36,6 +36,7 @@ METHODS = (  # in run.py's order
   'multisteps',
   'tokacc',
   'tokacc_per_leaf',
+  'tokacc_compensated',
   'tokacc_chain',
   'tokacc_device',
   'tokacc_host',
