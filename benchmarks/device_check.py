@@ -28,6 +28,13 @@ keeps what it measured. A missing package or no accelerator: one line on
 stderr and exit status 2. ``--cpu`` runs on the CPU (no tests: CI runs
 them there); ``--quick`` at smoke-test sizes, 2 windows and one test
 (``QUICK_TESTS``); ``--short`` with micro-batches of 2 x 64 tokens.
+
+Tests that do not all pass are loud (:func:`tests_verdict`): the first
+line of stdout and of ``results.md`` says so (``FAILED: 60 of 237
+exactness tests failed (tests.log)``), the failed tests follow it, the
+benchmarks still run, the line is printed again last, and the exit status
+is 1. ``--tests`` runs other tests (a rerun of the failed ones) and
+``--skip-benchmarks`` only the tests.
 """
 
 import argparse
@@ -59,7 +66,7 @@ MAX_WINDOWS, WARMUP = 10, 1
 DISPATCH_METHODS = ('ideal', 'tokacc_device', 'tokacc_host')
 # Exactness on one device: the tests that need no mesh of several devices
 # and read no CPU-specific compiled program (a test on several devices names
-# its placement or "devices"; checked on a CPU of one device: 237 tests).
+# its placement or "devices"; checked on a CPU of one device: 255 tests).
 TEST_FILES = (
   'tests/test_multistep.py',
   'tests/test_dtypes.py',
@@ -71,6 +78,7 @@ TEST_FILES = (
   'tests/test_reduction_modes.py',
   'tests/test_long_run.py',
   'tests/test_host_close.py',
+  'tests/test_precision.py',  # at the platform's default matmul precision
 )
 TEST_SELECT = (
   'not devices and not axis_name and not shard_map and not pmap and not '
@@ -116,6 +124,16 @@ def parse_args(argv=None):
   )
   parser.add_argument('--k', default=None, help='default 4,8 (--quick: 2)')
   parser.add_argument('--skip-tests', action='store_true')
+  parser.add_argument(
+    '--tests',
+    nargs='+',
+    metavar='TEST',
+    help='pytest node ids or files to run instead of the exactness tests '
+    '(a rerun of failed ones), relative to the repository root',
+  )
+  parser.add_argument(
+    '--skip-benchmarks', action='store_true', help='run only the tests'
+  )
   parser.add_argument(
     '--test-workers', type=int, default=4, help='pytest-xdist workers'
   )
@@ -179,7 +197,8 @@ def _kill_group(process):
 
 
 def _test_summary(output):
-  """The counts of pytest's last line (``3 failed, 10 passed in 4.2s``)."""
+  """The counts of pytest's last line (``3 failed, 10 passed in 4.2s``),
+  and its lines that name a failed test (pytest's ``-r fE``, its default)."""
   counts = {}
   lines = [line for line in output.splitlines() if line.strip()]
   last = lines[-1] if lines else ''
@@ -195,7 +214,12 @@ def run_tests(args, device, seconds):
   """The exactness tests in a pytest subprocess on the device's platform,
   stopped (with its workers) after ``seconds``."""
   platform = _test_platform(device)
-  tests = list(QUICK_TESTS) if args.quick else [*TEST_FILES, '-k', TEST_SELECT]
+  if args.tests:
+    tests = args.tests
+  elif args.quick:
+    tests = list(QUICK_TESTS)
+  else:
+    tests = [*TEST_FILES, '-k', TEST_SELECT]
   workers = 0 if args.quick else args.test_workers
   command = [
     sys.executable,
@@ -245,6 +269,36 @@ def run_tests(args, device, seconds):
   }
 
 
+def tests_verdict(tests):
+  """A line that says the tests did not all pass, or None when they did
+  (or did not run: ``--skip-tests``). Failed: a test failed or erred, none
+  passed (nothing collected, or a bad selection), pytest's exit status is
+  not 0, or the run was stopped at its time limit."""
+  if 'returncode' not in tests:
+    return None
+  counts = tests['counts']
+  passed = counts.get('passed', 0)
+  failed = counts.get('failed', 0) + counts.get('error', 0)
+  failed += counts.get('errors', 0)
+  where = '(tests.log)'
+  if tests['timed_out']:
+    summary = f'{failed} failed, {passed} passed'
+    return (
+      f'FAILED: the exactness tests were stopped after '
+      f'{tests["seconds"]:.0f} s, {summary} by then {where}'
+    )
+  if failed:
+    return (
+      f'FAILED: {failed} of {failed + passed} exactness tests failed {where}'
+    )
+  if not passed:
+    summary = tests['summary'] or f'pytest exit status {tests["returncode"]}'
+    return f'FAILED: no exactness test passed: {summary} {where}'
+  if tests['returncode'] != 0:
+    return f'FAILED: pytest exit status {tests["returncode"]} {where}'
+  return None
+
+
 def header(args, device, argv):
   """The device, versions and command of the results."""
   import jax  # noqa: PLC0415 - after preflight
@@ -269,7 +323,10 @@ def write(folder, results):
 
   with open(os.path.join(folder, 'results.json'), 'w') as f:
     json.dump(results, f, indent=1)
+  verdict = tests_verdict(results.get('tests', {}))
   with open(os.path.join(folder, 'results.md'), 'w') as f:
+    if verdict:  # the first line
+      f.write(f'{verdict}\n\n')
     f.write(report.markdown(results, DISPATCH_METHODS))
 
 
@@ -346,16 +403,25 @@ def main(argv=None):
   device = preflight(args)
   results = header(args, device, argv)
   write(args.out, results)
-  if args.skip_tests or (args.cpu and not args.quick):
+  if args.skip_tests or (args.cpu and not args.quick and not args.tests):
     why = '--skip-tests' if args.skip_tests else '--cpu (CI runs them)'
     results['tests'] = {'skipped': why}
   else:
     seconds = min(180.0, 0.4 * args.budget_s)
-    print(f'tests on {device.platform}, at most {seconds:.0f} s', flush=True)
+    # on stderr: stdout's first line is the tests' verdict
+    print(
+      f'tests on {device.platform}, at most {seconds:.0f} s',
+      flush=True,
+      file=sys.stderr,
+    )
     results['tests'] = run_tests(args, device, seconds)
-    print(results['tests']['summary'], flush=True)
+    verdict = results['tests']['verdict'] = tests_verdict(results['tests'])
+    print(verdict or results['tests']['summary'], flush=True)
+    for line in results['tests']['failed'] if verdict else ():
+      print(line, flush=True)
   write(args.out, results)
-  run_benchmarks(args, results, deadline)
+  if not args.skip_benchmarks:
+    run_benchmarks(args, results, deadline)
   results['wall_s'] = time.perf_counter() - start
   write(args.out, results)
   print(f'wrote {args.out}/results.json and results.md', flush=True)
@@ -363,4 +429,7 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-  main()
+  verdict = tests_verdict(main()['tests'])
+  if verdict:
+    print(verdict, flush=True)  # again, last: where a log's tail shows it
+    sys.exit(1)

@@ -5,6 +5,21 @@ run on, e.g. ``cuda``: ``benchmarks/device_check.py`` runs the single-device
 exactness tests on an accelerator so. The fake CPU devices are then not
 made, and tests that need several devices are not meant to run there.
 
+The matmul precision a test assumes (DESIGN.md: "Exactness is stated at
+the platform's matmul precision"): float32, unless it says otherwise.
+Every test that compares with a reference within float32 round-off
+(``helpers.UNIT_ROUND_OFF``, ``helpers.round_off_atol``) assumes float32
+matmuls, which a CPU does by default and an accelerator does not (NVIDIA
+GPUs multiply float32 in TF32, TPUs in bfloat16). So on a platform other
+than the CPU, JAX's default matmul precision is ``'highest'`` for the whole
+session (:data:`ASSUMED_MATMUL_PRECISION`, set once here, before any test
+or fixture traces); on the CPU nothing is set, and results are the same
+bits as without this rule. A test about what a user gets at the platform's
+default precision says so with ``@pytest.mark.platform_precision``: it runs
+with the default precision unset (:func:`matmul_precision`), and takes its
+bounds from ``helpers.default_matmul_unit_round_off()``
+(``tests/test_precision.py``).
+
 Every test has a wall-clock limit (:func:`limit_s`), kept by
 :func:`pytest_runtest_protocol`.
 """
@@ -22,6 +37,33 @@ PLATFORM = os.environ.get('OPTAX_TOKACC_TEST_PLATFORM', 'cpu')
 jax.config.update('jax_platforms', PLATFORM)
 if PLATFORM == 'cpu':
   jax.config.update('jax_num_cpu_devices', NUM_DEVICES)
+
+# float32 matmuls: the CPU's default; an accelerator's on request.
+ASSUMED_MATMUL_PRECISION = None if PLATFORM == 'cpu' else 'highest'
+if ASSUMED_MATMUL_PRECISION is not None:
+  jax.config.update('jax_default_matmul_precision', ASSUMED_MATMUL_PRECISION)
+
+
+def pytest_report_header():
+  assumed = ASSUMED_MATMUL_PRECISION or "the platform's default (float32)"
+  return (
+    f'optax_tokacc tests on {PLATFORM}, matmul precision: {assumed}; '
+    "tests marked platform_precision: the platform's default"
+  )
+
+
+@pytest.fixture(autouse=True)
+def matmul_precision(request):
+  """A test marked ``platform_precision`` runs at the platform's default
+  matmul precision (JAX's, unset: TF32 on NVIDIA GPUs), whatever the
+  session or ``JAX_DEFAULT_MATMUL_PRECISION`` set (its fixtures of a
+  wider scope run at the session's); any other test at the session's
+  (:data:`ASSUMED_MATMUL_PRECISION`)."""
+  if request.node.get_closest_marker('platform_precision') is None:
+    yield
+    return
+  with jax.default_matmul_precision(None):
+    yield
 
 
 # Every test's wall-clock limit, setup and teardown included. A test past

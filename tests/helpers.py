@@ -325,7 +325,37 @@ def plateau_scale(opt_state):
 # terms (2 FEATURES, forward and backward) and about 16 elementwise
 # operations (tanh's own error counted as a few).
 TERM_ROUNDINGS = 2 * FEATURES + 16
-UNIT_ROUND_OFF = 2.0**-24  # float32's
+# float32's. The bounds derived from it assume float32 matmuls: the CPU's
+# default; on another platform tests/conftest.py runs every test under
+# ``jax.default_matmul_precision('highest')``, but those marked
+# ``platform_precision``, which run at the platform's default and take
+# their unit from :func:`default_matmul_unit_round_off`.
+UNIT_ROUND_OFF = 2.0**-24
+
+# The unit round-off of a float32 matmul at each platform's default
+# precision (JAX's "Default matmul precision"). A format with p significand
+# bits (the implicit one counted) rounds within u = 2**-p, relative. A CPU
+# multiplies in float32 (23 explicit bits: u = 2**-24). NVIDIA GPUs (from
+# Ampere on) round the inputs to TF32, 10 explicit bits: u = 2**-11; TPUs
+# to bfloat16 in one pass, 7 explicit bits: u = 2**-8. Products and sums
+# stay float32, so taking u for every rounding of a term's path
+# (TERM_ROUNDINGS) over-estimates. ROCm is taken as TF32 too; a GPU that
+# multiplies float32 by default (NVIDIA before Ampere) only makes the bound
+# looser.
+DEFAULT_MATMUL_UNIT_ROUND_OFF = {
+  'cpu': UNIT_ROUND_OFF,
+  'gpu': 2.0**-11,
+  'cuda': 2.0**-11,
+  'rocm': 2.0**-11,
+  'tpu': 2.0**-8,
+}
+
+
+def default_matmul_unit_round_off(platform=None) -> float:
+  """The unit round-off of float32 matmuls at ``platform``'s default
+  precision (default: JAX's default backend's), for
+  ``full_batch(..., unit_round_off=)``."""
+  return DEFAULT_MATMUL_UNIT_ROUND_OFF[platform or jax.default_backend()]
 
 
 class Window(NamedTuple):
@@ -422,6 +452,7 @@ def full_batch(
   gradient_fn=None,
   with_value=False,
   keep_state_dtypes=False,
+  unit_round_off=None,
 ) -> Reference:
   """Plain ``optimizer`` on one device, one step per window on all of its
   tokens, with its round-off bounds.
@@ -441,21 +472,24 @@ def full_batch(
     token-mean loss (what the transform gives ``inner``, e.g. for
     ``reduce_on_plateau``);
   - ``keep_state_dtypes``: the optimizer's new state is cast to the dtypes
-    of its old one, as ``optax.MultiSteps`` keeps them.
+    of its old one, as ``optax.MultiSteps`` keeps them;
+  - ``unit_round_off``: u of the bounds, for runs whose matmuls round
+    more than the parameters' dtype (:func:`default_matmul_unit_round_off`).
 
-  The bounds: ``atol`` of every parameter (:func:`round_off_atol`, in the
-  unit round-off of the parameters' dtype), and ``loss_atol`` of each
-  window's token-mean loss: a sum of n one-signed terms (within 2 (n + m) u
-  of it, relative), taken at parameters that may differ by the previous
-  windows' ``atol``, which moves it by at most the 1-norm of its gradient
-  times that ``atol``, and a second-order term below it (twice the first
-  covers both).
+  The bounds: ``atol`` of every parameter (:func:`round_off_atol`, in
+  ``unit_round_off``, by default the parameters' dtype's), and
+  ``loss_atol`` of each window's token-mean loss: a sum of n one-signed
+  terms (within 2 (n + m) u of it, relative), taken at parameters that may
+  differ by the previous windows' ``atol``, which moves it by at most the
+  1-norm of its gradient times that ``atol``, and a second-order term
+  below it (twice the first covers both).
   """
   params = jax.tree.map(jnp.asarray, params)
   if not windows:
     return Reference(params, 0.0)
   leaf = jax.tree.leaves(params)[0]
-  unit_round_off = float(jnp.finfo(leaf.dtype).eps) / 2
+  if unit_round_off is None:
+    unit_round_off = float(jnp.finfo(leaf.dtype).eps) / 2
   value_and_grad = _mean_value_and_grad(loss_fn)
   opt_state = optimizer.init(params)
   largest_updates, largest_params, step_tokens = [], [], []

@@ -489,6 +489,55 @@ def test_device_check_without_an_accelerator_says_so_in_one_line(tmp_path):
   assert 'Traceback' not in result.stderr
 
 
+# Injected test files (``--tests``): one test fails of two; no test at all.
+INJECTED_TESTS = {
+  'one_fails': (
+    'def test_passes():\n  pass\n\n\ndef test_fails():\n  assert False\n',
+    'FAILED: 1 of 2 exactness tests failed (tests.log)',
+  ),
+  'none_collected': (
+    '"""No test."""\n',
+    'FAILED: no exactness test passed: ',
+  ),
+}
+
+
+@pytest.mark.parametrize('case', sorted(INJECTED_TESTS))
+def test_device_check_fails_loudly_when_tests_fail(case, tmp_path):
+  """Tests that do not all pass: exit status 1, and the first line of
+  stdout and of results.md says so; the failed test is named there and
+  the line is repeated last (issue 45, item 2). Only the injected file
+  runs (``--tests``, ``--skip-benchmarks``): about JAX's import."""
+  source, first_line = INJECTED_TESTS[case]
+  test_file = tmp_path / f'test_injected_{case}.py'
+  test_file.write_text(source)
+  out = tmp_path / 'out'
+  result = run_script(
+    'device_check',
+    '--cpu',
+    '--quick',
+    '--skip-benchmarks',
+    '--tests',
+    test_file,
+    '--out',
+    out,
+    limit_s=300,
+  )
+  assert result.returncode == 1, result.stdout + result.stderr
+  lines = result.stdout.splitlines()
+  markdown = (out / 'results.md').read_text().splitlines()
+  for first in (lines[0], markdown[0]):
+    assert first.startswith(first_line), (first, result.stdout)
+  assert lines[-1] == lines[0], lines
+  if case == 'one_fails':
+    named = f'{test_file.name}::test_fails'
+    assert [line for line in lines if named in line][0].startswith('FAILED ')
+    assert any(named in line for line in markdown), markdown
+  results = json.loads((out / 'results.json').read_text())
+  assert results['tests']['verdict'] == lines[0]
+  assert not results['rows']
+
+
 CHECKPOINT_PAIRS = {(1, 1), (4, 4), (4, 2), (4, 1)}
 
 
