@@ -281,19 +281,6 @@ def _no_buffer():
   return _patched(_closing, '_holds_exactly', lambda *args: False)
 
 
-def _select_restart():
-  """A window's restart as a select fused into the add, not a ``cond``."""
-  from optax_tokacc import _compensated  # noqa: PLC0415
-
-  original = _compensated._restarted
-
-  def select(trees, restart, select=False):
-    del select
-    return original(trees, restart, True)
-
-  return _patched(_compensated, '_restarted', select)
-
-
 def _ablation(patch):
   def method(case):
     return _programs(case, trainers.OneDevice(), DEVICE, patch=patch)
@@ -304,7 +291,6 @@ def _ablation(patch):
 # Each performance trick, undone: the rows that show what it pays.
 ABLATIONS = {
   'tokacc_no_buffer': _ablation(_no_buffer),
-  'tokacc_select_restart': _ablation(_select_restart),
 }
 
 

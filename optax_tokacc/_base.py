@@ -172,11 +172,12 @@ class TokenWeightedMultiStepState(NamedTuple):
     grad_sums: *per device*. During a window, the token-*summed*
       gradients of its micro-batches so far (not their mean: not what
       ``optax.MultiSteps``' ``acc_grads`` holds), in the accumulator dtype,
-      shaped (and sharded) like the parameters. Right after an emitting step
-      the buffer is scratch: it may hold the emitted updates (reusing it
-      saves a parameter-sized write on every micro-step); the next
-      micro-step zeroes it before adding (a ``lax.cond``), never reads it.
-      Log :func:`window_metrics` instead. (Named ``acc_grads`` before 0.5;
+      shaped (and sharded) like the parameters. Zeros between windows: the
+      step that closes a window zeroes them (a select, never a
+      multiplication by zero), so that a micro-step only adds, as the
+      hand-written ideal does (0.5.0 left scratch there and restarted on
+      the next micro-step; ``from_checkpoint`` zeroes such a checkpoint's
+      sums at a window boundary). Log :func:`window_metrics` instead. (Named ``acc_grads`` before 0.5;
       that name is a read-only alias now, which warns.)
     acc_tokens: *per device*. Counted tokens of the current window; -1 once
       the window is invalid (a negative, NaN, fractional or out-of-range
@@ -193,8 +194,7 @@ class TokenWeightedMultiStepState(NamedTuple):
     emitted: whether the call that returned this state emitted an update.
     acc_compensation: *per device*. With ``compensated=True``, the rounding
       error of ``grad_sums`` (Kahan summation), a tree like ``grad_sums``;
-      scratch right after an emitting step, like ``grad_sums`` (the next
-      micro-step restarts it); ``()`` otherwise.
+      zeros between windows, like ``grad_sums``; ``()`` otherwise.
     dropped_windows: windows dropped because their token count was invalid
       (int32, saturating). A dropped window emits zero updates and no step.
     last_grad_norm: global L2 norm of the last emitted window's token-mean
@@ -233,7 +233,7 @@ class TokenWeightedMultiStepState(NamedTuple):
   def acc_grads(self) -> optax.Updates:
     """Renamed :attr:`grad_sums` (a read-only alias that warns): the
     window's token-summed gradients, not ``optax.MultiSteps``' running
-    mean, and scratch right after a window closes.
+    mean, and zeros right after a window closes.
 
     It warns with a ``FutureWarning``, which Python's default filters show
     wherever the read happens: a ``DeprecationWarning`` is shown only in
@@ -245,7 +245,7 @@ class TokenWeightedMultiStepState(NamedTuple):
     """
     warnings.warn(
       'state.acc_grads reads grad_sums: the token-summed gradients of the '
-      'open window, scratch right after a window closes, not '
+      'open window, zeros right after a window closes, not '
       "optax.MultiSteps' running mean of the gradients. To log the "
       "window's gradient statistics, read "
       'tokacc.window_metrics(state).grad_norm and .update_norm.',

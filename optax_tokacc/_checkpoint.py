@@ -319,8 +319,9 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
   def restore(saved, ref):
     if _state.is_state(ref):
       if _is_saved(saved):
+        saved = saved._replace(state=_without_scratch(saved.state))
         return _restore_state(saved, ref)
-      return _restore_0_5(saved, ref)
+      return _restore_0_5(_without_scratch(saved), ref)
     return _shares.restore_leaf(saved, ref)
 
   with _on_its_mesh(like):
@@ -329,6 +330,18 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
 
 def _is_state_form(x: Any) -> bool:
   return _is_saved(x) or _state.is_state(x)
+
+
+def _without_scratch(state: Any) -> Any:
+  """``state`` with zero sums at a window boundary (``mini_step`` 0 on
+  every device). A closing step leaves them zero now; 0.5.0 left scratch
+  there (the emitted updates, restarted by the next micro-step, which now
+  only adds)."""
+  if not _state.is_state(state) or np.any(np.asarray(state.mini_step)):
+    return state
+  window = (state.grad_sums, state.acc_compensation)
+  grad_sums, acc_compensation = jax.tree.map(jnp.zeros_like, window)
+  return state._replace(grad_sums=grad_sums, acc_compensation=acc_compensation)
 
 
 def _restore_0_5(saved: Any, ref: Any) -> Any:

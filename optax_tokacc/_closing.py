@@ -228,7 +228,10 @@ def close_if(
   buffer can hold the updates exactly (:func:`_holds_exactly`), the closing
   branch writes them there (:func:`_held`) and the call reads them back
   (:func:`_released`): a micro-step then writes no parameter-sized zeros
-  and copies nothing.
+  and copies nothing. The closing branch starts the next window
+  (``_window.reset_if``), so that a micro-step only adds; the sums that
+  the buffer held updates in are zeroed after the ``cond``, in a select on
+  ``close``, once the updates are read.
   """
   config, place = ctx.config, ctx.place
   inner = _inner(ctx, inner_state)
@@ -252,28 +255,41 @@ def close_if(
     )
 
   def closing(window, inner_state, params):
-    """Closes the window on the device, inside the outer ``cond``. A window
-    without tokens or with an invalid count emits no updates and keeps the
-    inner state: a nested ``cond``, since selecting between the new and the
-    old inner state would keep both alive (temporaries the size of the
-    inner state on every step)."""
+    """Closes the window on the device, inside the outer ``cond``, and
+    starts the next (``rest``: the window but for the sums the buffer
+    holds). A window without tokens or with an invalid count emits no
+    updates and keeps the inner state: a nested ``cond``, since selecting
+    between the new and the old inner state would keep both alive
+    (temporaries the size of the inner state on every step)."""
     summed, closed = _reduce(ctx, window)
     ops = (window.grad_sums, summed, inner_state, params)
     held, new_inner, norms = place.cond(closed.emitted, step, no_step, *ops)
-    return held, new_inner, closed._replace(norms=norms)
+    rest = _window.reset_if(place, True, _rest(window, buffer))
+    return held, rest, new_inner, closed._replace(norms=norms)
 
   def accumulating(window, inner_state, params):
     del params
     held = _held(place, buffer, inner.shapes, None, window.grad_sums)
-    return held, inner_state, _open(config, window)
+    return held, _rest(window, buffer), inner_state, _open(config, window)
 
   ops = (window, inner_state, ctx.params)
-  held, inner_state, closed = place.cond(close, closing, accumulating, *ops)
-  window = _window.reset_if(place, close, window)
+  held, rest, inner_state, closed = place.cond(
+    close, closing, accumulating, *ops
+  )
   if not buffer:
-    return Closing(held, window, inner_state, closed)
+    return Closing(held, rest, inner_state, closed)
+  # The buffer held the updates: the next window's zeros are written after
+  # they are read, in a select.
   updates = _released(place, held, inner.shapes, closed.emitted)
-  return Closing(updates, window._replace(grad_sums=held), inner_state, closed)
+  grad_sums = _window.reset_if(place, close, held)
+  window = rest._replace(grad_sums=grad_sums)
+  return Closing(updates, window, inner_state, closed)
+
+
+def _rest(window: _base.Window, buffer: bool) -> _base.Window:
+  """What the closing ``cond`` returns of the window: all of it, or, where
+  the accumulator's buffer holds the updates, all but its sums (``()``)."""
+  return window._replace(grad_sums=()) if buffer else window
 
 
 def _held(

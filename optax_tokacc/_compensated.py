@@ -14,8 +14,9 @@
 # ==============================================================================
 """Accumulation into the window's sums: plain, or Kahan-compensated.
 
-A window's first micro-step zeroes the sums before adding (never multiplies
-them by zero, so nothing of a finished window leaks into the next). With
+A micro-step only adds; the window's sums are zeroed where it closes
+(never multiplied by zero, so nothing of a finished window leaks into the
+next). With
 ``compensated=True`` the rounding error of every addition is kept and added
 back (TwoSum in at least float32), so that a low-precision accumulator keeps
 about twice its precision over long windows.
@@ -82,40 +83,20 @@ def _compensated_add(
   return new_total, new_error.astype(total.dtype)
 
 
-def _restarted(trees: Any, restart: jax.Array, select: bool = False) -> Any:
-  """``trees``, or zeros like them if ``restart``, in a ``lax.cond``.
-
-  Not a select fused into the add: a select on a scalar puts a broadcast in
-  the add's fusion, which XLA:CPU then gives to its loop emitter instead of
-  its tiled one, and the loop emitter reads a transposed operand with a
-  page-sized stride. Gradients of bfloat16 weights reach the add transposed
-  (rounded to bfloat16 after their dot), and the micro-step took about 2x
-  the ideal's. The zeros are written on a window's first micro-step only;
-  the other micro-steps pass the buffers through the ``cond`` uncopied.
-  ``select``: a select instead, for programs that hold no conditional.
-  """
-  if select:
-    return optax.tree.where(restart, optax.tree.zeros_like(trees), trees)
-  return jax.lax.cond(restart, optax.tree.zeros_like, lambda t: t, trees)
-
-
 def accumulate(
   sums: tuple[optax.Updates, optax.Updates],
   addends: optax.Updates,
-  restart: jax.Array,
   compensated: bool,
-  select: bool = False,
 ) -> tuple[optax.Updates, optax.Updates]:
   """Adds ``addends`` into the window's ``sums``, the pair ``(grad_sums,
-  acc_compensation)``, and returns the new pair; ``restart`` starts a
-  window.
+  acc_compensation)``, and returns the new pair.
 
-  A restart zeroes the sums first (never multiplies them by zero), so what
-  the buffer held before, scratch or a NaN of a finished window, cannot
-  leak into the new window. ``acc_compensation`` is ``()`` when summation
-  is not compensated.
+  Only an add: the window restarts where it closes (``_window.reset_if``),
+  not here, so that the add is the ideal's (on a GPU the compiler fuses it
+  into the gradient's producers; a restart select on the way would keep it
+  out). ``acc_compensation`` is ``()`` when summation is not compensated.
   """
-  grad_sums, acc_compensation = _restarted(sums, restart, select)
+  grad_sums, acc_compensation = sums
   if not compensated:
     addends = optax.tree.cast_like(addends, grad_sums)
     return jax.tree.map(jnp.add, grad_sums, addends), ()

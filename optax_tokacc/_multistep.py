@@ -276,8 +276,7 @@ def _update(
   keep, skip_state = _judge(config, place, grads, state.gradient_step, params)
   micro = _window.micro_batch(config, place, grads, num_tokens, loss, keep)
   window = _base.Window(*(getattr(state, f) for f in _base.Window._fields))
-  restart = state.mini_step == 0
-  window = _window.add(config, place, window, micro, restart, close is not None)
+  window = _window.add(config, place, window, micro)
   mini_step = _mini_step(place, state.mini_step, keep)
   extra = _closing.Extra(extra_args, with_loss=loss is not None)
   ctx = _closing.Context(config, place, grads, params, extra)
@@ -315,8 +314,8 @@ def _next_state(
   closing: _closing.Closing,
   skip_state: Any,
 ) -> _base.TokenWeightedMultiStepState:
-  """The state after this call: a closed window starts afresh (its
-  parameter-sized buffers are restarted by its next micro-step)."""
+  """The state after this call: a closed window starts afresh (its sums
+  were zeroed where it closed, ``_window.reset_if``)."""
   closed, emitted = closing.closed, closing.closed.emitted
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
   grad_norm, update_norm = _window.stored_norms(closed.norms)

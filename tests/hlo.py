@@ -71,6 +71,7 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRUE_FALSE = re.compile(r'\b(true|false)_computation=%?([\w.\-]+)')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _ROUNDS_TO = re.compile(r'exponent_bits=(\d+), mantissa_bits=(\d+)')
 _GROUPS = re.compile(
   r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\]'
@@ -100,6 +101,7 @@ class Instruction:
   root: bool = False  # its computation's result
   # A reduce-precision's format: (exponent_bits, mantissa_bits).
   rounds_to: tuple[int, int] | None = None
+  op_name: str = ''  # its metadata's op_name: a parameter's argument path
 
   @property
   def collective(self):
@@ -167,9 +169,11 @@ def _parse_instruction(root, name, rest):
     if found is None:
       raise ValueError(f'HLO text not understood: no format in {name}: {rest}')
     rounds_to = tuple(int(bits) for bits in found.groups())
+  op_name = _OP_NAME.search(rest)
+  op_name = op_name.group(1).replace('\\', '') if op_name else ''
   return Instruction(
     name, opcode, shapes, callees, branches, groups, operands, bool(root),
-    rounds_to,
+    rounds_to, op_name,
   )  # fmt: skip
 
 
@@ -275,6 +279,61 @@ def returns_its_parameters(module):
   returned = set(root.operands) if root else set()
   found = [(i.name, i.opcode, i.operands) for i in others]
   return holds_only_the_tuple and returned == parameters, found
+
+
+# What hands a value on, changed at most in precision, on the way to what
+# computes with it.
+_PASSES_ON = ('copy', 'bitcast', 'convert')
+
+
+def first_uses(module, argument_prefix):
+  """What first computes with each entry parameter whose argument path
+  (its ``op_name``, e.g. ``state.grad_sums['w']``) starts with
+  ``argument_prefix``: ``{path: sorted opcodes}``, looking into the
+  fusions and calls that read it and past copies, bitcasts and converts. A
+  ``tuple`` among them is the operand of a conditional or a loop, or the
+  program's result."""
+  entry = module.computations[module.entry]
+  found = {}
+  for parameter in entry:
+    if parameter.opcode == 'parameter' and parameter.op_name.startswith(
+      argument_prefix
+    ):
+      found[parameter.op_name] = sorted(
+        _uses(module, module.entry, parameter.name)
+      )
+  if not found:
+    raise ValueError(f'No entry parameter whose path starts {argument_prefix}')
+  return found
+
+
+def _uses(module, computation, name):
+  """The opcodes that first compute with ``name`` in ``computation``."""
+  uses = set()
+  for instruction in module.computations[computation]:
+    if name not in instruction.operands:
+      continue
+    if instruction.opcode in _PASSES_ON:
+      uses |= _uses(module, computation, instruction.name)
+    elif instruction.opcode in ('fusion', 'call') and instruction.callees:
+      callee = instruction.callees[0]
+      for number, operand in enumerate(instruction.operands):
+        if operand == name:
+          uses |= _uses(module, callee, _parameter(module, callee, number))
+    else:
+      uses.add(instruction.opcode)
+  return uses
+
+
+def _parameter(module, computation, number):
+  """The name of ``computation``'s parameter ``number``."""
+  for instruction in module.computations[computation]:
+    if instruction.opcode == 'parameter' and instruction.operands == (
+      str(number),
+    ):
+      return instruction.name
+  raise ValueError(f'HLO text not understood: no parameter({number}) in '
+                   f'{computation}')  # fmt: skip
 
 
 def group_sets(instruction, num_devices):

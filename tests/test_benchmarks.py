@@ -53,7 +53,6 @@ METHODS = (  # in run.py's order
   'ideal_explicit_zero1',
   'tokacc_explicit_zero1',
   'tokacc_no_buffer',
-  'tokacc_select_restart',
 )
 # name -> the hand-written reference its ratios divide by.
 EXPLICIT_METHODS = {

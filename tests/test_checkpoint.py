@@ -119,6 +119,41 @@ def test_resume_mid_window_is_bit_identical(tmp_path, variant, stop_at):
   assert int(expected[1].gradient_step) >= 2  # windows were applied
 
 
+@pytest.mark.parametrize('form', ['saved', 'plain'])
+@pytest.mark.parametrize('variant', ['adamw_clip', 'compensated_skip'])
+def test_a_boundary_checkpoint_of_0_5_holding_scratch_resumes_exactly(
+  variant, form
+):
+  """Regression (issue 46): 0.5.0 left scratch in the sums at a window
+  boundary (the emitted updates), restarted by the next micro-step; a
+  micro-step now only adds, and a closing step leaves zeros. Through
+  ``from_checkpoint`` (``to_checkpoint``'s form, or the plain state 0.5
+  saved) the scratch is not added into the next window: training resumes
+  bit for bit."""
+  tx = make_tx(variant)
+  step = make_step(tx)
+  params = helpers.init_params()
+  boundary, stop = EVERY_K, 2 * EVERY_K  # windows before the NaN of step 9
+  expected = train(step, (params, tx.init(params)), 0, stop)
+  params, opt_state = train(step, (params, tx.init(params)), 0, boundary)
+  assert int(opt_state.mini_step) == 0 and bool(opt_state.emitted)
+
+  def scratch(x):
+    return jnp.full_like(x, 7.0)
+
+  opt_state = opt_state._replace(
+    grad_sums=jax.tree.map(scratch, opt_state.grad_sums),
+    acc_compensation=jax.tree.map(scratch, opt_state.acc_compensation),
+  )
+  saved = tokacc.to_checkpoint(opt_state) if form == 'saved' else opt_state
+  like = tx.init(helpers.init_params())
+  restored = tokacc.from_checkpoint(saved, like)
+  resumed = train(step, (params, restored), boundary, stop)
+  chex.assert_trees_all_equal(resumed, expected)
+  assert int(expected[1].gradient_step) == 2
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(expected[0]))
+
+
 def as_saved_by_0_4(opt_state):
   """The state as 0.4 saved it: a dict of its fields, the accumulator named
   ``acc_grads``, no window norms (0.5 added them)."""
