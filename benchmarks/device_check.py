@@ -21,20 +21,25 @@ its files go)::
 
 Within ``--budget-s`` seconds (windows are cut to fit, never the model):
 the single-device exactness tests on the accelerator (:func:`run_tests`),
-then GPT-2 small's table of ``METHODS`` and the dispatch check
-(:func:`run_benchmarks`). ``results.json``, ``results.md`` and
-``tests.log`` are written to ``--out`` after each part, so a run cut short
-keeps what it measured. A missing package or no accelerator: one line on
-stderr and exit status 2. ``--cpu`` runs on the CPU (no tests: CI runs
-them there); ``--quick`` at smoke-test sizes, 2 windows and one test
-(``QUICK_TESTS``); ``--short`` with micro-batches of 2 x 64 tokens.
+then the table of ``METHODS`` on the memory-bound MLP and GPT-2 small,
+float32 and mixed, with each program's compiled conditionals, one open
+micro-step of each method profiled, and the dispatch check
+(:func:`run_benchmarks`); issue 46's targets judged on an accelerator
+(:func:`targets`), printed first (after the tests' verdict where they
+failed). ``results.json``, ``results.md`` and ``tests.log`` are written
+to ``--out`` after each part, so a run cut short keeps what it measured.
+A missing package or no accelerator: one line on stderr and exit status
+2. ``--cpu`` runs on the CPU (no tests: CI runs them there); ``--quick``
+at smoke-test sizes, 2 windows, k = 2 and one test (``QUICK_TESTS``);
+``--short`` with GPT-2's micro-batches of 2 x 64 tokens.
 
 Tests that do not all pass are loud (:func:`tests_verdict`): the first
 line of stdout and of ``results.md`` says so (``FAILED: 60 of 237
-exactness tests failed (tests.log)``), the failed tests follow it, the
-benchmarks still run, the line is printed again last, and the exit status
-is 1. ``--tests`` runs other tests (a rerun of the failed ones) and
-``--skip-benchmarks`` only the tests.
+exactness tests failed (tests.log)``), the targets and the failed tests
+follow it, the benchmarks still run, the line is printed again last, and
+the exit status is 1 (the targets do not change it). ``--tests`` runs
+other tests (a rerun of the failed ones) and ``--skip-benchmarks`` only
+the tests.
 """
 
 import argparse
@@ -48,6 +53,7 @@ import sys
 import time
 
 from benchmarks import common
+from benchmarks import targets as gpu_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -60,9 +66,20 @@ METHODS = (
   'tokacc_chain',
   'tokacc_flax',
 )
-MODELS = ('gpt2', 'gpt2_bf16')
-KS = (4, 8)
-MAX_WINDOWS, WARMUP = 10, 1
+# The memory-bound MLP (33.6M parameters, a micro-batch of MLP_BATCH rows
+# but at --quick) and GPT-2 small, each in float32 and mixed precision.
+MODELS = ('mlp', 'mlp_bf16', 'gpt2', 'gpt2_bf16')
+MLP_BATCH = 64
+# k of each model (--k: the same k for all). GPT-2 small at k = 8 does not
+# fit in the budget beside the rest: a second call (README).
+KS = {'mlp': (4, 8), 'mlp_bf16': (4, 8), 'gpt2': (4,), 'gpt2_bf16': (4,)}
+# Windows timed at most (after WARMUP), per family (--quick: 2); a window
+# of the MLP takes ~2 ms on an H200, GPT-2 small's ~250 ms.
+WINDOWS = {'mlp': 40, 'gpt2': 10}
+WARMUP = 1
+# Seconds a section takes on an H200 (set-up, most of it compiling), until
+# one of its family is measured: how the budget is shared out.
+EXPECTED_S = {'mlp': 20.0, 'gpt2': 110.0}
 DISPATCH_METHODS = ('ideal', 'tokacc_device', 'tokacc_host')
 # Exactness on one device: the tests that need no mesh of several devices
 # and read no CPU-specific compiled program (a test on several devices names
@@ -122,7 +139,11 @@ def parse_args(argv=None):
   parser.add_argument(
     '--models', default=','.join(MODELS), help='a rerun of some: gpt2_bf16'
   )
-  parser.add_argument('--k', default=None, help='default 4,8 (--quick: 2)')
+  parser.add_argument(
+    '--k',
+    default=None,
+    help='for every model (default: the MLP 4,8, GPT-2 small 4; --quick: 2)',
+  )
   parser.add_argument('--skip-tests', action='store_true')
   parser.add_argument(
     '--tests',
@@ -143,10 +164,19 @@ def parse_args(argv=None):
   args.setting = 'quick' if args.quick else 'short' if args.short else 'full'
   try:
     args.models = common.parse_names(args.models, MODELS, 'model')
-    args.ks = common.parse_ks(args.k) if args.k else (2,) * args.quick or KS
+    ks = common.parse_ks(args.k) if args.k else (2,) * args.quick
   except ValueError as e:
     parser.error(str(e))
+  args.sections = sections(args.models, ks)
   return args
+
+
+def sections(model_names, ks=()):
+  """``(model, k)`` in the order they run: every model's first k before
+  any model's second (the budget cuts the last), each k in ``MODELS``'
+  order; ``ks``, else each model's ``KS``."""
+  chosen = [(m, k) for m in model_names for k in ks or KS[m]]
+  return sorted(chosen, key=lambda pair: pair[1])
 
 
 def _first_line(error):
@@ -312,37 +342,96 @@ def header(args, device, argv):
     'xla_flags': os.environ.get('XLA_FLAGS', ''),
     'budget_s': args.budget_s,
     'setting': args.setting,
+    'platform': device.platform,
     'rows': [],
+    'open_micro_steps': [],
     'errors': [],
   }
 
 
 def write(folder, results):
-  """``results.json`` and ``results.md`` in ``folder``."""
+  """``results.json`` and ``results.md`` in ``folder``: the tests'
+  verdict first where they failed, then the targets (once the benchmarks
+  have started), then the tables."""
   from benchmarks import report  # noqa: PLC0415 - after preflight
 
+  if 'sections' in results:
+    results['targets'] = gpu_targets.targets(results)
   with open(os.path.join(folder, 'results.json'), 'w') as f:
     json.dump(results, f, indent=1)
   verdict = tests_verdict(results.get('tests', {}))
   with open(os.path.join(folder, 'results.md'), 'w') as f:
     if verdict:  # the first line
       f.write(f'{verdict}\n\n')
+    if 'targets' in results:
+      f.write('\n'.join(results['targets']['lines']) + '\n\n')
     f.write(report.markdown(results, DISPATCH_METHODS))
 
 
-def section(model_name, k, setting, deadline, windows):
-  """Rows of one model and k, and its trainers (still holding their
-  state, for the dispatch check)."""
+def print_summary(results, verdict):
+  """On stdout, after the tests' verdict (printed as they ended): the
+  targets, the failed tests, the tables."""
+  from benchmarks import report  # noqa: PLC0415 - after preflight
+
+  for line in results.get('targets', {}).get('lines', []):
+    print(line)
+  for line in results['tests'].get('failed', []) if verdict else ():
+    print(line)
+  if results['rows']:
+    print()
+    print('\n'.join(report.markdown_tables(results, DISPATCH_METHODS)))
+  for error in results['errors']:
+    print(f'Error: {error}')
+  sys.stdout.flush()
+
+
+def build_model(model_name, setting, k):
+  """The model at the sizes of ``setting`` (``models.SIZES``), the MLP
+  with micro-batches of ``MLP_BATCH`` rows but at smoke-test sizes."""
   from benchmarks import models  # noqa: PLC0415 - after preflight
-  from benchmarks import timing  # noqa: PLC0415
+
+  sizes = dict(models.SIZES[setting][model_name])
+  if gpu_targets.family(model_name) == 'mlp' and setting != 'quick':
+    sizes['batch_size'] = MLP_BATCH
+  return models.MODELS[model_name](k=k, **sizes)
+
+
+def conditionals(compiled):
+  """label -> the conditionals of that compiled program (its HLO read by
+  ``tests/hlo.py``), or why it could not be read."""
+  from tests import hlo  # noqa: PLC0415 - after preflight
+
+  out = {}
+  for label, program in compiled.items():
+    try:
+      out[label] = hlo.compiled_opcodes(program.as_text())['conditional']
+    except Exception as e:  # noqa: BLE001 - reported in its row
+      out[label] = f'not read: {_first_line(e)[:100]}'
+  return out
+
+
+def section(model_name, k, setting, deadline, profile=False):
+  """Rows of one model and k, its trainers (still holding their state,
+  for the dispatch check), and with ``profile`` the device's events of
+  one open micro-step of each method (else None)."""
+  from benchmarks import timing  # noqa: PLC0415 - after preflight
   from benchmarks import trainers  # noqa: PLC0415
 
-  case = trainers.make_case(models.build(model_name, setting, k), k)
+  case = trainers.make_case(build_model(model_name, setting, k), k)
+  windows = 2 if setting == 'quick' else WINDOWS[gpu_targets.family(model_name)]
   rows, built = timing.measure(case, METHODS, windows, WARMUP, deadline)
   for row in rows:
-    row['setup_s'] = built[row['method']].setup_s
+    trainer = built[row['method']]
+    row['setup_s'] = trainer.setup_s
     row['windows_timed'] = len(row['window_times_s'])
-  return rows, built
+    row['conditionals'] = conditionals(trainer.compiled)
+  open_steps = None
+  if profile:
+    index = windows + WARMUP  # a window after the timed ones
+    open_steps = timing.profile_open_micro_steps(
+      built, index, case.model.params
+    )
+  return rows, built, open_steps
 
 
 def dispatch_check(built, k, index):
@@ -361,36 +450,69 @@ def dispatch_check(built, k, index):
   return out
 
 
+def _share(left, todo, took):
+  """Seconds of ``left`` for the first section of ``todo``, in proportion
+  to what each section of its family took (``took``), else is expected
+  to take (``EXPECTED_S``)."""
+  costs = [
+    took.get(gpu_targets.family(m), EXPECTED_S[gpu_targets.family(m)])
+    for m, _ in todo
+  ]
+  return left * costs[0] / sum(costs)
+
+
+def run_section(args, results, pair, deadline, dispatch):
+  """One section's rows, conditionals, open micro-step profile (the
+  first section of each model) and dispatch check (when ``dispatch``)."""
+  model_name, k = pair
+  profile = all(e['model'] != model_name for e in results['open_micro_steps'])
+  rows, built, open_steps = section(
+    model_name, k, args.setting, deadline, profile
+  )
+  results['rows'] += rows
+  if open_steps is not None:
+    entry = {'model': model_name, 'k': k, 'methods': open_steps}
+    results['open_micro_steps'].append(entry)
+  if dispatch:
+    results['dispatch'] = dispatch_check(built, k, 1)
+  return sum(row['setup_s'] for row in rows)
+
+
+def _skip(results, error):
+  results['errors'].append(error)
+  print(f'device_check: {error}', flush=True, file=sys.stderr)
+
+
 def run_benchmarks(args, results, deadline):
-  """Every section, windows fitted to ``deadline``; results written after
-  each section."""
-  windows = 2 if args.quick else MAX_WINDOWS
-  sections = [(m, k) for m in args.models for k in args.ks]
-  dispatch_at = (args.models[0], args.ks[-1])
+  """Every section, its windows fitted to ``deadline``; a section whose
+  family's set-up would not fit any more is skipped (never at --quick);
+  results written after each section."""
+  todo = list(args.sections)
+  results['sections'] = [list(pair) for pair in todo]
+  # The dispatch check: with GPT-2 small's first section, else the first.
+  dispatch_at = next(
+    (p for p in todo if gpu_targets.family(p[0]) == 'gpt2'), todo[0]
+  )
   reserve = min(60.0, 0.1 * args.budget_s)  # the dispatch check
-  longest_setup = 0.0  # a section not expected to fit is skipped
-  for done, (model_name, k) in enumerate(sections):
-    now = time.perf_counter()
-    share = (deadline - reserve - now) / (len(sections) - done)
-    if share < 1.5 * longest_setup and not args.quick:  # CI runs it all
-      error = f'{model_name}, k={k}: skipped, {share:.0f} s left of --budget-s'
-      results['errors'].append(error)
-      print(f'device_check: {error}', flush=True)
+  took, setup = {}, {}  # family -> seconds of its last section, set-up
+  while todo:
+    pair = todo.pop(0)
+    name, now = gpu_targets.family(pair[0]), time.perf_counter()
+    left = deadline - reserve - now
+    share = _share(left, [pair, *todo], took)
+    if left < 1.2 * setup.get(name, 0.0) and not args.quick:
+      _skip(results, f'{pair[0]}, k={pair[1]}: skipped, {left:.0f} s left')
       continue
-    print(f'{model_name}, k={k}: {share:.0f} s', flush=True)
-    built = None
+    print(f'{pair[0]}, k={pair[1]}: {share:.0f} s', flush=True, file=sys.stderr)
     try:
-      rows, built = section(model_name, k, args.setting, now + share, windows)
-      longest_setup = max(longest_setup, sum(r['setup_s'] for r in rows))
-      results['rows'] += rows
-      if (model_name, k) == dispatch_at:
-        results['dispatch'] = dispatch_check(built, k, windows + WARMUP)
-        reserve = 0.0
+      setup[name] = run_section(
+        args, results, pair, now + share, pair == dispatch_at
+      )
     except Exception as e:  # noqa: BLE001 - reported, the next section runs
-      error = f'{model_name}, k={k}: {common.describe_error(e)}'
-      results['errors'].append(error)
-      print(f'device_check: {error}', flush=True)
-    built = None
+      _skip(results, f'{pair[0]}, k={pair[1]}: {common.describe_error(e)}')
+    if pair == dispatch_at:
+      reserve = 0.0
+    took[name] = time.perf_counter() - now
     gc.collect()
     write(args.out, results)
 
@@ -408,7 +530,7 @@ def main(argv=None):
     results['tests'] = {'skipped': why}
   else:
     seconds = min(180.0, 0.4 * args.budget_s)
-    # on stderr: stdout's first line is the tests' verdict
+    # on stderr: stdout's first line is the tests' verdict, or the targets
     print(
       f'tests on {device.platform}, at most {seconds:.0f} s',
       flush=True,
@@ -416,14 +538,16 @@ def main(argv=None):
     )
     results['tests'] = run_tests(args, device, seconds)
     verdict = results['tests']['verdict'] = tests_verdict(results['tests'])
-    print(verdict or results['tests']['summary'], flush=True)
-    for line in results['tests']['failed'] if verdict else ():
-      print(line, flush=True)
+    if verdict:  # stdout's first line
+      print(verdict, flush=True)
+    else:
+      print(results['tests']['summary'], flush=True, file=sys.stderr)
   write(args.out, results)
   if not args.skip_benchmarks:
     run_benchmarks(args, results, deadline)
   results['wall_s'] = time.perf_counter() - start
   write(args.out, results)
+  print_summary(results, tests_verdict(results['tests']))
   print(f'wrote {args.out}/results.json and results.md', flush=True)
   return results
 

@@ -237,14 +237,20 @@ def print_table(rows, file=None):
       )
 
 
+def _conditionals(row):
+  """The compiled conditionals of each program of the row."""
+  counts = row.get('conditionals', {})
+  return ', '.join(f'{label} {n}' for label, n in counts.items())
+
+
 def _markdown_rows(rows):
   """``device_check.py``'s per-window table."""
   lines = [
     '| model | k | method | ms / micro-step | / ideal | ms / window | '
-    '/ ideal | / MultiSteps | temp / param bytes | set-up s | compile s | '
-    'windows | max\\|dp\\| |',
-    '| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | '
-    '--- | ---: | ---: |',
+    '/ ideal | / MultiSteps | conditionals | temp / param bytes | set-up s | '
+    'compile s | windows | max\\|dp\\| |',
+    '| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: '
+    '| --- | ---: | ---: |',
   ]
   for row in rows:
     temps = ', '.join(
@@ -257,11 +263,60 @@ def _markdown_rows(rows):
       f'{_ms(row["median_micro_step_s"])} | '
       f'{_x(row["micro_step_ratio_to_ideal"])} | '
       f'{_ms(row["median_window_s"])} | {_x(row["ratio_to_ideal"])} | '
-      f'{_x(row["ratio_to_multisteps"])} | {temps} | '
+      f'{_x(row["ratio_to_multisteps"])} | {_conditionals(row)} | {temps} | '
       f'{row["setup_s"]:.1f} | {compile_s} | {row["windows_timed"]} | '
       f'{_diff(row)} |'
     )
   return lines
+
+
+def _copies(summary):
+  """A profile summary's memory copies, and how many are parameter-sized."""
+  sized = summary['memcpy_parameter_sized']
+  return f'{summary["memcpy"]}', '?' if sized is None else f'{sized}'
+
+
+def _open_step_lines(entry):
+  """One model's open micro-step, a row per method; one line where the
+  profile gave no figures (a CPU: no device plane)."""
+  methods = entry['methods']
+  where = f'{entry["model"]}, k={entry["k"]}'
+  if not any('device_us' in summary for summary in methods.values()):
+    notes = sorted(
+      {s.get('note') or s.get('error', 'no figure') for s in methods.values()}
+    )
+    return [f'- {where}: {"; ".join(notes)}']
+  lines = []
+  for name, summary in methods.items():
+    if 'device_us' not in summary:
+      reason = summary.get('note') or summary.get('error')
+      lines.append(f'| {where} | {name} | {reason} | | | | | |')
+      continue
+    longest = '; '.join(
+      f'{e["name"][:40]} x{e["count"]} {e["us"]:.0f}'
+      for e in summary['longest'][:4]
+    )
+    copies, sized = _copies(summary)
+    lines.append(
+      f'| {where} | {name} | {summary["kernels"]} | '
+      f'{summary["device_us"]:.1f} | {_x(summary.get("ratio_to_ideal"))} | '
+      f'{copies} | {sized} | {longest} |'
+    )
+  return lines
+
+
+def _markdown_open_steps(entries):
+  """``device_check.py``'s open micro-step: each method's device events
+  of one call that does not close the window, against the ideal's."""
+  lines = [
+    '| model | method | kernels | device us | / ideal | memcpy | '
+    'parameter-sized memcpy | longest (us) |',
+    '| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |',
+  ]
+  body = [line for entry in entries for line in _open_step_lines(entry)]
+  table = [line for line in body if line.startswith('|')]
+  notes = [line for line in body if not line.startswith('|')]
+  return (lines + table if table else []) + notes
 
 
 def _markdown_dispatch(dispatch, names):
@@ -292,9 +347,22 @@ def _markdown_dispatch(dispatch, names):
   return lines
 
 
+def markdown_tables(results, dispatch_names):
+  """``device_check.py``'s tables: per window, the open micro-step, the
+  dispatch check of ``dispatch_names``."""
+  lines = _markdown_rows(results['rows'])
+  if results.get('open_micro_steps'):
+    lines += ['', '## One open micro-step, its device events', '']
+    lines += _markdown_open_steps(results['open_micro_steps'])
+  if 'dispatch' in results:
+    lines += ['', '## Dispatch (device-decided step)', '']
+    lines += _markdown_dispatch(results['dispatch'], dispatch_names)
+  return lines
+
+
 def markdown(results, dispatch_names):
   """``device_check.py``'s results as Markdown: the run, the tests, the
-  table, the dispatch check of ``dispatch_names`` and the errors."""
+  tables (:func:`markdown_tables`) and the errors."""
   machine = results['machine']
   tests = results.get('tests', {})
   lines = [
@@ -308,11 +376,8 @@ def markdown(results, dispatch_names):
     f'Tests: {tests.get("skipped") or tests.get("summary", "not run")}',
     *[f'- {line}' for line in tests.get('failed', [])],
     '',
-    *_markdown_rows(results['rows']),
+    *markdown_tables(results, dispatch_names),
   ]
-  if 'dispatch' in results:
-    lines += ['', '## Dispatch (device-decided step)', '']
-    lines += _markdown_dispatch(results['dispatch'], dispatch_names)
   lines += [f'\nError: {error}' for error in results['errors']]
   return '\n'.join(lines) + '\n'
 

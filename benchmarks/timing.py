@@ -29,12 +29,16 @@ call returns once its program is queued, so a host that queues calls
 without blocking spends a small part of their device time, unless a
 conditional whose predicate the host must read (XLA copies it to the host
 unless the device runs the branch itself) makes each call wait for the
-work before it.
+work before it. :func:`profile_open_micro_step` reads the device's
+events of one open (not closing) micro-step: its kernels, their time and
+its memory copies.
 """
 
 import collections
 import glob
 import os
+import re
+import shutil
 import tempfile
 import time
 from typing import NamedTuple
@@ -186,11 +190,142 @@ def profile(trainer, index, top=8):
       trainer.run_micro_steps(index)
       trainer.run_closing_step(index)
       trainer.block()
-    paths = glob.glob(os.path.join(folder, '**', '*.xplane.pb'), recursive=True)
-    from jax.profiler import ProfileData  # noqa: PLC0415 - newer JAX only
-
-    data = ProfileData.from_file(paths[0])
-    planes = [_plane_summary(plane, top) for plane in data.planes]
+    planes = [_plane_summary(plane, top) for plane in _read_planes(folder)]
   except Exception as e:  # noqa: BLE001 - a profile is a bonus
     return {'error': f'{type(e).__name__}: {str(e)[:200]}'}
   return {'planes': [plane for plane in planes if plane['events']]}
+
+
+# Lines of a device plane that the profiler derives from its streams'
+# events (each event again): not counted.
+_DERIVED_LINES = (
+  'XLA Modules',
+  'XLA Ops',
+  'XLA TraceMe',
+  'Steps',
+  'Framework Name Scope',
+  'Framework Ops',
+  'Source code',
+  'Launch Stats',
+)
+
+
+def _read_planes(folder):
+  """The planes of the one trace written under ``folder``."""
+  paths = glob.glob(os.path.join(folder, '**', '*.xplane.pb'), recursive=True)
+  from jax.profiler import ProfileData  # noqa: PLC0415 - newer JAX only
+
+  return list(ProfileData.from_file(paths[0]).planes)
+
+
+def _device_events(plane):
+  """The events of a device plane's streams (kernels and copies)."""
+  lines = [line for line in plane.lines if line.name not in _DERIVED_LINES]
+  streams = [line for line in lines if line.name.lower().startswith('stream')]
+  return [event for line in streams or lines for event in line.events]
+
+
+def copy_bytes(event):
+  """The bytes a memory copy moves, from its stats (CUPTI's
+  ``memcpy_details``: ``... size:N ...``), or None where none says."""
+  for name, value in event.stats:
+    if isinstance(value, str) and 'size:' in value:
+      found = re.search(r'size:\s*(\d+)', value)
+      if found:
+        return int(found.group(1))
+    if name in ('bytes', 'size', 'num_bytes') and isinstance(value, int):
+      return value
+  return None
+
+
+def kernel_summary(plane, sizes, top=12):
+  """One device plane's events: kernels, their total time, the memory
+  copies and how many of them move a buffer of a parameter's size
+  (``sizes``: bytes), of those whose size is readable (None where none
+  is: then nobody knows)."""
+  events = _device_events(plane)
+  copies = [e for e in events if 'memcpy' in e.name.lower()]
+  moved = [n for n in map(copy_bytes, copies) if n is not None]
+  totals = collections.Counter()
+  counts = collections.Counter()
+  for event in events:
+    totals[event.name] += event.duration_ns
+    counts[event.name] += 1
+  readable = bool(moved) or not copies
+  return {
+    'plane': plane.name,
+    'lines': sorted({line.name for line in plane.lines})[:20],
+    'events': len(events),
+    'kernels': len(events) - len(copies),
+    'device_us': sum(totals.values()) / 1e3,
+    'memcpy': len(copies),
+    'memcpy_size_unknown': len(copies) - len(moved),
+    'memcpy_bytes': sum(moved) if readable else None,
+    'memcpy_parameter_sized': (
+      sum(n in sizes for n in moved) if readable else None
+    ),
+    'longest': [
+      {'name': name[:120], 'count': counts[name], 'us': total / 1e3}
+      for name, total in totals.most_common(top)
+    ],
+  }
+
+
+def parameter_sizes(params):
+  """The bytes of each parameter large enough to matter (at least 1/1000
+  of them all), in its dtype and in float32 (the accumulator's)."""
+  leaves = jax.tree.leaves(params)
+  least = sum(x.nbytes for x in leaves) / 1000
+  sizes = {n for x in leaves for n in (x.nbytes, 4 * x.size) if n >= least}
+  return sorted(sizes)
+
+
+def _device_plane_summary(planes, sizes):
+  device = [plane for plane in planes if plane.name.startswith('/device:')]
+  if not device:
+    names = ', '.join(plane.name for plane in planes) or 'none'
+    return {'note': f'no device plane in the profile (planes: {names})'}
+  return kernel_summary(device[0], sizes)
+
+
+def profile_open_micro_step(trainer, index, sizes):
+  """The device's events of one open micro-step of ``trainer``: window
+  ``index``'s last micro-step that does not close it, run alone under
+  ``jax.profiler.trace`` (the ones before it first, the closing step
+  after it, so the window stays whole). :func:`kernel_summary` of the
+  first device plane, ``{'note': ...}`` where the profile has none (a
+  CPU), ``{'error': ...}`` where it cannot be read."""
+  window = trainer.windows[index % len(trainer.windows)]
+  *before, open_batch = window.micro_batches[:-1]
+  for batch in before:
+    trainer.carry = trainer.micro_step(trainer.carry, batch)
+  trainer.block()
+  folder = tempfile.mkdtemp(prefix='device_check_open_step_')
+  try:
+    with jax.profiler.trace(folder):
+      trainer.carry = trainer.micro_step(trainer.carry, open_batch)
+      trainer.block()
+    summary = _device_plane_summary(_read_planes(folder), set(sizes))
+  except Exception as e:  # noqa: BLE001 - reported in its row
+    summary = {'error': f'{type(e).__name__}: {str(e)[:200]}'}
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
+  trainer.run_closing_step(index)
+  trainer.block()
+  return summary
+
+
+def profile_open_micro_steps(built, index, params):
+  """:func:`profile_open_micro_step` of each trainer of ``built``, with
+  each one's device time over the ideal's (``ratio_to_ideal``)."""
+  sizes = parameter_sizes(params)
+  out = {
+    name: profile_open_micro_step(trainer, index, sizes)
+    for name, trainer in built.items()
+    if trainer.micro_step is not None
+  }
+  ideal = out.get('ideal', {}).get('device_us')
+  for summary in out.values():
+    if 'device_us' in summary:
+      summary['ratio_to_ideal'] = report.ratio(summary['device_us'], ideal)
+  return out

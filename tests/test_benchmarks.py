@@ -90,7 +90,9 @@ PATTERNS = {
 # run on one core), which the load does not inflate as it does the wall
 # time (here 2-8x the CPU time): run.py --quick --devices 4, 226 CPU s
 # (245 s wall); the explicit methods at quick sizes on 4 devices, 36.5 CPU
-# s (272 s wall); device_check.py --cpu --quick, 79.5 CPU s (395 s wall).
+# s (272 s wall); device_check.py --cpu --quick, 79.5 CPU s (395 s wall;
+# with the MLP, the open micro-steps and the conditionals since issue 46:
+# 136 CPU s, 141 s wall at load average 4).
 # On jax 0.10.2 this whole file took 509 CPU s, of which about 380 the
 # quick run (1077 s wall at load average 19).
 QUICK_RUN_LIMIT_S = 2000
@@ -423,10 +425,27 @@ DEVICE_CHECK_METHODS = (
 )
 
 
+DEVICE_CHECK_MODELS = ('mlp', 'mlp_bf16', 'gpt2', 'gpt2_bf16')
+# The lines of the targets, after their heading (issue 46, item 4).
+DEVICE_CHECK_TARGETS = (
+  'GPT-2 small float32: every method of ours <= 1.01x the ideal per window',
+  'GPT-2 small bf16: every method of ours <= 1.01x the ideal per window',
+  'MLP float32: every method of ours <= 1.05x the ideal per window',
+  'MLP mixed (bf16 parameters, f32 accumulator): every method of ours <= '
+  '1.05x the ideal per window',
+  'MLP float32 and mixed: optax.MultiSteps slower per window than every '
+  'method of ours',
+  "open micro-step: every method of ours <= 1.05x the ideal's kernel time, "
+  'no memcpy of a parameter-sized buffer',
+)
+CPU_TARGETS = 'TARGETS: CPU run: targets are for a GPU, not judged (issue 46)'
+
+
 @pytest.fixture(scope='module')
 def device_check_results(tmp_path_factory):
   """``python -m benchmarks.device_check --cpu --quick``: what a lent
-  accelerator runs, at smoke-test sizes on the CPU, so that it cannot rot."""
+  accelerator runs, at smoke-test sizes on the CPU, so that it cannot rot.
+  Its results, ``results.md`` and stdout."""
   out = tmp_path_factory.mktemp('device_check')
   result = run_script(
     'device_check',
@@ -438,11 +457,12 @@ def device_check_results(tmp_path_factory):
   )
   assert result.returncode == 0, result.stdout + result.stderr
   markdown = (out / 'results.md').read_text()
-  return json.loads((out / 'results.json').read_text()), markdown
+  results = json.loads((out / 'results.json').read_text())
+  return results, markdown, result.stdout
 
 
 def test_device_check_records_the_run(device_check_results):
-  results, markdown = device_check_results
+  results, markdown, _ = device_check_results
   machine = results['machine']
   assert machine['device'].startswith('cpu') and machine['jax']
   assert 'benchmarks.device_check --cpu --quick' in results['command']
@@ -452,12 +472,14 @@ def test_device_check_records_the_run(device_check_results):
   assert results['command'] in markdown and machine['jax'] in markdown
 
 
-def test_device_check_measures_gpt2(device_check_results):
-  results, markdown = device_check_results
+def test_device_check_measures_both_models(device_check_results):
+  """The memory-bound MLP and GPT-2 small's layout, float32 and mixed,
+  every method; the dispatch check."""
+  results, markdown, _ = device_check_results
   rows = results['rows']
   assert {(row['model'], row['method']) for row in rows} == {
     (model, method)
-    for model in ('gpt2', 'gpt2_bf16')
+    for model in DEVICE_CHECK_MODELS
     for method in DEVICE_CHECK_METHODS
   }
   for row in rows:
@@ -475,6 +497,158 @@ def test_device_check_measures_gpt2(device_check_results):
       <= (dispatch['device_s_per_micro_batch'])
     )
   assert 'profile_tokacc_device' in results['dispatch']
+
+
+def test_device_check_counts_compiled_conditionals(device_check_results):
+  """Each compiled program's conditionals, in the row and the table:
+  none in the ideal's two programs nor in the host's (close is static)."""
+  results, markdown, _ = device_check_results
+  for row in results['rows']:
+    counts = row['conditionals']
+    assert set(counts) == set(row['memory']), row
+    assert all(isinstance(n, int) and n >= 0 for n in counts.values()), row
+    if row['method'] in ('ideal', 'tokacc_host'):
+      assert not any(counts.values()), row
+    cell = ', '.join(f'{label} {n}' for label, n in counts.items())
+    assert f'| {_x(row["ratio_to_multisteps"])} | {cell} |' in markdown, row
+
+
+def _x(value):
+  return f'{value:.2f}x'
+
+
+def test_device_check_profiles_an_open_micro_step(device_check_results):
+  """One open micro-step of each method on each model: its device
+  events against the ideal's, or, on a CPU, a note that the profile has
+  no device plane (never made-up figures)."""
+  results, markdown, _ = device_check_results
+  entries = results['open_micro_steps']
+  assert [entry['model'] for entry in entries] == list(DEVICE_CHECK_MODELS)
+  assert '## One open micro-step, its device events' in markdown
+  for entry in entries:
+    assert set(entry['methods']) == set(DEVICE_CHECK_METHODS), entry
+    for name, summary in entry['methods'].items():
+      if 'note' in summary:
+        assert summary['note'].startswith('no device plane'), summary
+        assert f'- {entry["model"]}, k={entry["k"]}: no device plane' in (
+          markdown
+        )
+        continue
+      assert 'error' not in summary, summary
+      assert summary['kernels'] > 0 and summary['device_us'] > 0, summary
+      assert summary['ratio_to_ideal'] > 0 and summary['memcpy'] >= 0
+      assert f'| {entry["model"]}, k={entry["k"]} | {name} |' in markdown
+
+
+def test_device_check_summarizes_the_targets_first(device_check_results):
+  """The targets' verdict lines open stdout and results.md (the tests
+  passed); on a CPU they say that they are not judged."""
+  results, markdown, stdout = device_check_results
+  lines = stdout.splitlines()
+  targets = results['targets']
+  assert not targets['judged'] and targets['lines'][0] == CPU_TARGETS
+  assert lines[: len(targets['lines'])] == targets['lines'], stdout
+  assert markdown.splitlines()[: len(targets['lines'])] == targets['lines']
+  assert len(targets['lines']) == 1 + len(DEVICE_CHECK_TARGETS)
+  for line, text in zip(targets['lines'][1:], DEVICE_CHECK_TARGETS):
+    assert line.startswith(f'- not judged: {text}: '), line
+  assert 'not measured' not in ''.join(targets['lines'][1:-1]), targets
+  profile = targets['lines'][-1]
+  assert 'no device plane' in profile or ' worst ' in profile, profile
+
+
+def _profile(ratio, sized=0):
+  return {
+    'device_us': 100.0 * ratio,
+    'ratio_to_ideal': ratio,
+    'memcpy': 1,
+    'memcpy_parameter_sized': sized,
+  }
+
+
+def test_device_check_judges_the_targets_on_an_accelerator():
+  """On an accelerator each target is PASS, FAIL or NOT MEASURED, from
+  the rows and the open micro-steps (synthetic figures here)."""
+  targets = import_benchmark('targets')
+
+  def row(model, method, ratio, to_multisteps):
+    return {
+      'model': model,
+      'k': 4,
+      'method': method,
+      'ratio_to_ideal': ratio,
+      'ratio_to_multisteps': to_multisteps,
+    }
+
+  rows = [row('gpt2', name, 1.005, 0.99) for name in targets.OURS]
+  rows.append(row('gpt2_bf16', 'tokacc_device', 1.02, 1.0))
+  rows += [
+    row('mlp', 'tokacc_host', 1.04, 0.9),
+    row('mlp', 'multisteps', 1.2, 1),
+  ]
+  rows.append(row('mlp', 'tokacc_device', 1.01, 1.01))  # slower: MultiSteps
+  methods = {
+    'ideal': _profile(1.0),
+    'tokacc_host': _profile(1.03),
+    'tokacc_device': _profile(1.04, sized=8),
+  }
+  open_steps = [{'model': 'mlp', 'k': 4, 'methods': methods}]
+  results = {
+    'rows': rows,
+    'open_micro_steps': open_steps,
+    'platform': 'gpu',
+    'machine': {'device': 'gpu NVIDIA H200'},
+  }
+  lines = targets.targets(results)['lines']
+  assert lines[0].startswith('TARGETS: 2 met, 3 missed, 1 not measured, of 6')
+  marks = [line.split(':')[0] for line in lines[1:]]
+  expected = ['PASS', 'FAIL', 'PASS', 'NOT MEASURED', 'FAIL', 'FAIL']
+  assert marks == [f'- {mark}' for mark in expected], lines
+  assert 'worst tokacc_device 1.020x (k=4' in lines[2]
+  assert 'slowest of ours tokacc_device 1.010x MultiSteps' in lines[5]
+  copies = 'worst tokacc_device 1.040x (mlp); 8 parameter-sized memcpy'
+  assert lines[6].endswith(copies), lines[6]
+
+
+class _Event:
+  def __init__(self, name, ns, stats=()):
+    self.name, self.duration_ns, self.stats = name, ns, stats
+
+
+class _Line:
+  def __init__(self, name, events):
+    self.name, self.events = name, events
+
+
+class _Plane:
+  def __init__(self, lines):
+    self.name, self.lines = '/device:GPU:0', lines
+
+
+def test_device_check_reads_a_device_planes_kernels_and_copies():
+  """A GPU plane's streams: kernel time, memory copies, parameter-sized
+  ones (CUPTI's ``memcpy_details``); its derived lines are not counted
+  again."""
+  timing = import_benchmark('timing')
+  size = 'kind_src:device kind_dst:device size:{} dest:0 src:0 async:1'
+  kernels = [_Event('gemm_fusion_dot', 30_000), _Event('loop_add', 10_000)]
+  copies = [
+    _Event('MemcpyD2D', 2_000, [('memcpy_details', size.format(4096))]),
+    _Event('MemcpyD2D', 1_000, [('memcpy_details', size.format(64))]),
+  ]
+  lines = [_Line('Stream #13(Compute)', kernels + copies)]
+  plane = _Plane([*lines, _Line('XLA Ops', kernels)])  # derived: not again
+  summary = timing.kernel_summary(plane, {4096})
+  assert summary['kernels'] == 2 and summary['memcpy'] == 2, summary
+  assert summary['device_us'] == 43.0 and summary['memcpy_bytes'] == 4160
+  assert summary['memcpy_parameter_sized'] == 1
+  longest = {'name': 'gemm_fusion_dot', 'count': 1, 'us': 30.0}
+  assert summary['longest'][0] == longest, summary
+  unread = _Plane([_Line('Stream #1', [_Event('Memcpy DtoD', 5)])])
+  summary = timing.kernel_summary(unread, {4096})
+  assert summary['memcpy'] == 1 and summary['memcpy_bytes'] is None
+  assert summary['memcpy_size_unknown'] == 1
+  assert summary['memcpy_parameter_sized'] is None, summary
 
 
 def test_device_check_without_an_accelerator_says_so_in_one_line(tmp_path):
