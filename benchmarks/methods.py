@@ -281,6 +281,22 @@ def _no_buffer():
   return _patched(_closing, '_holds_exactly', lambda *args: False)
 
 
+def _kept_conditional():
+  """The device's closing ``cond`` kept by XLA: an optimization barrier
+  in its closing branch is an instruction XLA's conditional simplifier
+  counts as expensive, so it does not turn the ``cond`` into selects (on
+  a GPU the conditional then waits on the host every call: what costs
+  more is for a GPU to measure). An experiment, not an ablation."""
+  from optax_tokacc import _closing  # noqa: PLC0415
+
+  original = _closing._reduce
+
+  def reduce(ctx, window):
+    return jax.lax.optimization_barrier(original(ctx, window))
+
+  return _patched(_closing, '_reduce', reduce)
+
+
 def _ablation(patch):
   def method(case):
     return _programs(case, trainers.OneDevice(), DEVICE, patch=patch)
@@ -291,6 +307,7 @@ def _ablation(patch):
 # Each performance trick, undone: the rows that show what it pays.
 ABLATIONS = {
   'tokacc_no_buffer': _ablation(_no_buffer),
+  'tokacc_device_kept_cond': _ablation(_kept_conditional),
 }
 
 

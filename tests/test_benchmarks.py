@@ -53,6 +53,7 @@ METHODS = (  # in run.py's order
   'ideal_explicit_zero1',
   'tokacc_explicit_zero1',
   'tokacc_no_buffer',
+  'tokacc_device_kept_cond',
 )
 # name -> the hand-written reference its ratios divide by.
 EXPLICIT_METHODS = {

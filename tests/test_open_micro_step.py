@@ -32,8 +32,11 @@ import helpers
 import hlo
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
+import placements
 import pytest
 
 import optax_tokacc as tokacc
@@ -233,3 +236,38 @@ def test_rejected_micro_batches_add_nothing(first):
   )
   _assert_mean_of(first_updates, grads, counts, range(K))
   _assert_mean_of(second, grads, counts, range(K + 1, 2 * K))
+
+
+# Data parallel: the same form where each device holds its share of the
+# window (shard_map with axis_name) and where the types defer the reduction
+# (explicit sharding, DDP and HSDP: the sums typed unreduced).
+
+
+@pytest.mark.parametrize('close', CLOSES.values(), ids=CLOSES)
+def test_shard_map_sums_are_first_read_by_an_add(close):
+  mesh = placements.data_mesh(4)
+  tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name='data')
+  replicated = NamedSharding(mesh, P())
+  params = jax.tree.map(
+    lambda x: helpers.put(x, replicated), helpers.init_params()
+  )
+  state = placements.shard_map_state(tx, params, mesh, 'data')
+  batch = helpers.make_windows((1,), 4)[0][0]
+  data = NamedSharding(mesh, P('data'))
+  batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
+  step = placements.shard_map_step(tx, mesh, 'data', with_emit_now=False)
+  text = step.lower(params, state, batch, close=close).compile().as_text()
+  uses = hlo.first_uses(hlo.parse_hlo(text), 'state.grad_sums')
+  assert all(found == ['add'] for found in uses.values()), uses
+
+
+@pytest.mark.skipif(
+  not placements.supported('explicit_ddp'), reason='explicit types: jax 0.10'
+)
+@pytest.mark.parametrize('layout', ['ddp', 'hsdp'])
+def test_explicit_sums_are_first_read_by_an_add(layout):
+  """The device-decided step (``emit_now`` traced) of the explicit
+  layouts whose sums are typed unreduced."""
+  text = placements.explicit_compiled_text(layout, 'replicated')
+  uses = hlo.first_uses(hlo.parse_hlo(text), 'state.grad_sums')
+  assert all(found == ['add'] for found in uses.values()), uses
