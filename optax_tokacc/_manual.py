@@ -18,7 +18,7 @@ Each device holds its share of the window; the state's per-device fields
 carry a leading slot axis (``Manual.local_state``). A value that
 arrives the same on every device of some data axes (already summed: the
 gradient of a parameter not marked varying, a count the caller summed) is
-held by the first device along them (:meth:`Manual.share`), so that every
+held by the first device along them (:meth:`Manual.share_of`), so that every
 device's slot is a share: the window is summed over the data axes when it
 closes, a gradient never over an axis along which its parameter is sharded
 (each device holds a different shard), and a checkpoint's shares merge by
@@ -235,7 +235,7 @@ def grad_sum_axes(
 
   Never an axis along which the parameter is sharded. A gradient that is
   already invariant over an axis (``shard_map`` autodiff summed it on this
-  micro-step) is held by the first device there (:meth:`Manual.share`)
+  micro-step) is held by the first device there (:meth:`Manual.share_of`)
   and so summed once more, exactly; a warning says how to avoid the
   all-reduce per micro-step.
   Under a mean loss such a gradient is the sum of the devices' means,
@@ -258,7 +258,7 @@ def grad_sum_axes(
   no_params = [frozenset()] * len(grad_leaves)
   for grad, sharded in zip(grad_leaves, param_axes or no_params):
     kept = [a for a in axes if a not in sharded]
-    per_leaf.append(tuple(kept))  # shares (Manual.share): summed over all
+    per_leaf.append(tuple(kept))  # shares (Manual.share_of): summed over all
     summed |= {a for a in kept if a not in varying_axes(grad)}
     outside |= varying_axes(grad) - set(axes) - sharded
   count_outside = varying_axes(count) - set(axes)

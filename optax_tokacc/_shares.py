@@ -18,7 +18,7 @@ An open window is held per device: a slot per device under ``axis_name``
 (``pmap`` stacks every field, ``shard_map`` the per-device ones), partial
 sums typed *unreduced* under explicit sharding, the whole window on one
 device or under ``jax.jit`` over global arrays. Every device's share is a
-share of a sum (``_manual.Manual.share``), so the shares of any number of
+share of a sum (``_manual.Manual.share_of``), so the shares of any number of
 devices merge by summing. :func:`save_state` lays a state's shares out as
 rows (a :class:`~optax_tokacc.SavedState`); :func:`put_back` returns each
 row to its device, on as many devices; :func:`merged` sums the rows into

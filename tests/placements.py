@@ -993,7 +993,7 @@ def _hsdp_shape(n):
 PLACEMENTS = {
   'pmap': _pmap_run,
   'shard_map': _shard_map_run,
-  # gradients of replicated parameters, summed by autodiff (Manual.share)
+  # gradients of replicated parameters, summed by autodiff (Manual.share_of)
   'shard_map_summed': functools.partial(_shard_map_run, mark_varying=False),
   'gspmd': lambda n, make_tx: _jit_run(
     n, make_tx, data_mesh(n), {'w': P('data'), 'v': P('data')}, 'data'
