@@ -19,7 +19,7 @@ value (``_errors``), when ``token_weighted_multistep`` is called.
 """
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -31,19 +31,21 @@ from optax_tokacc import _errors
 
 
 def make(
-  inner: Any,
-  every_k_schedule: Any,
-  axis_name: Any,
-  loss_reduction: Any,
-  accumulator_dtype: Any,
-  compensated: Any,
-  should_skip_update_fn: Any,
-  token_dtype: Any,
-  tokens_per_update: Any,
-  window_norms: Any,
+  *,
+  inner: optax.GradientTransformation,
+  every_k_schedule: Union[int, optax.Schedule],
+  axis_name: Optional[_base.AxisName],
+  loss_reduction: str,
+  accumulator_dtype: Optional[jax.typing.DTypeLike],
+  compensated: bool,
+  should_skip_update_fn: Optional[optax.ShouldSkipUpdateFunction],
+  token_dtype: Optional[jax.typing.DTypeLike],
+  tokens_per_update: Optional[int],
+  window_norms: Union[bool, str],
 ) -> _base.Config:
   """The configuration of ``token_weighted_multistep``'s arguments, each
-  checked and canonicalized."""
+  checked and canonicalized (the annotations say what the user means to
+  pass; each argument is checked, whatever it is)."""
   check_options(inner, should_skip_update_fn, loss_reduction)
   check_axis_name(axis_name)
   norms, leaf_norms = parse_window_norms(window_norms)

@@ -159,16 +159,16 @@ def token_weighted_multistep(
     <https://huggingface.co/blog/gradient_accumulation>`_, 2024.
   """
   config = _config.make(
-    inner,
-    every_k_schedule,
-    axis_name,
-    loss_reduction,
-    accumulator_dtype,
-    compensated,
-    should_skip_update_fn,
-    token_dtype,
-    tokens_per_update,
-    window_norms,
+    inner=inner,
+    every_k_schedule=every_k_schedule,
+    axis_name=axis_name,
+    loss_reduction=loss_reduction,
+    accumulator_dtype=accumulator_dtype,
+    compensated=compensated,
+    should_skip_update_fn=should_skip_update_fn,
+    token_dtype=token_dtype,
+    tokens_per_update=tokens_per_update,
+    window_norms=window_norms,
   )
   return optax.GradientTransformationExtraArgs(
     functools.partial(_init, config), functools.partial(_update, config)
@@ -258,6 +258,7 @@ def _update(
   **extra_args: Any,
 ) -> tuple[optax.Updates, _base.TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory)."""
+  # The inputs, checked once; then the placement; then the state.
   _inputs.state_type(state)
   _inputs.tree(updates, params, 'the parameters')
   _typed_sharding.check_supported(updates, 'Gradients')
@@ -265,13 +266,13 @@ def _update(
     updates, num_tokens, loss
   )
   _inputs.num_tokens(num_tokens, config.token_dtype)
-  place = placement(config, params, state, grads, num_tokens)
-  state = place.local_state(state)
-  _state_checks.state_matches(config, grads, state, params)
   _inputs.loss(loss)
   emit_now = _inputs.emit_now(emit_now)
   _inputs.close(close, emit_now, config.tokens_per_update)
   _inputs.extra_args(extra_args)
+  place = placement(config, params, state, grads, num_tokens)
+  state = place.local_state(state)
+  _state_checks.state_matches(config, grads, state, params)
 
   keep, skip_state = _judge(config, place, grads, state.gradient_step, params)
   micro = _window.micro_batch(config, place, grads, num_tokens, loss, keep)
