@@ -177,8 +177,9 @@ class TokenWeightedMultiStepState(NamedTuple):
       multiplication by zero), so that a micro-step only adds, as the
       hand-written ideal does (0.5.0 left scratch there and restarted on
       the next micro-step; ``from_checkpoint`` zeroes such a checkpoint's
-      sums at a window boundary). Log :func:`window_metrics` instead. (Named ``acc_grads`` before 0.5;
-      that name is a read-only alias now, which warns.)
+      sums at a window boundary). Log :func:`window_metrics` instead.
+      (Named ``acc_grads`` before 0.5; that name is a read-only alias now,
+      which warns.)
     acc_tokens: *per device*. Counted tokens of the current window; -1 once
       the window is invalid (a negative, NaN, fractional or out-of-range
       ``num_tokens``), and such a window is dropped when it closes.
