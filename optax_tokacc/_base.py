@@ -141,15 +141,6 @@ class Reduced(NamedTuple):
   loss: jax.Array  # the token-summed loss
 
 
-class Norms(NamedTuple):
-  """L2 norms of two trees (a window's gradient and its update): ``totals``
-  a float32 vector of the two, and, where asked, ``leaves``: per tree, the
-  norm of each of its leaves (lists of float32 scalars, in leaf order)."""
-
-  totals: jax.Array
-  leaves: tuple = ((), ())
-
-
 class TokenWeightedMultiStepState(NamedTuple):
   """State of :func:`optax_tokacc.token_weighted_multistep`.
 

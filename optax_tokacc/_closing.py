@@ -33,14 +33,16 @@ import optax
 from optax_tokacc import _base
 from optax_tokacc import _compensated
 from optax_tokacc import _inputs
+from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
 from optax_tokacc import _typed_sharding
 from optax_tokacc import _window
 
 
-class Closing(NamedTuple):
-  """What a call gives back once the window is closed or left open."""
+class CallResult(NamedTuple):
+  """What a call gives back once the window is closed or left open (the
+  window's close itself is :class:`~optax_tokacc._base.Closed`)."""
 
   updates: optax.Updates
   window: _base.Window
@@ -93,7 +95,7 @@ def _open(config: _base.Config, window: _base.Window) -> _base.Closed:
     valid=jnp.asarray(True),
     tokens=jnp.zeros([], window.acc_tokens.dtype),
     mean_loss=jnp.zeros([], window.acc_loss.dtype),
-    norms=_window.nan_norms(config, window.grad_sums),
+    norms=_norms.nan(config, window.grad_sums),
   )
 
 
@@ -113,7 +115,7 @@ def _reduce(ctx: Context, window: _base.Window) -> tuple[_Sums, _base.Closed]:
     valid=valid,
     tokens=total,
     mean_loss=mean_loss,
-    norms=_window.nan_norms(config, sums),
+    norms=_norms.nan(config, sums),
   )
   squares = {}
   if config.norms:
@@ -155,9 +157,12 @@ def _step(
     **value,
   )
   new_inner = optax.tree.cast_like(new_inner, opt_state)
-  norms = _window.nan_norms(config, ctx.grads)
+  norms = _norms.nan(config, ctx.grads)
   if config.norms:
-    norms = _norms(ctx, summed, updates)
+    found = place.norms(summed.sums, summed.squares, updates, config.leaf_norms)
+    norms = _norms.of_window(
+      found, summed.divisor, ctx.grads, config.leaf_norms
+    )
   if emitted is not None:
     updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
     new_inner = optax.tree.where(emitted, new_inner, plain_inner)
@@ -166,32 +171,12 @@ def _step(
   return updates, place.typed_like(new_inner, opt_state), norms
 
 
-def _norms(
-  ctx: Context, summed: _Sums, updates: optax.Updates
-) -> _base.WindowNorms:
-  """What ``inner`` got (the window's sums' norms over their count) and
-  gave: the global norms, and each leaf's where the configuration asks."""
-  leaf_norms = ctx.config.leaf_norms
-  found = ctx.place.norms(summed.sums, summed.squares, updates, leaf_norms)
-  per_token = jnp.stack([1 / summed.divisor.astype(jnp.float32), 1.0])
-  totals = found.totals * per_token
-  norms = _base.WindowNorms(grad_norm=totals[0], update_norm=totals[1])
-  if not leaf_norms:
-    return norms
-  structure = jax.tree.structure(ctx.grads)
-  grad_leaves, update_leaves = found.leaves
-  return norms._replace(
-    grad_norms=structure.unflatten([n * per_token[0] for n in grad_leaves]),
-    update_norms=structure.unflatten(update_leaves),
-  )
-
-
 def close_now(
   ctx: Context, window: _base.Window, inner_state: optax.OptState
-) -> Closing:
+) -> CallResult:
   """Closes the window without a conditional (the host decided: ``close=
   True``): the reduction sits in the program beside the backward pass.
-  Returns a :class:`Closing`, as :func:`close_if`."""
+  Returns a :class:`CallResult`, as :func:`close_if`."""
   inner = _inner(ctx, inner_state)
   summed, closed = _reduce(ctx, window)
   updates, new_inner, norms = inner.step(
@@ -199,18 +184,18 @@ def close_now(
   )
   closed = closed._replace(norms=norms)
   window = _window.reset_if(ctx.place, True, window)
-  return Closing(updates, window, new_inner, closed)
+  return CallResult(updates, window, new_inner, closed)
 
 
 def keep_open(
   ctx: Context, window: _base.Window, inner_state: optax.OptState
-) -> Closing:
+) -> CallResult:
   """The window left open (the host decided: ``close=False``): zero
   updates shaped like ``inner``'s (see :func:`_zeros`, ``fold``), and
   no ``inner`` work."""
   shapes = _inner(ctx, inner_state).shapes
   closed = _open(ctx.config, window)
-  return Closing(_zeros(shapes, fold=True), window, inner_state, closed)
+  return CallResult(_zeros(shapes, fold=True), window, inner_state, closed)
 
 
 def close_if(
@@ -218,10 +203,10 @@ def close_if(
   close: jax.Array,
   window: _base.Window,
   inner_state: optax.OptState,
-) -> Closing:
+) -> CallResult:
   """Closes the window if ``close``, in one ``lax.cond``.
 
-  Returns a :class:`Closing`. The updates have the shapes and dtypes of
+  Returns a :class:`CallResult`. The updates have the shapes and dtypes of
   ``inner``'s (``jax.eval_shape``, as in ``optax.MultiSteps``). Everything
   the branches read is an operand, never a closure: a buffer that reaches
   the ``cond`` twice is copied on every micro-step. Where the accumulator's
@@ -247,7 +232,7 @@ def close_if(
 
   def no_step(grad_sums, summed, inner_state, params):
     del params
-    norms = _window.nan_norms(config, summed.sums)
+    norms = _norms.nan(config, summed.sums)
     return (
       _held(place, buffer, inner.shapes, None, grad_sums),
       inner_state,
@@ -277,13 +262,13 @@ def close_if(
     close, closing, accumulating, *ops
   )
   if not buffer:
-    return Closing(held, rest, inner_state, closed)
+    return CallResult(held, rest, inner_state, closed)
   # The buffer held the updates: the next window's zeros are written after
   # they are read, in a select.
   updates = _released(place, held, inner.shapes, closed.emitted)
   grad_sums = _window.reset_if(place, close, held)
   window = rest._replace(grad_sums=grad_sums)
-  return Closing(updates, window, inner_state, closed)
+  return CallResult(updates, window, inner_state, closed)
 
 
 def _rest(window: _base.Window, buffer: bool) -> _base.Window:

@@ -28,6 +28,7 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _errors
+from optax_tokacc import _norms
 
 
 def make(
@@ -48,7 +49,7 @@ def make(
   pass; each argument is checked, whatever it is)."""
   check_options(inner, should_skip_update_fn, loss_reduction)
   check_axis_name(axis_name)
-  norms, leaf_norms = parse_window_norms(window_norms)
+  norms, leaf_norms = _norms.parse(window_norms)
   return _base.Config(
     inner=optax.with_extra_args_support(inner),
     schedule=schedule(every_k_schedule),
@@ -143,19 +144,6 @@ def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
   if not (jnp.issubdtype(found, jnp.floating) or counts and found == jnp.int32):
     raise _errors.refuse(name, kinds, found)
   return jax.dtypes.canonicalize_dtype(found)
-
-
-def parse_window_norms(value: Any) -> tuple[bool, bool]:
-  """``window_norms`` (True, False or ``'per_leaf'``) as the two flags of
-  :class:`~optax_tokacc._base.Config`: the global norms, and each leaf's too."""
-  if isinstance(value, str) and value == 'per_leaf':
-    return True, True
-  if isinstance(value, (bool, np.bool_)):
-    return bool(value), False
-  kinds = "True, False or 'per_leaf'"
-  raise _errors.refuse(
-    'window_norms', kinds, repr(value), _errors.STATIC_ARG_FIX
-  )
 
 
 def check_axis_name(value: Any) -> None:

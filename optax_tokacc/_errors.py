@@ -15,9 +15,11 @@
 """The house style of an error: one sentence that names the argument and
 echoes the bad value, then the fix where it is not obvious (as optax's
 ``reduce_on_plateau``: "Factor must be in the range (0, 1), got factor =
-...")."""
+..."); and of a warning (:func:`warn`), raised at the user's line."""
 
+import sys
 from typing import Any
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,7 @@ import numpy as np
 
 # The fix for a static argument that optax.inject_hyperparams made an array.
 STATIC_ARG_FIX = ' With optax.inject_hyperparams, list it in static_args.'
+_LIBRARIES = ('optax_tokacc', 'optax', 'flax')  # frames warn() skips
 
 
 def refuse(
@@ -57,3 +60,12 @@ def check_scalar(
     raise refuse(name, kinds, typed(value), fix)
   if jnp.shape(value) != ():
     raise refuse(name, kinds, f'shape {jnp.shape(value)}', fix, error)
+
+
+def warn(message: str) -> None:
+  """Warns at the line that calls into the libraries (``tx.update`` in the
+  user's step), however deep in optax or Flax the transform is nested."""
+  frame, level = sys._getframe(1), 2
+  while frame.f_globals.get('__name__', '').split('.')[0] in _LIBRARIES:
+    frame, level = frame.f_back, level + 1
+  warnings.warn(f'token_weighted_multistep: {message}', stacklevel=level)

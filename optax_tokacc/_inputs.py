@@ -19,6 +19,7 @@ value (``_errors``); what cannot be known at trace time (a traced count)
 is handled by the token rules of ``_tokens``.
 """
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import jax
@@ -137,3 +138,20 @@ def needs_value_error(error: TypeError) -> Optional[TypeError]:
     "inner needs value=: pass the micro-batch's loss as loss= to tx.update "
     f'(inner raised: {message}).'
   )
+
+
+def call_skip_fn(
+  should_skip_update_fn: Callable, grads: Any, gradient_step: Any, params: Any
+) -> tuple[jax.Array, Any]:
+  """Calls ``should_skip_update_fn`` and checks what it returns."""
+  result = should_skip_update_fn(grads, gradient_step, params)
+  name = 'should_skip_update_fn(grads, step, params)'
+  if not (isinstance(result, tuple) and len(result) == 2):
+    kinds = 'a pair (should_skip, skip_state), as optax.skip_not_finite gives'
+    raise _errors.refuse(name, kinds, type(result).__name__)
+  skip, skip_state = result
+  fix = ' Reduce it, e.g. with jnp.any(...).'
+  _errors.check_scalar(
+    skip, f'{name}[0]', 'a boolean scalar', (jnp.bool_, jnp.number), fix
+  )
+  return jnp.asarray(skip, jnp.bool_), skip_state

@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
+from optax_tokacc import _errors
+from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
 from optax_tokacc import _typed_sharding
@@ -101,9 +103,6 @@ class Manual(_placement.Placement):
   def global_state(self, state: Any) -> _base.TokenWeightedMultiStepState:
     return _base.map_per_device(lambda x: jnp.asarray(x)[None], state)
 
-  def scalar_zeros(self, dtype: Any) -> jax.Array:
-    return jnp.zeros([], dtype)
-
   def share_of(self, x: jax.Array) -> jax.Array:
     """``x`` as this device's share: where it is the same on every device
     of some data axes (already summed there), held by the first device
@@ -116,17 +115,6 @@ class Manual(_placement.Placement):
 
   def gradient_shares(self, grads: Any) -> Any:
     return jax.tree.map(self.share_of, grads)
-
-  def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
-    return grad * factor
-
-  def on_each_device(self, fn: Callable, args: tuple, like: Any) -> Any:
-    return jax.tree.map(self.retype_same_values, fn(*args), like)
-
-  def skip_decision(
-    self, skip_fn: Callable, grads: Any, gradient_step: Any, params: Any
-  ) -> tuple[jax.Array, Any]:
-    return _placement.call_skip_fn(skip_fn, grads, gradient_step, params)
 
   def _over(self, x: Any) -> tuple[str, ...]:
     """The axes to sum a per-device value over: those it varies over."""
@@ -183,18 +171,18 @@ class Manual(_placement.Placement):
     """Each leaf's squares summed over its shard, per set of manual axes
     it is split over (already in a manual region)."""
     over = self._split_axes(jax.tree.leaves(tree))
-    return _placement.local_squares(tree, over, per_leaf)
+    return _norms.local_squares(tree, over, per_leaf)
 
   def norms(
     self, grads: Any, grad_squares: dict, updates: Any, per_leaf: bool = False
-  ) -> _base.Norms:
+  ) -> _norms.Norms:
     """One ``psum`` of both trees' squares per set of axes (already in a
     manual region)."""
     overs = tuple(
       self._split_axes(jax.tree.leaves(tree)) for tree in (grads, updates)
     )
     squares = (grad_squares, self.squares(updates, per_leaf))
-    return _placement.global_norms(*squares, overs=overs)
+    return _norms.global_norms(*squares, overs=overs)
 
 
 def make_varying(x: jax.Array, axes: frozenset) -> jax.Array:
@@ -288,7 +276,7 @@ def grad_sum_axes(
       f"Differentiate with respect to {pcast}, or pass loss_reduction='sum'."
     )
   if summed:
-    _placement.warn(
+    _errors.warn(
       f'gradients arrive already summed over {sorted(summed)}, an all-reduce'
       f' per micro-step (exact). For one per window, differentiate with '
       f'respect to {pcast}.'

@@ -32,6 +32,7 @@ from optax_tokacc import _closing
 from optax_tokacc import _config
 from optax_tokacc import _inputs
 from optax_tokacc import _manual
+from optax_tokacc import _norms
 from optax_tokacc import _partial_sums
 from optax_tokacc import _placement
 from optax_tokacc import _single
@@ -205,8 +206,8 @@ def _init(
   def zeros(dtype_of):
     return jax.tree.map(lambda p: place.gradient_zeros(p, dtype_of(p)), params)
 
-  nan_norms = _window.nan_norms(config, params)  # no window yet
-  grad_norm, update_norm = _window.stored_norms(nan_norms)
+  nan_norms = _norms.nan(config, params)  # no window yet
+  grad_norm, update_norm = _norms.stored(config, nan_norms)
   state = _base.TokenWeightedMultiStepState(
     mini_step=jnp.zeros([], jnp.int32),
     gradient_step=jnp.zeros([], jnp.int32),
@@ -285,13 +286,13 @@ def _update(
     close = _window.should_close(
       config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now
     )
-    closing = _closing.close_if(ctx, close, window, state.inner_state)
+    result = _closing.close_if(ctx, close, window, state.inner_state)
   elif close:  # the host's decision: no conditional
-    closing = _closing.close_now(ctx, window, state.inner_state)
+    result = _closing.close_now(ctx, window, state.inner_state)
   else:
-    closing = _closing.keep_open(ctx, window, state.inner_state)
-  new_state = _next_state(state, mini_step, close, closing, skip_state)
-  return closing.updates, place.global_state(new_state)
+    result = _closing.keep_open(ctx, window, state.inner_state)
+  new_state = _next_state(config, state, mini_step, close, result, skip_state)
+  return result.updates, place.global_state(new_state)
 
 
 def _mini_step(
@@ -309,23 +310,24 @@ def _mini_step(
 
 
 def _next_state(
+  config: _base.Config,
   state: _base.TokenWeightedMultiStepState,
   mini_step: jax.Array,
   close: Union[bool, jax.Array],
-  closing: _closing.Closing,
+  result: _closing.CallResult,
   skip_state: Any,
 ) -> _base.TokenWeightedMultiStepState:
   """The state after this call: a closed window starts afresh (its sums
   were zeroed where it closed, ``_window.reset_if``)."""
-  closed, emitted = closing.closed, closing.closed.emitted
+  closed, emitted = result.closed, result.closed.emitted
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
-  grad_norm, update_norm = _window.stored_norms(closed.norms)
+  grad_norm, update_norm = _norms.stored(config, closed.norms)
   return _base.TokenWeightedMultiStepState(
     # grad_sums, acc_compensation, acc_tokens, acc_loss
-    **closing.window._asdict(),
+    **result.window._asdict(),
     mini_step=jnp.where(close, jnp.zeros_like(mini_step), mini_step),
     gradient_step=_increment_if(emitted, state.gradient_step),
-    inner_state=closing.inner_state,
+    inner_state=result.inner_state,
     last_loss=jnp.where(emitted, closed.mean_loss, state.last_loss),
     last_tokens=jnp.where(emitted, closed.tokens, state.last_tokens),
     last_grad_norm=optax.tree.where(emitted, grad_norm, state.last_grad_norm),

@@ -36,7 +36,7 @@ from optax_tokacc import _base
 from optax_tokacc import _typed_sharding
 
 
-def state_specs(
+def inner_shard_specs(
   params: optax.Params,
   param_specs: Any,
   shard_over: Any,

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
+from optax_tokacc import _errors
+from optax_tokacc import _inputs
 from optax_tokacc import _optimizer_shards
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
@@ -76,15 +78,6 @@ class PartialSums(_placement.Placement):
     )
     return cls(axes, _typed_sharding.mesh_of(state.acc_tokens), targets)
 
-  def rejected_micro_batch_advances(self) -> bool:
-    return False  # the decision is every device's (skip_decision)
-
-  def local_state(self, state: _base.TokenWeightedMultiStepState) -> Any:
-    return state  # the shares are the partial sums of the state's types
-
-  def global_state(self, state: Any) -> _base.TokenWeightedMultiStepState:
-    return state
-
   def scalar_zeros(self, dtype: Any) -> jax.Array:
     spec = jax.P(unreduced=self.axes)
     return _typed_sharding.unreduced_zeros([], dtype, self.mesh, spec)
@@ -96,9 +89,6 @@ class PartialSums(_placement.Placement):
       return _typed_sharding.to_type(x, jax.P(unreduced=self.axes))
     return _typed_sharding.on_one_device(x, self.axes, self.mesh)
 
-  def gradient_shares(self, grads: Any) -> Any:
-    return grads  # partial sums typed unreduced, or whole
-
   def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
     """An unreduced gradient takes ``factor`` typed reduced (the product is
     then linear in it)."""
@@ -108,7 +98,7 @@ class PartialSums(_placement.Placement):
     return grad * factor
 
   def on_each_device(self, fn: Callable, args: tuple, like: Any) -> Any:
-    return _typed_sharding.local(fn, args, _typed_sharding.specs(like))
+    return _typed_sharding.local(fn, args, _typed_sharding.type_specs(like))
 
   def skip_decision(
     self, skip_fn: Callable, grads: Any, gradient_step: Any, params: Any
@@ -118,12 +108,12 @@ class PartialSums(_placement.Placement):
     all-reduce per micro-step. That is exact for ``skip_not_finite`` (a sum
     is not finite when a partial sum is not); any other function sees the
     reduced gradients, at the cost of their all-reduce per micro-step."""
-    call = _placement.call_skip_fn
+    call = _inputs.call_skip_fn
     if not any(map(_typed_sharding.unreduced, jax.tree.leaves(grads))):
       return call(skip_fn, grads, gradient_step, params)
     params = _typed_sharding.without_reduced(params)
     if skip_fn is not optax.skip_not_finite:
-      _placement.warn(
+      _errors.warn(
         'should_skip_update_fn sees the gradients reduced, an all-reduce of '
         'the gradients per micro-step under explicit sharding; '
         'tokacc.skip_not_finite decides on partial sums.'
@@ -146,9 +136,6 @@ class PartialSums(_placement.Placement):
   def sum_over_devices(self, fn: Callable, x: jax.Array) -> jax.Array:
     axes = tuple(sorted(self.axes))
     return _typed_sharding.local(lambda v: lax.psum(fn(v), axes), (x,), jax.P())
-
-  def on_any_device(self, flag: jax.Array) -> jax.Array:
-    return flag  # a value of jax.jit's program, the same everywhere
 
   def reduce_window(
     self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
@@ -219,23 +206,8 @@ class PartialSums(_placement.Placement):
       jax.tree.map(gather, tree, reference), reference
     )
 
-  def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
-    return _typed_sharding.same_layout(acc, update)  # typed: split alike
-
-  def cond(
-    self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops: Any
-  ) -> Any:
-    return lax.cond(pred, true_fn, false_fn, *ops)
-
-  def squares(self, tree: Any, per_leaf: bool = False) -> dict:
-    return _placement.typed_squares(tree, per_leaf, on_shares=True)
-
-  def norms(
-    self, grads: Any, grad_squares: dict, updates: Any, per_leaf: bool = False
-  ) -> _base.Norms:
-    return _placement.typed_norms(
-      self, grads, grad_squares, updates, per_leaf, on_shares=True
-    )
+  def shares_typed(self) -> bool:
+    return True
 
 
 def _reduced_spec(leaf: Any, target: Any) -> jax.P:

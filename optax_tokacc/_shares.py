@@ -23,8 +23,14 @@ devices merge by summing. :func:`save_state` lays a state's shares out as
 rows (a :class:`~optax_tokacc.SavedState`); :func:`put_back` returns each
 row to its device, on as many devices; :func:`merged` sums the rows into
 the window's totals and gives them to the first device of another layout.
+How a state holds its shares is one of three layouts (:class:`Pmap`,
+:class:`Slots`, :class:`Typed`), chosen once per state by
+:func:`layout_of`; the functions here ask the layout, never which it is.
 """
 
+import abc
+from collections.abc import Callable
+import dataclasses
 import functools
 from typing import Any
 
@@ -38,20 +44,6 @@ from optax_tokacc import _tokens
 from optax_tokacc import _typed_sharding
 
 PER_DEVICE = _base.PER_DEVICE_FIELDS
-# How a state holds its per-device fields (see :func:`layout_of`).
-_PMAP, _SLOTS, _TYPED = 'pmap', 'slots', 'typed'
-
-
-def layout_of(state: Any) -> str:
-  """How ``state`` (arrays or their shapes) holds its per-device fields:
-  ``pmap`` (every leaf stacked per device, with the slot of ``shard_map``
-  inside), ``slots`` (``shard_map`` with ``axis_name``: a leading axis of
-  one slot per device), or ``typed`` (each leaf whole, or partial sums
-  typed unreduced: explicit sharding, one device, ``jax.jit`` over global
-  arrays)."""
-  if jnp.ndim(state.mini_step) == 1:
-    return _PMAP
-  return _SLOTS if jnp.ndim(state.acc_tokens) == 1 else _TYPED
 
 
 def per_device(state: Any) -> dict[str, Any]:
@@ -60,6 +52,118 @@ def per_device(state: Any) -> dict[str, Any]:
 
 def leading(x: Any) -> int:
   return int(jnp.shape(x)[0])
+
+
+class Layout(abc.ABC):
+  """How a state (arrays or their shapes) holds its per-device fields, and
+  so how they are saved as rows, put back, and given a merged window."""
+
+  @abc.abstractmethod
+  def save(self, state: Any) -> Any:
+    """``state`` with its per-device fields as rows of shares."""
+
+  @abc.abstractmethod
+  def put_back(self, rows: dict[str, Any], refs: dict[str, Any]) -> dict:
+    """The per-device fields from their rows, each device's share where it
+    was saved, typed like ``refs`` (the target's)."""
+
+  @abc.abstractmethod
+  def whole_field(self, value: Any, like: Any) -> Any:
+    """A field other than the per-device ones laid out like ``like``."""
+
+  def rows(self, leaf: Any) -> int:
+    """The rows :meth:`save` gives a per-device leaf: its leading axis."""
+    return leading(leaf)
+
+  def spread(self, total: jax.Array, ref: Any, everywhere: bool) -> Any:
+    """A window's ``total`` in the slots of ``ref`` (devices, [1,] *total's
+    shape): on its first device (zeros on the others), or on every device
+    (``everywhere``)."""
+    shape = jnp.shape(ref)
+    if everywhere:
+      return jnp.broadcast_to(total, shape)
+    first = (0,) * (len(shape) - jnp.ndim(total))
+    return jnp.zeros(shape, total.dtype).at[first].set(total)
+
+  def merge(self, merge: Callable, rows: dict, refs: dict) -> dict:
+    """``merge(rows)`` placed like ``refs``: in one program for every
+    leaf."""
+    shardings = jax.tree.map(_out_sharding, refs)
+    return jax.jit(merge, out_shardings=shardings)(rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pmap(Layout):
+  """``pmap``: every leaf stacked over its ``devices``, with the slot of
+  ``axis_name`` inside the per-device fields."""
+
+  devices: int
+
+  def save(self, state: Any) -> Any:
+    whole = jax.tree.map(lambda x: x[0], state)  # one copy of each field
+    return whole._replace(**jax.tree.map(lambda x: x[:, 0], per_device(state)))
+
+  def put_back(self, rows: dict[str, Any], refs: dict[str, Any]) -> dict:
+    return _placed(jax.tree.map(lambda x: x[:, None], rows), refs)
+
+  def whole_field(self, value: Any, like: Any) -> Any:
+    stacked = jax.tree.map(lambda x: _stacked(x, self.devices), value)
+    return _placed(stacked, like)
+
+  def merge(self, merge: Callable, rows: dict, refs: dict) -> dict:
+    """Op by op, then placed as ``pmap`` holds its values."""
+    return _placed(merge(rows), refs)
+
+
+class Slots(Layout):
+  """``shard_map`` with ``axis_name``: the per-device fields with a leading
+  axis of one slot per device, the others whole."""
+
+  def save(self, state: Any) -> Any:
+    return state
+
+  def put_back(self, rows: dict[str, Any], refs: dict[str, Any]) -> dict:
+    return _placed(rows, refs)
+
+  def whole_field(self, value: Any, like: Any) -> Any:
+    return _placed(value, like)
+
+
+class Typed(Layout):
+  """Each leaf whole, or partial sums typed unreduced: explicit sharding,
+  one device, ``jax.jit`` over global arrays."""
+
+  def save(self, state: Any) -> Any:
+    shares = jax.tree.map(_shares, per_device(state))
+    return jax.tree.map(leaf_rows, state)._replace(**shares)
+
+  def put_back(self, rows: dict[str, Any], refs: dict[str, Any]) -> dict:
+    return jax.tree.map(_from_shares, rows, refs)
+
+  def whole_field(self, value: Any, like: Any) -> Any:
+    return jax.tree.map(restore_leaf, value, like)
+
+  def rows(self, leaf: Any) -> int:
+    """The devices whose partial sums ``leaf`` holds: 1 for a whole leaf."""
+    sizes = dict(getattr(_typed_sharding.mesh_of(leaf), 'shape', {}))
+    return int(np.prod([sizes[a] for a in _typed_sharding.unreduced(leaf)]))
+
+  def spread(self, total: jax.Array, ref: Any, everywhere: bool) -> Any:
+    """Typed like ``ref``: partial sums on its first device, unless
+    ``everywhere``."""
+    if _typed_sharding.unreduced(ref) and not everywhere:
+      return _on_first_device(total, ref)
+    return _typed_sharding.like(total, ref)
+
+
+def layout_of(state: Any) -> Layout:
+  """How ``state`` (arrays or their shapes) holds its per-device fields,
+  read once from its ranks: ``pmap`` stacks every field (``mini_step``
+  too), ``shard_map`` with ``axis_name`` only the per-device ones (the
+  count too); else every leaf is whole or typed."""
+  if jnp.ndim(state.mini_step) == 1:
+    return Pmap(leading(state.mini_step))
+  return Slots() if jnp.ndim(state.acc_tokens) == 1 else Typed()
 
 
 def leaf_rows(x: Any) -> Any:
@@ -82,22 +186,14 @@ def _one_row(x: Any) -> Any:
 
 
 def _shares(x: Any) -> Any:
-  """A per-device leaf of a ``typed`` state as rows of shares: its partial
-  sums where typed unreduced, else itself as one row."""
+  """A per-device leaf of a :class:`Typed` state as rows of shares: its
+  partial sums where typed unreduced, else itself as one row."""
   return leaf_rows(x) if _typed_sharding.unreduced(x) else _one_row(x)
 
 
 def save_state(state: Any) -> _base.SavedState:
   """``state`` as :func:`optax_tokacc.to_checkpoint` saves it."""
-  layout = layout_of(state)
-  if layout == _PMAP:  # every device holds every field: one copy, rows
-    whole = jax.tree.map(lambda x: x[0], state)
-    saved = whole._replace(**jax.tree.map(lambda x: x[:, 0], per_device(state)))
-  elif layout == _SLOTS:
-    saved = state
-  else:
-    shares = jax.tree.map(_shares, per_device(state))
-    saved = jax.tree.map(leaf_rows, state)._replace(**shares)
+  saved = layout_of(state).save(state)
   counts = [leading(x) for x in jax.tree.leaves(per_device(saved))]
   return _base.SavedState(saved, jnp.asarray(counts, jnp.int32))
 
@@ -106,46 +202,24 @@ def row_counts(state: Any) -> list[int]:
   """The rows :func:`save_state` gives each per-device leaf of
   ``state`` (arrays or their shapes, ``like``'s)."""
   layout = layout_of(state)
-  leaves = jax.tree.leaves(per_device(state))
-  if layout != _TYPED:
-    return [leading(x) for x in leaves]
-
-  def devices(x):  # those whose partial sums x holds: 1 for a whole leaf
-    sizes = dict(getattr(_typed_sharding.mesh_of(x), 'shape', {}))
-    return int(np.prod([sizes[a] for a in _typed_sharding.unreduced(x)]))
-
-  return [devices(x) for x in leaves]
+  return [layout.rows(x) for x in jax.tree.leaves(per_device(state))]
 
 
 def put_back(state: Any, ref: Any) -> Any:
   """Each device's share where it was saved, typed like ``ref``."""
   layout = layout_of(ref)
-  rows = per_device(state)
-  if layout == _PMAP:
-    shares = _placed(jax.tree.map(lambda x: x[:, None], rows), per_device(ref))
-  elif layout == _SLOTS:
-    shares = _placed(rows, per_device(ref))
-  else:
-    shares = jax.tree.map(_from_shares, rows, per_device(ref))
-  return _whole_fields(state, ref)._replace(**shares)
+  shares = layout.put_back(per_device(state), per_device(ref))
+  return _whole_fields(layout, state, ref)._replace(**shares)
 
 
-def _whole_fields(state: Any, ref: Any) -> Any:
+def _whole_fields(layout: Layout, state: Any, ref: Any) -> Any:
   """``state`` with its fields other than the per-device ones laid out
   like ``ref``'s (the per-device ones left as they are)."""
-  layout = layout_of(ref)
-  fields = {}
-  for name in state._fields:
-    value, like = getattr(state, name), getattr(ref, name)
-    if name in PER_DEVICE:
-      continue
-    if layout == _PMAP:
-      count = leading(ref.mini_step)
-      value = jax.tree.map(lambda x: _stacked(x, count), value)  # noqa: B023
-    if layout == _TYPED:
-      fields[name] = jax.tree.map(restore_leaf, value, like)
-    else:
-      fields[name] = _placed(value, like)
+  fields = {
+    name: layout.whole_field(getattr(state, name), getattr(ref, name))
+    for name in state._fields
+    if name not in PER_DEVICE
+  }
   return state._replace(**fields)
 
 
@@ -159,27 +233,22 @@ def merged(state: Any, ref: Any) -> Any:
       'eagerly: call it outside jax.jit.'
     )
   rows = jax.tree.map(_gathered, per_device(state))
-  at_boundary = int(state.mini_step) == 0
   layout = layout_of(ref)
   refs = per_device(ref)
 
   def merge(rows):
-    totals = _window_totals(rows, at_boundary)
+    totals = _window_totals(rows)
     return {
       name: jax.tree.map(
-        functools.partial(_spread, layout, everywhere=name == 'skip_state'),
+        functools.partial(layout.spread, everywhere=name == 'skip_state'),
         totals[name],
         refs[name],
       )
       for name in PER_DEVICE
     }
 
-  if layout == _PMAP:  # op by op, then placed as pmap holds its values
-    shares = _placed(merge(rows), refs)
-  else:  # one program for every leaf
-    shardings = jax.tree.map(_out_sharding, refs)
-    shares = jax.jit(merge, out_shardings=shardings)(rows)
-  return _whole_fields(state, ref)._replace(**shares)
+  shares = layout.merge(merge, rows, refs)
+  return _whole_fields(layout, state, ref)._replace(**shares)
 
 
 def _out_sharding(ref: Any) -> Any:
@@ -206,16 +275,14 @@ def _gathered(x: Any) -> Any:
   )
 
 
-def _window_totals(rows: dict[str, Any], at_boundary: bool) -> dict[str, Any]:
+def _window_totals(rows: dict[str, Any]) -> dict[str, Any]:
   """The window's totals from the rows of its devices' shares: gradient
-  sums with their compensation (none at a window boundary, where the
-  buffers are scratch), the count (invalid if any share is), the loss, and
-  the skip state (any device's booleans, the sum of its numbers)."""
+  sums with their compensation, the count (invalid if any share is), the
+  loss, and the skip state (any device's booleans, the sum of its
+  numbers)."""
   grads, errors = rows['grad_sums'], rows['acc_compensation']
   compensated = bool(jax.tree.leaves(errors))
-  if at_boundary:
-    grad_totals, error_totals = jax.tree.map(_zeros_of_a_row, (grads, errors))
-  elif compensated:
+  if compensated:
     merged = jax.tree.map(_compensated.merge_rows, grads, errors)
     structure = jax.tree.structure(grads)
     grad_totals, error_totals = jax.tree.transpose(structure, None, merged)
@@ -237,30 +304,12 @@ def _window_totals(rows: dict[str, Any], at_boundary: bool) -> dict[str, Any]:
   }
 
 
-def _zeros_of_a_row(rows: jax.Array) -> jax.Array:
-  return jnp.zeros_like(rows[0])
-
-
 def _combined(rows: jax.Array) -> jax.Array:
   """A skip state's rows as one: any device's booleans, the sum of their
   numbers (as explicit sharding keeps it)."""
   if jnp.result_type(rows) == jnp.bool_:
     return jnp.any(rows, axis=0)
   return jnp.sum(rows, axis=0, dtype=jnp.result_type(rows))
-
-
-def _spread(layout: str, total: jax.Array, ref: Any, everywhere: bool) -> Any:
-  """A window's ``total`` in ``ref``'s layout: on its first device (zeros
-  on the others), or on every device (``everywhere``)."""
-  if layout == _TYPED:
-    if _typed_sharding.unreduced(ref) and not everywhere:
-      return _on_first_device(total, ref)
-    return _typed_sharding.like(total, ref)
-  shape = jnp.shape(ref)  # (devices, [1,] *total's shape)
-  if everywhere:
-    return jnp.broadcast_to(total, shape)
-  first = (0,) * (len(shape) - jnp.ndim(total))
-  return jnp.zeros(shape, total.dtype).at[first].set(total)
 
 
 def _on_first_device(total: jax.Array, ref: Any) -> jax.Array:

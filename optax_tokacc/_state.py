@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
+from optax_tokacc import _norms
 
 # Pickles of states written before 0.6 name the class by this module.
 TokenWeightedMultiStepState = _base.TokenWeightedMultiStepState
@@ -188,8 +189,8 @@ def window_metrics(opt_state: optax.OptState) -> _base.WindowMetrics:
     2.0 4 2.5 1.25
   """
   state = find_state(opt_state)
-  grad_norm, grad_norms = _norms(state.last_grad_norm)
-  update_norm, update_norms = _norms(state.last_update_norm)
+  grad_norm, grad_norms = _norms.read(state.last_grad_norm)
+  update_norm, update_norms = _norms.read(state.last_update_norm)
   return _base.WindowMetrics(
     loss=jnp.asarray(state.last_loss),
     tokens=jnp.asarray(state.last_tokens),
@@ -198,15 +199,6 @@ def window_metrics(opt_state: optax.OptState) -> _base.WindowMetrics:
     grad_norms=grad_norms,
     update_norms=update_norms,
   )
-
-
-def _norms(field: Any) -> tuple[jax.Array, Any]:
-  """A state's norm field as the global norm and each leaf's (None where
-  the transform computes no per-leaf norms)."""
-  if isinstance(field, tuple):  # window_norms='per_leaf'
-    total, leaves = field
-    return jnp.asarray(total), jax.tree.map(jnp.asarray, leaves)
-  return jnp.asarray(field), None
 
 
 def apply_if_updated(

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from optax_tokacc import _base
 from optax_tokacc import _inputs
+from optax_tokacc import _norms
 from optax_tokacc import _typed_sharding
 
 
@@ -50,7 +51,7 @@ def state_matches(
       f'state has compensated={compensated}, unlike this transform: restore '
       f'into its tx.init(params), or build it with compensated={compensated}.'
     )
-  per_leaf = isinstance(state.last_grad_norm, tuple)
+  per_leaf = _norms.per_leaf(state.last_grad_norm)
   if acc_leaves and per_leaf != config.leaf_norms:
     saved = "'per_leaf'" if per_leaf else 'True or False'
     raise TypeError(

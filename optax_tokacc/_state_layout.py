@@ -22,7 +22,8 @@ devices' shares along their leading slot axis, split over the data axes
 along which the parameter is not sharded.
 """
 
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,15 @@ from optax_tokacc import _state
 from optax_tokacc import _typed_sharding
 
 
-def _layout(axis_name: Any, specs: list) -> tuple:
+class _WindowSpecs(NamedTuple):
+  """How the per-device fields are laid out (:func:`_window_specs`)."""
+
+  of_gradient: Callable[[jax.P], jax.P]  # an accumulator leaf's, from its
+  # parameter's spec
+  of_scalars: jax.P  # the window's count and loss
+
+
+def _window_specs(axis_name: Any, specs: list) -> _WindowSpecs:
   """How the per-device fields are laid out, from the parameters' ``specs``:
   the map of the accumulator's specs, and the spec of the scalars.
 
@@ -51,7 +60,7 @@ def _layout(axis_name: Any, specs: list) -> tuple:
       split = jax.tree.leaves(_typed_sharding.partitions(spec))
       return jax.P(tuple(a for a in axes if a not in split), *spec)
 
-    return slot, slot(jax.P())
+    return _WindowSpecs(slot, slot(jax.P()))
   mesh = jax.sharding.get_abstract_mesh()
 
   def like_gradient(spec):
@@ -59,16 +68,18 @@ def _layout(axis_name: Any, specs: list) -> tuple:
     return jax.P(*_typed_sharding.partitions(spec), unreduced=unreduced)
 
   data_axes = frozenset().union(*(s.reduced for s in specs))
-  return like_gradient, like_gradient(jax.P(reduced=data_axes))
+  return _WindowSpecs(like_gradient, like_gradient(jax.P(reduced=data_axes)))
 
 
-def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
+def _state_specs_like_params(
+  tx: Any, abstract: Any, specs: Any, params: Any
+) -> Any:
   """The specs of ``tx``'s state: parameter-shaped leaves take ``specs``'
   (a ``MaskedNode`` of ``optax.masked`` or ``multi_transform`` stays
   one); the others (scalars, adafactor's factored moments) are
   replicated."""
 
-  def follow(leaf, spec, param):
+  def param_spec(leaf, spec, param):
     if _optimizer_shards.is_masked(leaf):
       return leaf
     shape, like = jnp.shape(leaf), jnp.shape(param)  # behind a slot axis?
@@ -77,7 +88,7 @@ def _follow(tx: Any, abstract: Any, specs: Any, params: Any) -> Any:
   args = dict(
     transform_non_params=lambda _: jax.P(), is_leaf=_optimizer_shards.is_masked
   )
-  return optax.tree_map_params(tx, follow, abstract, specs, params, **args)
+  return optax.tree_map_params(tx, param_spec, abstract, specs, params, **args)
 
 
 def state_partition_specs(
@@ -135,7 +146,9 @@ def state_partition_specs(
     >>> tuple(specs.inner_state[0].mu['w']), tuple(specs.mini_step)
     ((), ())
   """
-  specs = _specs(tx, params, param_specs, axis_name, shard_optimizer_over, mesh)
+  specs = _full_layout(
+    tx, params, param_specs, axis_name, shard_optimizer_over, mesh
+  )
   if manual_axes is None:
     return specs
   kept = set(_base.axis_names(manual_axes))  # the other axes are dropped
@@ -150,13 +163,13 @@ def state_partition_specs(
       'axis_name; explicit sharding (parameters typed reduced) needs none.'
     )
 
-  def keep(spec):  # entries: None, an axis or a tuple of axes
+  def manual_only(spec):  # entries: None, an axis or a tuple of axes
     return jax.P(*([a for a in jax.tree.leaves(e) if a in kept] for e in spec))
 
-  return jax.tree.map(keep, specs)
+  return jax.tree.map(manual_only, specs)
 
 
-def _specs(
+def _full_layout(
   tx: optax.GradientTransformation,
   params: optax.Params,
   param_specs: Optional[Any],
@@ -167,32 +180,34 @@ def _specs(
   """:func:`state_partition_specs` but ``manual_axes``: the full layout."""
   # None: the specs in the parameters' types
   param_specs = (
-    _typed_sharding.specs(params) if param_specs is None else param_specs
+    _typed_sharding.type_specs(params) if param_specs is None else param_specs
   )
   abstract = jax.eval_shape(tx.init, params)
-  specs = _follow(tx, abstract, param_specs, params)
+  specs = _state_specs_like_params(tx, abstract, param_specs, params)
   inner_specs = specs  # inner's state: like the parameters, or sharded
   if shard_over is not None:
-    split = _optimizer_shards.state_specs(
+    split = _optimizer_shards.inner_shard_specs(
       params, param_specs, shard_over, axis_name, mesh
     )
-    inner_specs = _follow(tx, abstract, split, params)
+    inner_specs = _state_specs_like_params(tx, abstract, split, params)
     if _inner_states(inner_specs) == _inner_states(specs):
       raise ValueError(
         f'shard_optimizer_over={shard_over!r}: inner keeps no '
         'parameter-shaped state the axes divide: nothing to shard; leave it out.'
       )
-  gradient, scalar = _layout(axis_name, jax.tree.leaves(param_specs))
+  window = _window_specs(axis_name, jax.tree.leaves(param_specs))
 
-  def fix(node, inner_node):
+  def with_window(node, inner_node):
     if not _state.is_state(node):
       return node
     # skip_state's scalars: replicated, or slots
-    return _base.map_per_device(gradient, node)._replace(
-      acc_tokens=scalar, acc_loss=scalar, inner_state=inner_node.inner_state
+    return _base.map_per_device(window.of_gradient, node)._replace(
+      acc_tokens=window.of_scalars,
+      acc_loss=window.of_scalars,
+      inner_state=inner_node.inner_state,
     )
 
-  return jax.tree.map(fix, specs, inner_specs, is_leaf=_state.is_state)
+  return jax.tree.map(with_window, specs, inner_specs, is_leaf=_state.is_state)
 
 
 def _inner_states(specs: Any) -> list:
@@ -238,7 +253,9 @@ def state_shardings(
     >>> tuple(shardings.grad_sums['w'].spec)  # split like the parameter
     ('fsdp', None)
   """
-  specs = _specs(tx, params, param_specs, axis_name, shard_optimizer_over, mesh)
+  specs = _full_layout(
+    tx, params, param_specs, axis_name, shard_optimizer_over, mesh
+  )
   return jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs)
 
 
@@ -285,12 +302,14 @@ def init_sharded(
     >>> state.grad_sums['w'].shape  # one accumulator slot per device
     (2, 8, 2)
   """
-  specs = _specs(tx, params, param_specs, axis_name, shard_optimizer_over, mesh)
+  specs = _full_layout(
+    tx, params, param_specs, axis_name, shard_optimizer_over, mesh
+  )
   if axis_name is None:
     shardings = jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs)
     return jax.jit(tx.init, out_shardings=shardings)(params)
   in_specs = (
-    _typed_sharding.specs(params) if param_specs is None else param_specs,
+    _typed_sharding.type_specs(params) if param_specs is None else param_specs,
   )
   init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)
   return jax.jit(init)(params)

@@ -204,11 +204,15 @@ def local(fn: Callable, args: tuple, out_specs: Any) -> Any:
   """
   mesh = mesh_of(next(x for x in jax.tree.leaves(args) if spec(x) is not None))
   return jax.shard_map(
-    fn, mesh=mesh, in_specs=specs(args), out_specs=out_specs, check_vma=False
+    fn,
+    mesh=mesh,
+    in_specs=type_specs(args),
+    out_specs=out_specs,
+    check_vma=False,
   )(*args)
 
 
-def specs(tree: Any) -> Any:
+def type_specs(tree: Any) -> Any:
   """The specs of a tree's types, ``P()`` where a type carries none or
   only replication."""
   return jax.tree.map(lambda x: jax.P() if untyped(x) else spec(x), tree)

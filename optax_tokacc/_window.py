@@ -35,32 +35,6 @@ from optax_tokacc import _placement
 from optax_tokacc import _tokens
 
 
-def stored_norms(norms: _base.WindowNorms) -> tuple[Any, Any]:
-  """The state's ``last_grad_norm`` and ``last_update_norm`` for
-  ``norms``: the global norms, each paired with its leaves' tree where
-  there is one."""
-  if isinstance(norms.grad_norms, tuple) and not norms.grad_norms:
-    return norms.grad_norm, norms.update_norm
-  return (
-    (norms.grad_norm, norms.grad_norms),
-    (norms.update_norm, norms.update_norms),
-  )
-
-
-def nan_norms(config: _base.Config, grads: optax.Updates) -> _base.WindowNorms:
-  """The norms of no window: NaN, in the trees ``config`` asks for, each
-  its own array (``init``'s state is donated whole: a buffer held twice
-  cannot be)."""
-
-  def nan(_=None):
-    return jnp.full([], jnp.nan, jnp.float32)
-
-  def leaves():
-    return jax.tree.map(nan, grads) if config.leaf_norms else ()
-
-  return _base.WindowNorms(nan(), nan(), leaves(), leaves())
-
-
 def micro_batch(
   config: _base.Config,
   place: _placement.Placement,
