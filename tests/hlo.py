@@ -15,8 +15,9 @@
 """Compiled programs, read from their HLO text: the one reader of the
 tests (the benchmarks import it too).
 
-``parse_hlo`` splits ``compiled.as_text()`` into computations (an error
-names what it cannot read); ``reachable_opcodes`` counts what a
+``compiled_text`` compiles a jitted function for its arguments and gives
+its text; ``parse_hlo`` splits that text into computations (an error names
+what it cannot read); ``reachable_opcodes`` counts what a
 computation runs, inside the conditionals' branches or outside them;
 ``returns_its_parameters`` says whether a program computes nothing;
 ``collective_sites`` finds every collective with the conditional branches
@@ -175,6 +176,12 @@ def _parse_instruction(root, name, rest):
     name, opcode, shapes, callees, branches, groups, operands, bool(root),
     rounds_to, op_name,
   )  # fmt: skip
+
+
+def compiled_text(jitted, *args, **kwargs):
+  """The HLO text of ``jitted`` (a ``jax.jit`` function) compiled for
+  ``args`` and ``kwargs``: what the readers below take."""
+  return jitted.lower(*args, **kwargs).compile().as_text()
 
 
 def parse_hlo(hlo_text):

@@ -1,12 +1,12 @@
 """The multi-host test's worker: one process per host.
 
-Run as a script by ``test_multihost.py``: it joins a ``jax.distributed``
-job on loopback, trains with the loops of ``placements`` over the global
-mesh of all processes' CPU devices and writes the final parameters.
-``test_multihost.py`` reads its run's settings (``MULTIHOST_*``) to build
-the reference.
+Started by ``test_multihost.py`` as the ``multihost`` entry point of
+``children.py``: it joins a ``jax.distributed`` job on loopback, trains with
+the loops of ``placements`` over the global mesh of all processes' CPU
+devices and writes the final parameters. ``test_multihost.py`` reads its
+run's settings (``MULTIHOST_*``) to build the reference.
 
-    python multihost_worker.py --process_id=0 --num_processes=2 \
+    python -m children multihost --process_id=0 --num_processes=2 \
       --port=12345 --out=/tmp/result.npz [--mode=hsdp]
 
 ``--mode=ddp`` (the default) trains data-parallel over all devices;
@@ -20,6 +20,7 @@ with ``tokens_per_update``.
 """
 
 import argparse
+from collections.abc import Sequence
 import functools
 
 from helpers import adamw
@@ -199,8 +200,9 @@ def _run_worker(args):
   jax.distributed.shutdown()
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: Sequence[str]) -> None:
+  """One worker process, configured by the command line ``argv``."""
+  parser = argparse.ArgumentParser(prog='multihost', description=__doc__)
   parser.add_argument('--process_id', type=int, required=True)
   parser.add_argument('--num_processes', type=int, required=True)
   parser.add_argument('--port', type=int, required=True)
@@ -211,8 +213,4 @@ def main():
     default='ddp',
   )
   parser.add_argument('--out', required=True)
-  _run_worker(parser.parse_args())
-
-
-if __name__ == '__main__':
-  main()
+  _run_worker(parser.parse_args(argv))

@@ -41,6 +41,7 @@ import functools
 from typing import Any, NamedTuple
 
 import helpers
+import hlo
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -467,10 +468,9 @@ def explicit_compiled_text(layout, spelling, inner=None, **options):
     batch = helpers.make_windows((1,), 4)[0][0]
     data = NamedSharding(mesh, P(batch_axes(mesh)))
     batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
-    lowered = explicit_step(tx, spelling).lower(
-      params, state, batch, jnp.asarray(False)
+    return hlo.compiled_text(
+      explicit_step(tx, spelling), params, state, batch, jnp.asarray(False)
     )
-    return lowered.compile().as_text()
 
 
 def train_explicit(tx, params, windows, mesh, shard_optimizer_over=None):

@@ -3,8 +3,11 @@
 Also the documented behaviour for inputs that cannot be rejected at trace
 time (a negative ``num_tokens``, a non-finite ``loss``), and the opt-in
 ``checkify`` checks that report them; counts and ``emit_now`` of the wrong
-kind or out of range (issue 11, defect 6).
+kind or out of range (issue 11, defect 6); ``close`` of the wrong kind or
+with another decider (``tokens_per_update``, ``emit_now``).
 """
+
+import re
 
 import chex
 import jax
@@ -535,3 +538,34 @@ def test_emit_now_of_wrong_kind_is_refused(emit_now):
   """Regression (issue 11, defect 6)."""
   with pytest.raises(TypeError, match='emit_now'):
     one_update(3, emit_now=emit_now)
+
+
+# ``close`` of the wrong kind, or with another decider of the window.
+
+
+@pytest.mark.parametrize(
+  'close', ['yes', 1, 0, np.bool_(True), jnp.asarray(True)], ids=repr
+)
+def test_close_must_be_none_or_a_python_bool(close):
+  with pytest.raises(TypeError, match=re.escape(f'close={close!r}')):
+    call_update(close=close)
+
+
+def test_a_traced_close_names_emit_now():
+  with pytest.raises(TypeError, match=r'close must be .*traced.*emit_now'):
+    jax.jit(lambda close: call_update(close=close))(True)
+
+
+@pytest.mark.parametrize('close', [False, True])
+def test_close_with_tokens_per_update_is_refused(close):
+  with pytest.raises(ValueError, match=rf'close={close}.*tokens_per_update=10'):
+    call_update({'tokens_per_update': 10}, close=close)
+
+
+@pytest.mark.parametrize('emit_now', [True, jnp.asarray(False)], ids=repr)
+@pytest.mark.parametrize('close', [False, True])
+def test_close_with_emit_now_is_refused(close, emit_now):
+  """Unless ``emit_now`` is statically False: one decider per call (a
+  static False: ``test_host_close``)."""
+  with pytest.raises(ValueError, match=rf'close={close}.*emit_now'):
+    call_update(close=close, emit_now=emit_now)

@@ -8,12 +8,10 @@ configuration is refused, naming what differs (issue 11, defect 7).
 """
 
 import functools
-import os
 import pickle
-import subprocess
-import sys
 
 import chex
+import children
 import helpers
 import jax
 import jax.numpy as jnp
@@ -196,20 +194,12 @@ def test_a_checkpoint_saved_before_the_rename_resumes_bit_identical(tmp_path):
 
 # 120 s loaded (load 17), 18 s CPU: 5x (issue 33).
 CHILD_LIMIT_S = 600
-_CHILD = """
-import sys
-import jax
-jax.config.update('jax_platforms', 'cpu')
-jax.config.update('jax_num_cpu_devices', 8)
-sys.path.insert(0, {tests_dir!r})
-import test_checkpoint
-test_checkpoint.child(*sys.argv[1:])
-"""
 
 
-def child(role, path, variant, stop_at):
-  """Run in a new process: `save` trains to `stop_at` and checkpoints,
-  `resume` restores, finishes training and checkpoints the result."""
+def save_or_resume(role, path, variant, stop_at):
+  """In a new process (``python -m children checkpoint``): `save` trains
+  to `stop_at` and checkpoints, `resume` restores, finishes training and
+  checkpoints the result."""
   tx = make_tx(variant)
   step = make_step(tx)
   stop_at = int(stop_at)
@@ -222,15 +212,7 @@ def child(role, path, variant, stop_at):
 
 
 def run_child(*args):
-  code = _CHILD.format(tests_dir=os.path.dirname(os.path.abspath(__file__)))
-  env = helpers.subprocess_env()
-  result = subprocess.run(
-    [sys.executable, '-c', code, *map(str, args)],
-    capture_output=True,
-    text=True,
-    timeout=CHILD_LIMIT_S,
-    env=env,
-  )
+  result = children.run('checkpoint', *args, limit_s=CHILD_LIMIT_S)
   assert result.returncode == 0, result.stderr[-3000:]
 
 

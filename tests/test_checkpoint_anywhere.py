@@ -26,11 +26,10 @@ device, with the round-off bound of ``helpers.full_batch``.
 
 import contextlib
 import functools
-import subprocess
-import sys
 import warnings
 
 import chex
+import children
 import helpers
 import jax
 import jax.numpy as jnp
@@ -334,18 +333,9 @@ def test_skip_states_merge_as_explicit_sharding_keeps_them(tmp_path):
   assert total >= 1 and merged['num_not_finite'].tolist() == [total] * 2
 
 
-_ONE_DEVICE_CHILD = """
-import sys
-import jax
-jax.config.update('jax_platforms', 'cpu')
-jax.config.update('jax_num_cpu_devices', 1)
-import test_checkpoint_anywhere
-test_checkpoint_anywhere.finish_on_one_device(*sys.argv[1:])
-"""
-
-
 def finish_on_one_device(path, out):
-  """In a process with one device, as a user evaluating a checkpoint:
+  """In a process with one device (``python -m children
+  checkpoint_on_one_device``), as a user evaluating a checkpoint:
   loads the parameters and state of a 4-device checkpoint into plain
   arrays, finishes training, and saves the parameters to ``out``."""
   assert jax.device_count() == 1
@@ -366,12 +356,8 @@ ONE_DEVICE_LIMIT_S = 240  # about 10 s on a quiet 2-core machine
 def test_a_one_device_process_loads_any_checkpoint(tmp_path, layout):
   path = _saved(tmp_path, layout)
   out = tmp_path / 'params.npz'
-  result = subprocess.run(
-    [sys.executable, '-c', _ONE_DEVICE_CHILD, str(path), str(out)],
-    capture_output=True,
-    text=True,
-    env=helpers.subprocess_env(),
-    timeout=ONE_DEVICE_LIMIT_S,  # a hang guard
+  result = children.run(
+    'checkpoint_on_one_device', path, out, limit_s=ONE_DEVICE_LIMIT_S
   )
   assert result.returncode == 0, result.stderr[-3000:]
   expected = reference()

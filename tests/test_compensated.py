@@ -222,10 +222,10 @@ def test_an_accumulating_step_forces_the_rounding_of_each_leaf(close, dtype):
     optax.adamw(1e-3), 4, accumulator_dtype=dtype, compensated=True
   )
   step = jax.jit(tx.update, static_argnames='close')
-  lowered = step.lower(
-    params, tx.init(params), params, num_tokens=3, close=close
+  text = hlo.compiled_text(
+    step, params, tx.init(params), params, num_tokens=3, close=close
   )
-  roundings = _roundings_on_every_call(lowered.compile().as_text(), dtype)
+  roundings = _roundings_on_every_call(text, dtype)
   assert len(roundings) >= len(jax.tree.leaves(params)), roundings
 
 
@@ -234,7 +234,7 @@ def test_the_checkpoint_merge_forces_the_rounding(dtype):
   """Shares merged onto another device count (``from_checkpoint``) are
   added by the same compensated sum."""
   rows = jnp.ones((4, 8), dtype)
-  text = jax.jit(_compensated.merge_rows).lower(rows, rows).compile().as_text()
+  text = hlo.compiled_text(jax.jit(_compensated.merge_rows), rows, rows)
   assert _roundings_on_every_call(text, dtype)
 
 

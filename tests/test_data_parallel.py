@@ -10,9 +10,9 @@ a deadlock). Bad ``axis_name`` values and the warnings of ``shard_map``.
 """
 
 import subprocess
-import sys
 
 import chex
+import children
 import helpers
 import hlo
 import jax
@@ -186,7 +186,7 @@ def compiled_step_text(mode, with_emit_now):
     tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name=axes)
     state = placements.shard_map_state(tx, params, mesh, axes)
     step = placements.shard_map_step(tx, mesh, axes, with_emit_now)
-  return step.lower(params, state, batch, *flags).compile().as_text()
+  return hlo.compiled_text(step, params, state, batch, *flags)
 
 
 @pytest.mark.parametrize('with_emit_now', [False, True])
@@ -247,15 +247,13 @@ def test_count_collectives_of_the_usual_pattern():
       x[0] > 0, lambda: lax.psum(x, axes) + x, lambda: x
     )
 
-  text = (
+  text = hlo.compiled_text(
     jax.jit(
       jax.shard_map(
         step, mesh=mesh, in_specs=P(axes), out_specs=(P(axes), P(axes))
       )
-    )
-    .lower(np.ones(jax.device_count(), np.float32))
-    .compile()
-    .as_text()
+    ),
+    np.ones(jax.device_count(), np.float32),
   )
   sites = hlo.compiled_collectives(text)
   every_step = [site.collective for site, path in sites if not path]
@@ -437,15 +435,6 @@ REJECTED_LIMIT_S = 600
 # (window, micro-step, device) whose micro-batch has a NaN gradient: one in
 # the middle of the first window, one on the emitting step of the second.
 REJECTED = ((0, 1, 1), (1, 2, 3))
-_REJECTED_CHILD = """
-import sys
-import jax
-jax.config.update('jax_platforms', 'cpu')
-jax.config.update('jax_num_cpu_devices', 8)
-import test_data_parallel
-test_data_parallel.rejected_micro_batches(sys.argv[1])
-print('data-parallel skip run equals full-batch training')
-"""
 
 
 def poisoned_and_reference(windows):
@@ -470,7 +459,8 @@ def poisoned_and_reference(windows):
 
 
 def rejected_micro_batches(mode):
-  """In a process of its own: ``skip_not_finite`` with ``axis_name``
+  """In a process of its own (``python -m children
+  rejected_micro_batches``): ``skip_not_finite`` with ``axis_name``
   under ``mode`` (``pmap`` or ``shard_map``, 4 devices) on windows with
   micro-batches rejected on one device equals full-batch training without
   them."""
@@ -513,13 +503,8 @@ def test_a_micro_batch_rejected_on_one_device_closes_the_window_everywhere(
   env = helpers.subprocess_env()  # the same optax_tokacc as this process
   env.pop('XLA_FLAGS', None)
   try:
-    result = subprocess.run(
-      [sys.executable, '-c', _REJECTED_CHILD, mode],
-      env=env,
-      cwd=helpers.REPO,
-      capture_output=True,
-      text=True,
-      timeout=REJECTED_LIMIT_S,
+    result = children.run(
+      'rejected_micro_batches', mode, limit_s=REJECTED_LIMIT_S, env=env
     )
   except subprocess.TimeoutExpired:
     pytest.fail(

@@ -178,7 +178,7 @@ def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
     params, place = placements.zero1_placed(mesh)
     state = placements.zero1_init(tx, params, mesh)
     batch = place(helpers.zero1_windows()[0][0])
-    text = step.lower(params, state, batch).compile().as_text()
+    text = hlo.compiled_text(step, params, state, batch)
   sites = hlo.compiled_collectives(text)
   assert hlo.on_micro_step_path(sites) == []
   closing = hlo.on_closing_step_only(sites)
@@ -220,7 +220,7 @@ def test_moments_resharded_by_hand_are_followed():
     params, place = placements.zero1_placed(mesh)
     state = on_last_dimension(tx, params, mesh, 'ddp')
     batch = place(helpers.zero1_windows()[0][0])
-    text = step.lower(params, state, batch).compile().as_text()
+    text = hlo.compiled_text(step, params, state, batch)
   sites = hlo.compiled_collectives(text)
   closing = hlo.on_closing_step_only(sites)
   shard = ('f32', (helpers.FEATURES, helpers.ZERO1_OUTPUTS // NUM_DEVICES))
@@ -411,7 +411,7 @@ def test_hsdp_window_reduce_scattered_over_replica_once():
     params, place = placements.zero1_placed(mesh, 'hsdp')
     state = placements.zero1_init(tx, params, mesh, 'hsdp')
     batch = place(helpers.zero1_windows()[0][0])
-    text = step.lower(params, state, batch).compile().as_text()
+    text = hlo.compiled_text(step, params, state, batch)
   sites = hlo.compiled_collectives(text)
   micro = hlo.on_micro_step_path(sites)
   assert micro, 'the forward pass gathers w within fsdp'

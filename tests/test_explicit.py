@@ -10,11 +10,8 @@ micro-step issues none, whatever reductions the user writes in the loss
 ones), bad input, Flax, and a data axis of one device.
 """
 
-import pathlib
-import subprocess
-import sys
-
 import chex
+import children
 import helpers
 import hlo
 import jax
@@ -601,20 +598,12 @@ def test_resume_mid_window_is_bit_identical(tmp_path, variant):
 
 # Per process; loaded 2 cores (issue 33).
 CHILD_LIMIT_S = 600
-_CHILD = """
-import sys
-import jax
-jax.config.update('jax_platforms', 'cpu')
-jax.config.update('jax_num_cpu_devices', 8)
-sys.path.insert(0, {tests_dir!r})
-import test_explicit
-test_explicit.child(*sys.argv[1:])
-"""
 
 
-def child(role, path, variant):
-  """In a new process: `save` trains to STOP_AT and checkpoints; `resume`
-  restores, finishes training and checkpoints the result."""
+def save_or_resume(role, path, variant):
+  """In a new process (``python -m children explicit_checkpoint``): `save`
+  trains to STOP_AT and checkpoints; `resume` restores, finishes training
+  and checkpoints the result."""
   layout = CHECKPOINT_VARIANTS[variant][0]
   with jax.set_mesh(placements.EXPLICIT_LAYOUTS[layout].mesh()):
     if role == 'save':
@@ -630,15 +619,9 @@ def child(role, path, variant):
 def test_resume_mid_window_in_new_processes(tmp_path):
   variant = 'hsdp_compensated_skip'
   path = str(tmp_path / 'ckpt')
-  code = _CHILD.format(tests_dir=str(pathlib.Path(__file__).parent))
-  env = helpers.subprocess_env()
   for role in ('save', 'resume'):
-    result = subprocess.run(
-      [sys.executable, '-c', code, role, path, variant],
-      capture_output=True,
-      text=True,
-      timeout=CHILD_LIMIT_S,
-      env=env,
+    result = children.run(
+      'explicit_checkpoint', role, path, variant, limit_s=CHILD_LIMIT_S
     )
     assert result.returncode == 0, result.stderr[-3000:]
   with jax.set_mesh(placements.EXPLICIT_LAYOUTS['hsdp'].mesh()):
@@ -812,7 +795,7 @@ def test_token_cross_entropy_partial_sums_need_no_collective():
     assert str(jax.typeof(loss_sum)) == 'float32[]{U:data}'
     assert str(jax.typeof(count)) == 'int32[]{U:data}'
     totals = jax.jit(lambda t: jax.reshard(t, P()))((loss_sum, count))
-    text = fn.lower(logits_d, labels_d).compile().as_text()
+    text = hlo.compiled_text(fn, logits_d, labels_d)
   # A sum of 40 non-negative terms in two orders (per device, then across
   # devices; whole), each term through about 7 + 10 roundings (7 classes'
   # logsumexp): within 2 gamma(40 + 17) of each other relatively (Higham).
@@ -867,11 +850,12 @@ def test_ddp_micro_step_copies_nothing_parameter_sized():
     state = tx.init(params)
     batch = helpers.make_windows((1,), 4)[0][0]
     batch = jax.device_put(batch, NamedSharding(mesh, P('data')))
-    text = (
-      placements.explicit_step(tx, 'unreduced')
-      .lower(params, state, batch, jnp.asarray(False))
-      .compile()
-      .as_text()
+    text = hlo.compiled_text(
+      placements.explicit_step(tx, 'unreduced'),
+      params,
+      state,
+      batch,
+      jnp.asarray(False),
     )
   module = hlo.parse_hlo(text)
   closing = [
@@ -1038,7 +1022,7 @@ def compiled_step_sites(with_loss):
     params, place = partial_placed(mesh)
     batch = place(partial_windows((1,))[0][0])
     step = partial_step(tx, with_loss)
-    text = step.lower(params, tx.init(params), batch).compile().as_text()
+    text = hlo.compiled_text(step, params, tx.init(params), batch)
   return hlo.compiled_collectives(text)
 
 
@@ -1067,7 +1051,7 @@ def test_user_loss_and_grad_alone_issue_no_collective():
     loss, grads, _ = loss_grad_count(params, batch)
     assert str(jax.typeof(loss)) == 'float32[]{U:data}'
     assert str(jax.typeof(grads['w'])).endswith('{U:data}')
-    text = loss_grad_count.lower(params, batch).compile().as_text()
+    text = hlo.compiled_text(loss_grad_count, params, batch)
   assert hlo.compiled_collectives(text) == []
 
 

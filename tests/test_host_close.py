@@ -32,8 +32,6 @@ Checked here:
 - the compiled programs: no ``conditional``; ``close=False`` runs no AdamW
   (no ``sqrt``) and no collective under DDP; ``close=True`` runs exactly one
   all-reduce under DDP, beside the backward pass; two programs in all;
-- bad ``close`` values, and ``close`` with ``tokens_per_update`` or
-  ``emit_now``;
 - each step written as users write it (issue 33), ``optax.apply_updates``
   in the same program: the window closed by the host and by the device give
   bit for bit the same updates and state, on one device and data parallel
@@ -45,18 +43,17 @@ Checked here:
   after ``close=False`` calls of the same window.
 
 The Flax ``TrainState`` and nnx ``Optimizer`` with ``close``:
-``test_flax``.
+``test_flax``; bad ``close`` values, and ``close`` with
+``tokens_per_update`` or ``emit_now``: ``test_bad_input``.
 """
 
 from collections.abc import Callable
 import contextlib
 import functools
-import re
-import subprocess
-import sys
 from typing import NamedTuple
 
 import chex
+import children
 import helpers
 import hlo
 import jax
@@ -563,26 +560,12 @@ def mixed_runs(name):
   ]
 
 
-_WITHOUT_FMA = """
-import sys
-import jax
-jax.config.update('jax_platforms', 'cpu')
-import test_host_close
-for _, actual, expected in test_host_close.mixed_runs(sys.argv[1]):
-  test_host_close.assert_same_run(actual, expected)
-"""
-
-
 def bit_for_bit_without_fma(name):
   """The runs of case ``name`` bit for bit in a new process whose XLA
   emits no FMA (so that no program contracts a multiply-add)."""
   env = helpers.subprocess_env(XLA_FLAGS='--xla_cpu_max_isa=AVX')
-  result = subprocess.run(
-    [sys.executable, '-c', _WITHOUT_FMA, name],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=WITHOUT_FMA_LIMIT_S,
+  result = children.run(
+    'mixed_runs_bit_for_bit', name, limit_s=WITHOUT_FMA_LIMIT_S, env=env
   )
   assert result.returncode == 0, result.stderr[-3000:]
 
@@ -837,7 +820,7 @@ def test_single_device_programs():
   state = tx.init(params)
   batch = helpers.make_windows((1,), NUM_DEVICES)[0][0]
   texts = {
-    close: step.lower(params, state, batch, close=close).compile().as_text()
+    close: hlo.compiled_text(step, params, state, batch, close=close)
     for close in (False, True, None)
   }
   device_decided = hlo.compiled_opcodes(texts.pop(None))
@@ -861,7 +844,7 @@ def test_shard_map_programs():
   )
   step = placements.shard_map_step(tx, mesh, 'data', with_emit_now=False)
   texts = {
-    close: step.lower(params, state, batch, close=close).compile().as_text()
+    close: hlo.compiled_text(step, params, state, batch, close=close)
     for close in (False, True)
   }
   check_programs(texts, WINDOW_REDUCTION)
@@ -886,7 +869,7 @@ def test_explicit_ddp_programs():
     )
     step = placements.explicit_step(tx, 'unreduced')
     texts = {
-      close: step.lower(params, state, batch, close=close).compile().as_text()
+      close: hlo.compiled_text(step, params, state, batch, close=close)
       for close in (False, True)
     }
   check_programs(texts, WINDOW_REDUCTION)
@@ -897,7 +880,7 @@ def compiled_micro_step(step, params, state, batch):
   donated as in a user's step."""
   micro_step = lambda *args: step(*args, close=False)[0]  # noqa: E731
   jitted = jax.jit(micro_step, donate_argnums=0)
-  return jitted.lower(params, state, batch).compile().as_text()
+  return hlo.compiled_text(jitted, params, state, batch)
 
 
 def assert_returns_its_parameters(text):
@@ -1007,47 +990,6 @@ def test_two_programs_in_all():
   assert sorted(traces) == [False, True]
   assert step._cache_size() == 2
   assert int(state.gradient_step) == len(windows)
-
-
-# Bad input.
-
-PARAMS = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
-GRADS = {'w': jnp.full((2, 3), 0.5), 'b': jnp.ones(3)}
-
-
-def update(tx, **kwargs):
-  return tx.update(GRADS, tx.init(PARAMS), PARAMS, num_tokens=3, **kwargs)
-
-
-@pytest.mark.parametrize(
-  'close', ['yes', 1, 0, np.bool_(True), jnp.asarray(True)], ids=repr
-)
-def test_close_must_be_none_or_a_python_bool(close):
-  tx = accumulate(optax.sgd(0.1), EVERY_K, None)
-  with pytest.raises(TypeError, match=re.escape(f'close={close!r}')):
-    update(tx, close=close)
-
-
-def test_a_traced_close_names_emit_now():
-  tx = accumulate(optax.sgd(0.1), EVERY_K, None)
-  with pytest.raises(TypeError, match=r'close must be .*traced.*emit_now'):
-    jax.jit(lambda close: update(tx, close=close))(True)
-
-
-@pytest.mark.parametrize('close', [False, True])
-def test_close_with_tokens_per_update_is_refused(close):
-  tx = accumulate(optax.sgd(0.1), EVERY_K, None, tokens_per_update=10)
-  with pytest.raises(ValueError, match=rf'close={close}.*tokens_per_update=10'):
-    update(tx, close=close)
-
-
-@pytest.mark.parametrize('emit_now', [True, jnp.asarray(False)], ids=repr)
-@pytest.mark.parametrize('close', [False, True])
-def test_close_with_emit_now_is_refused(close, emit_now):
-  """Unless ``emit_now`` is statically False: one decider per call."""
-  tx = accumulate(optax.sgd(0.1), EVERY_K, None)
-  with pytest.raises(ValueError, match=rf'close={close}.*emit_now'):
-    update(tx, close=close, emit_now=emit_now)
 
 
 # Windows closed by the host against windows closed by the device, each step
@@ -1277,13 +1219,17 @@ def test_sign_of_the_zero_updates_on_one_device():
   helpers.assert_same_bits(new_params, params, 'parameters')
 
 
+PARAMS = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
+GRADS = {'w': jnp.full((2, 3), 0.5), 'b': jnp.ones(3)}
+
+
 @pytest.mark.parametrize('emit_now', [False, np.False_], ids=repr)
 @pytest.mark.parametrize('close', [False, True])
 def test_a_static_false_emit_now_with_close_is_not_passing_it(close, emit_now):
   """``emit_now=False`` is the default: passed with a Python ``close``, it
   is the same call as without it (a wrapper that forwards its own
   ``emit_now=False`` works). ``emit_now=True`` or any array is refused
-  (``test_close_with_emit_now_is_refused``)."""
+  (``test_bad_input.test_close_with_emit_now_is_refused``)."""
   tx = tokacc.token_weighted_multistep(momentum_sgd(), 2)
   state = tx.init(PARAMS)
   expected = tx.update(GRADS, state, PARAMS, num_tokens=3, close=close)
@@ -1362,7 +1308,7 @@ def test_the_mean_is_one_reciprocal_in_both_programs(placement):
   with placed(*DATA_PARALLEL[placement]) as (step, params, state, data, _):
     batch = jax.device_put(window_for(make_run)[0], data)
     for close in (True, None):
-      text = step.lower(params, state, batch, close=close).compile().as_text()
+      text = hlo.compiled_text(step, params, state, batch, close=close)
       divisions = [
         i.shapes for i in hlo.instructions_of(hlo.parse_hlo(text), 'divide')
       ]

@@ -1,18 +1,19 @@
 """Multi-host training: 2 local processes x 2 CPU devices each.
 
 Each test starts two ``jax.distributed`` processes on loopback (gloo CPU
-collectives), each running ``multihost_worker.py`` over the global mesh of 4
-devices, and compares their result with single-process full-batch training:
-data parallelism over all 4 devices, and HSDP on a ``('replica', 'fsdp') =
-(2, 2)`` mesh where each process is one replica; explicit sharding, also
-with the optimizer state sharded over the data axis (ZeRO-1).
+collectives), each running ``multihost_worker.py`` (``python -m children
+multihost``) over the global mesh of 4 devices, and compares their result
+with single-process full-batch training: data parallelism over all 4
+devices, and HSDP on a ``('replica', 'fsdp') = (2, 2)`` mesh where each
+process is one replica; explicit sharding, also with the optimizer state
+sharded over the data axis (ZeRO-1).
 """
 
 import socket
 import subprocess
-import sys
 
 import chex
+import children
 import helpers
 import multihost_worker as worker
 import numpy as np
@@ -46,17 +47,17 @@ def run_workers(out, mode='ddp'):
   env.pop('XLA_FLAGS', None)
   processes = [
     subprocess.Popen(
-      [
-        sys.executable,
-        worker.__file__,
+      children.command(
+        'multihost',
         f'--process_id={i}',
         f'--num_processes={NUM_PROCESSES}',
         f'--port={port}',
         f'--local_devices={LOCAL_DEVICES}',
         f'--out={out}',
         f'--mode={mode}',
-      ],
+      ),
       env=env,
+      cwd=helpers.TESTS_DIR,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,

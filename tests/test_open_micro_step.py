@@ -65,9 +65,9 @@ def _program(tx, close, params_dtype=jnp.float32):
     )
     return optax.apply_updates(params, updates), state
 
-  lowered = step.lower(params, tx.init(params), batch, close=close)
+  text = hlo.compiled_text(step, params, tx.init(params), batch, close=close)
   shapes = {tuple(p.shape) for p in jax.tree.leaves(params) if p.ndim}
-  return hlo.parse_hlo(lowered.compile().as_text()), shapes
+  return hlo.parse_hlo(text), shapes
 
 
 def _parameter_sized(instruction, shapes):
@@ -256,7 +256,7 @@ def test_shard_map_sums_are_first_read_by_an_add(close):
   data = NamedSharding(mesh, P('data'))
   batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
   step = placements.shard_map_step(tx, mesh, 'data', with_emit_now=False)
-  text = step.lower(params, state, batch, close=close).compile().as_text()
+  text = hlo.compiled_text(step, params, state, batch, close=close)
   uses = hlo.first_uses(hlo.parse_hlo(text), 'state.grad_sums')
   assert all(found == ['add'] for found in uses.values()), uses
 

@@ -503,8 +503,7 @@ def compiled_hsdp_step(layout, with_emit_now):
     flags = (
       helpers.put(np.zeros(count, bool), NamedSharding(mesh, P(flag_axes))),
     )
-  lowered = step.lower(global_params, state, batch, *flags)
-  return lowered.compile().as_text(), mesh
+  return hlo.compiled_text(step, global_params, state, batch, *flags), mesh
 
 
 @pytest.mark.parametrize(

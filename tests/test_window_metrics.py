@@ -560,12 +560,12 @@ def test_micro_step_gains_no_work():
   def step(state, grads, close=None):
     return tx.update(grads, state, params, num_tokens=2, close=close)
 
-  device = step.lower(state, params).compile().as_text()
+  device = hlo.compiled_text(step, state, params)
   opcodes = hlo.compiled_opcodes(device)
   assert opcodes['sqrt'] + opcodes['rsqrt'] > 0  # in the closing branch
   every_call = hlo.compiled_opcodes(device, into_branches=False)
   assert every_call['sqrt'] == every_call['rsqrt'] == 0
-  host_micro = step.lower(state, params, close=False).compile().as_text()
+  host_micro = hlo.compiled_text(step, state, params, close=False)
   opcodes = hlo.compiled_opcodes(host_micro)
   assert opcodes['sqrt'] == opcodes['rsqrt'] == 0
 
@@ -614,7 +614,7 @@ def _closing_sites(layout, window_norms):
     params, place = placements.zero1_placed(mesh, layout)
     state = placements.zero1_init(tx, params, mesh, layout)
     batch = place(helpers.zero1_windows()[0][0])
-    text = step.lower(params, state, batch).compile().as_text()
+    text = hlo.compiled_text(step, params, state, batch)
   return hlo.in_branches(hlo.compiled_collectives(text))
 
 
@@ -678,7 +678,7 @@ def test_without_window_norms_they_stay_nan_and_cost_nothing():
     assert int(metrics.tokens) == 4 and float(metrics.loss) == 1.0  # 4 / 4
     assert np.isnan(metrics.grad_norm) and np.isnan(metrics.update_norm)
     assert int(state.gradient_step) == 1
-    text = step.lower(state, grads, 1, close=close).compile().as_text()
+    text = hlo.compiled_text(step, state, grads, 1, close=close)
     opcodes = hlo.compiled_opcodes(text)
     assert opcodes['sqrt'] == opcodes['rsqrt'] == 0
   if jax.__version_info__ >= (0, 10):  # explicit types (test_explicit)

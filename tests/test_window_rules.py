@@ -338,7 +338,7 @@ def test_budget_costs_one_scalar_all_reduce_per_micro_step():
     )
     state = placements.shard_map_state(tx, params, mesh, 'data')
     step = placements.shard_map_step(tx, mesh, 'data', False)
-    text = step.lower(params, state, batch).compile().as_text()
+    text = hlo.compiled_text(step, params, state, batch)
     sites = hlo.compiled_collectives(text)
     every_step = [site.shapes for site, path in sites if not path]
     assert every_step == expected
