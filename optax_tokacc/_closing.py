@@ -32,11 +32,11 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _compensated
+from optax_tokacc import _held_updates
 from optax_tokacc import _inputs
 from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
-from optax_tokacc import _typed_sharding
 from optax_tokacc import _window
 
 
@@ -164,7 +164,9 @@ def _step(
       found, summed.divisor, ctx.grads, config.leaf_norms
     )
   if emitted is not None:
-    updates = jax.tree.map(lambda u: _or_zeros(u, emitted), updates)
+    updates = jax.tree.map(
+      lambda u: _held_updates.or_zeros(u, emitted), updates
+    )
     new_inner = optax.tree.where(emitted, new_inner, plain_inner)
   if params is not None:
     updates = place.typed_like(updates, params)
@@ -191,11 +193,13 @@ def keep_open(
   ctx: Context, window: _base.Window, inner_state: optax.OptState
 ) -> CallResult:
   """The window left open (the host decided: ``close=False``): zero
-  updates shaped like ``inner``'s (see :func:`_zeros`, ``fold``), and
-  no ``inner`` work."""
+  updates shaped like ``inner``'s (``_held_updates.zeros``, ``fold``),
+  and no ``inner`` work."""
   shapes = _inner(ctx, inner_state).shapes
   closed = _open(ctx.config, window)
-  return CallResult(_zeros(shapes, fold=True), window, inner_state, closed)
+  return CallResult(
+    _held_updates.zeros(shapes, fold=True), window, inner_state, closed
+  )
 
 
 def close_if(
@@ -210,22 +214,22 @@ def close_if(
   ``inner``'s (``jax.eval_shape``, as in ``optax.MultiSteps``). Everything
   the branches read is an operand, never a closure: a buffer that reaches
   the ``cond`` twice is copied on every micro-step. Where the accumulator's
-  buffer can hold the updates exactly (:func:`_holds_exactly`), the closing
-  branch writes them there (:func:`_held`) and the call reads them back
-  (:func:`_released`): a micro-step then writes no parameter-sized zeros
-  and copies nothing. The closing branch starts the next window
-  (``_window.reset_if``), so that a micro-step only adds; the sums that
-  the buffer held updates in are zeroed after the ``cond``, in a select on
-  ``close``, once the updates are read.
+  buffer can hold the updates exactly, the closing branch writes them
+  there and the call reads them back (``_held_updates``): a micro-step
+  then writes no parameter-sized zeros and copies nothing. The closing
+  branch starts the next window (``_window.reset_if``), so that a
+  micro-step only adds; the sums that the buffer held updates in are
+  zeroed after the ``cond``, in a select on ``close``, once the updates
+  are read.
   """
   config, place = ctx.config, ctx.place
   inner = _inner(ctx, inner_state)
-  buffer = _holds_exactly(place, window.grad_sums, inner.shapes)
+  buffer = _held_updates.holds_exactly(place, window.grad_sums, inner.shapes)
 
   def step(grad_sums, summed, inner_state, params):
     updates, new_inner, norms = inner.step(summed, inner_state, params)
     return (
-      _held(place, buffer, inner.shapes, updates, grad_sums),
+      _held_updates.held(place, buffer, inner.shapes, updates, grad_sums),
       new_inner,
       norms,
     )
@@ -234,7 +238,7 @@ def close_if(
     del params
     norms = _norms.nan(config, summed.sums)
     return (
-      _held(place, buffer, inner.shapes, None, grad_sums),
+      _held_updates.held(place, buffer, inner.shapes, None, grad_sums),
       inner_state,
       norms,
     )
@@ -249,13 +253,20 @@ def close_if(
     summed, closed = _reduce(ctx, window)
     ops = (window.grad_sums, summed, inner_state, params)
     held, new_inner, norms = place.cond(closed.emitted, step, no_step, *ops)
-    rest = _window.reset_if(place, True, _rest(window, buffer))
+    rest = _window.reset_if(place, True, _held_updates.rest(window, buffer))
     return held, rest, new_inner, closed._replace(norms=norms)
 
   def accumulating(window, inner_state, params):
     del params
-    held = _held(place, buffer, inner.shapes, None, window.grad_sums)
-    return held, _rest(window, buffer), inner_state, _open(config, window)
+    held = _held_updates.held(
+      place, buffer, inner.shapes, None, window.grad_sums
+    )
+    return (
+      held,
+      _held_updates.rest(window, buffer),
+      inner_state,
+      _open(config, window),
+    )
 
   ops = (window, inner_state, ctx.params)
   held, rest, inner_state, closed = place.cond(
@@ -265,48 +276,10 @@ def close_if(
     return CallResult(held, rest, inner_state, closed)
   # The buffer held the updates: the next window's zeros are written after
   # they are read, in a select.
-  updates = _released(place, held, inner.shapes, closed.emitted)
+  updates = _held_updates.released(place, held, inner.shapes, closed.emitted)
   grad_sums = _window.reset_if(place, close, held)
   window = rest._replace(grad_sums=grad_sums)
   return CallResult(updates, window, inner_state, closed)
-
-
-def _rest(window: _base.Window, buffer: bool) -> _base.Window:
-  """What the closing ``cond`` returns of the window: all of it, or, where
-  the accumulator's buffer holds the updates, all but its sums (``()``)."""
-  return window._replace(grad_sums=()) if buffer else window
-
-
-def _held(
-  place: _placement.Placement,
-  buffer: bool,
-  shapes: Any,
-  updates: Optional[optax.Updates],
-  grad_sums: optax.Updates,
-) -> Any:
-  """What the closing branch returns in place of the updates (None: no
-  updates): written into the accumulator's buffer where it can hold them
-  exactly (``buffer``); fresh zeros otherwise. Where the buffer is typed
-  otherwise (partial sums), it holds the updates typed like itself."""
-  if not buffer:
-    return _zeros(shapes) if updates is None else updates
-  if updates is None:
-    return grad_sums
-  held = optax.tree.cast_like(updates, grad_sums)
-  return jax.tree.map(place.retype_same_values, held, grad_sums)
-
-
-def _released(
-  place: _placement.Placement, held: Any, shapes: Any, emitted: jax.Array
-) -> optax.Updates:
-  """The updates from the buffer that held them: -0.0 unless ``emitted``
-  (the buffer holds the window's sums on a micro-step), typed and cast like
-  ``inner``'s. The value picked is the same on every device."""
-
-  def release(h, s):
-    return place.on_each_device(_or_zeros, (h, emitted), s).astype(s.dtype)
-
-  return jax.tree.map(release, held, shapes)
 
 
 def _inner(ctx: Context, inner_state: optax.OptState) -> _Inner:
@@ -349,52 +322,3 @@ def _raise(error: Exception, ours: Optional[Exception]) -> NoReturn:
   if ours is None:
     raise error
   raise ours from error
-
-
-def _holds_exactly(
-  place: _placement.Placement, grad_sums: optax.Updates, updates: Any
-) -> bool:
-  """Whether the accumulator's buffer can hold ``updates`` exactly: same
-  shapes, a dtype that holds theirs, and what the placement allows."""
-
-  def holds(a, u):
-    dtype_holds = jnp.promote_types(a.dtype, u.dtype) == a.dtype
-    return a.shape == u.shape and dtype_holds and place.buffer_holds(a, u)
-
-  same_tree = jax.tree.structure(grad_sums) == jax.tree.structure(updates)
-  return same_tree and jax.tree.all(jax.tree.map(holds, grad_sums, updates))
-
-
-def _zeros(shapes: Any, fold: bool = False) -> Any:
-  """Zero updates of the given shapes, dtypes and shardings, varying over
-  no axis (``zeros_like`` of a gradient would inherit its per-device
-  variance and make the parameters vary). They are -0.0, so that adding
-  them leaves every parameter bit-identical (-0.0 + 0.0 is +0.0).
-
-  ``fold``: zeros the program computes nothing else from (the host's
-  micro-step), whose addition XLA should remove. It folds ``p + -0.0``
-  only through the negation (``p - 0.0``); under a mesh with explicit axes
-  (``jax.set_mesh``) a sharding constraint sits between the zeros and
-  their negation, so these are +0.0 there: XLA folds ``p + 0.0`` into
-  ``p``, bit-identical. (Run op by op, a -0.0 parameter would become +0.0,
-  an equal value.)
-  """
-  mesh = jax.sharding.get_abstract_mesh()  # its axis_types: () if none
-  positive = fold and jax.sharding.AxisType.Explicit in mesh.axis_types
-
-  def zeros(shape):
-    sharding = None if _typed_sharding.untyped(shape) else shape.sharding
-    zeros = jnp.zeros(shape.shape, shape.dtype, out_sharding=sharding)
-    return zeros if positive else _signed(zeros)
-
-  return jax.tree.map(zeros, shapes)
-
-
-def _or_zeros(x: jax.Array, keep: jax.Array) -> jax.Array:
-  """``x`` where ``keep``, else -0.0 (see :func:`_zeros`)."""
-  return jnp.where(keep, x, _signed(jnp.zeros_like(x)))
-
-
-def _signed(zeros: jax.Array) -> jax.Array:
-  """-0.0 for floating zeros (other dtypes have one zero)."""
-  return -zeros if jnp.issubdtype(zeros.dtype, jnp.inexact) else zeros
