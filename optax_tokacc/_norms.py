@@ -116,9 +116,11 @@ def stored(
 
 
 def per_leaf(field: Stored) -> bool:
-  """Whether a stored norm holds each leaf's too: a pair, where the
-  global norm alone is one leaf of its pytree."""
-  return not jax.tree_util.treedef_is_leaf(jax.tree.structure(field))
+  """Whether a stored norm holds each leaf's too: :data:`Stored`'s pair,
+  told from the global norm alone by its type, the one reading of the
+  union. (Not by its pytree structure: Flax nnx wraps the global norm in a
+  ``Variable``, a pytree node of one child, which a pair is too.)"""
+  return isinstance(field, tuple)
 
 
 def read(field: Stored) -> tuple[jax.Array, Optional[Any]]:
