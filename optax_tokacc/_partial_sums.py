@@ -51,6 +51,12 @@ class PartialSums(_placement.Placement):
   ``targets``: per gradient leaf, the shards of ``inner``'s state its
   window is reduce-scattered into (``_optimizer_shards.ShardTarget``), or
   None where it is summed whole; empty: every leaf summed whole.
+
+  It keeps the interface's defaults where ``jax.jit``'s one program makes
+  a value the same everywhere: the state is the shares (its types say
+  which are partial sums), the gradients arrive as partial sums or whole,
+  ``emit_now`` and the skip decision (:meth:`skip_decision`) are every
+  device's, so a rejected micro-batch is no micro-step.
   """
 
   axes: frozenset
