@@ -276,9 +276,9 @@ def _patched(module, name, replacement):
 def _no_buffer():
   """The updates written to fresh -0.0 zeros, not held in the
   accumulator's buffer (a parameter-sized write on every micro-step)."""
-  from optax_tokacc import _closing  # noqa: PLC0415
+  from optax_tokacc import _held_updates  # noqa: PLC0415
 
-  return _patched(_closing, '_holds_exactly', lambda *args: False)
+  return _patched(_held_updates, 'holds_exactly', lambda *args: False)
 
 
 def _kept_conditional():

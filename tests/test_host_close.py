@@ -2,7 +2,7 @@
 
 ``tx.update(..., close=...)`` with a Python bool traces one path:
 ``close=False`` adds the micro-batch and returns zero updates (-0.0; +0.0
-under an explicit mesh, see ``_closing._zeros``; no inner work, no
+under an explicit mesh, see ``_held_updates.zeros``; no inner work, no
 collective), ``close=True`` closes the window with what it holds,
 this micro-batch included; neither holds a ``conditional``, so that
 ``jax.jit(step, static_argnames='close')`` compiles two programs.
@@ -1195,7 +1195,7 @@ ZERO_SIGNS = {
 def test_sign_of_the_zero_updates_of_close_false(placement):
   """``close=False`` returns -0.0 (as the device's micro-steps), except
   where ``jax.jit`` runs on a mesh with Explicit axes outside
-  ``shard_map``: +0.0 (``_closing._zeros``). Inside ``shard_map`` the axes
+  ``shard_map``: +0.0 (``_held_updates.zeros``). Inside ``shard_map`` the axes
   are Manual, whatever ``jax.make_mesh`` made them: -0.0. The parameters
   keep their bits in both cases."""
   make_mesh, make_run, with_mesh, sign = ZERO_SIGNS[placement]
