@@ -2,7 +2,7 @@
 
 Started by ``test_multihost.py`` as the ``multihost`` entry point of
 ``children.py``: it joins a ``jax.distributed`` job on loopback, trains with
-the loops of ``placements`` over the global mesh of all processes' CPU
+``placements.train`` over the global mesh of all processes' CPU
 devices and writes the final parameters. ``test_multihost.py`` reads its
 run's settings (``MULTIHOST_*``) to build the reference.
 
@@ -27,7 +27,10 @@ from helpers import adamw
 from helpers import fetch
 from helpers import init_params
 from helpers import make_windows
+from helpers import put
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import placements
@@ -41,15 +44,12 @@ MULTIHOST_AXIS = 'data'
 MULTIHOST_BUDGET = 30  # tokens per update over all devices (tokens_per_update)
 
 
-# HSDP layouts of the multi-host run: name -> (axis_name, param specs,
-# partial-manual). Each process is one replica; `fsdp` stays within it.
+# HSDP layouts of the multi-host run (of ``placements.HSDP_LAYOUTS``): name
+# -> (axis_name, param specs, partial-manual). Each process is one replica;
+# `fsdp` stays within it.
 MULTIHOST_HSDP_LAYOUTS = {
-  'partial_manual': ('replica', {'w': P('fsdp', None), 'v': P('fsdp')}, True),
-  'fully_manual': (
-    placements.HSDP_AXES,
-    {'w': P(None, 'fsdp'), 'v': P()},
-    False,
-  ),
+  'partial_manual': placements.HSDP_LAYOUTS['hsdp_partial_manual'],
+  'fully_manual': placements.HSDP_LAYOUTS['hsdp_manual_mixed'],
 }
 
 
@@ -62,6 +62,43 @@ def _join(args):
     num_processes=args.num_processes,
     process_id=args.process_id,
     initialization_timeout=300,  # both processes start at once; a busy machine
+  )
+
+
+def _reduced_params(params, mesh):
+  """``params`` placed on ``mesh`` typed reduced over its first axis: a
+  replicated global array from each process's full copy, resharded."""
+  axis = mesh.axis_names[0]
+  return {
+    name: jax.jit(
+      lambda x: jax.reshard(x, P(*(None,) * x.ndim, reduced={axis}))
+    )(put(value, NamedSharding(mesh, P())))
+    for name, value in params.items()
+  }
+
+
+def _explicit_run(tx, mesh, shard_optimizer_over=None):
+  """Explicit sharding under plain ``jax.jit`` over ``mesh``'s first axis
+  (``placements.global_step``): parameters typed reduced over it, the batch
+  split over it; ``shard_optimizer_over``: ZeRO-1's axes
+  (``init_sharded``)."""
+  with jax.set_mesh(mesh):
+    params = _reduced_params(init_params(), mesh)
+    if shard_optimizer_over is None:
+      state = tx.init(params)
+    else:
+      state = tokacc.init_sharded(
+        tx, params, mesh, shard_optimizer_over=shard_optimizer_over
+      )
+  data = NamedSharding(mesh, P(mesh.axis_names[0]))
+  return placements.Run(
+    params,
+    state,
+    placements.global_step(tx),
+    lambda batch: jax.tree.map(lambda x: put(x, data), batch),
+    jnp.asarray,
+    fetch,
+    mesh,
   )
 
 
@@ -78,11 +115,14 @@ def _data_parallel_results():
   make_tx = functools.partial(
     tokacc.token_weighted_multistep, adamw(), MULTIHOST_K
   )
-  shard_map_params, shard_map_state_ = placements.train_shard_map(
-    make_tx(axis_name=MULTIHOST_AXIS), params, windows, mesh, MULTIHOST_AXIS
+  shard_map_params, shard_map_state_ = placements.train_windows(
+    placements.shard_map_run(
+      make_tx(axis_name=MULTIHOST_AXIS), params, mesh, MULTIHOST_AXIS
+    ),
+    windows,
   )
-  jit_params, jit_state = placements.train_sharded_jit(
-    make_tx(), params, windows, mesh, MULTIHOST_AXIS
+  jit_params, jit_state = placements.train_windows(
+    placements.gspmd_run(make_tx(), params, mesh, MULTIHOST_AXIS), windows
   )
   results = {
     'shard_map_loss': fetch(tokacc.window_loss(shard_map_state_)),
@@ -108,14 +148,11 @@ def _hsdp_results():
     tx = tokacc.token_weighted_multistep(
       adamw(), MULTIHOST_K, axis_name=axis_name
     )
-    params, state = placements.train_hsdp(
-      tx,
-      init_params(),
+    params, state = placements.train_windows(
+      placements.hsdp_run(
+        tx, init_params(), mesh, specs, axis_name, partial_manual=partial
+      ),
       windows,
-      mesh,
-      specs,
-      axis_name,
-      partial_manual=partial,
     )
     results[f'{layout}_loss'] = fetch(tokacc.window_loss(state))
     for name, value in fetch(params).items():
@@ -128,10 +165,11 @@ def _explicit_results():
   mesh = jax.make_mesh((jax.device_count(),), (MULTIHOST_AXIS,))
   windows = make_windows(MULTIHOST_WINDOW_SIZES, jax.device_count())
   tx = tokacc.token_weighted_multistep(adamw(), MULTIHOST_K)
-  params, loss = placements.train_explicit(tx, init_params(), windows, mesh)
-  results = {'explicit_loss': loss}
-  for name, value in params.items():
-    results[f'explicit_{name}'] = value
+  params, state = placements.train_windows(_explicit_run(tx, mesh), windows)
+  with jax.set_mesh(mesh):
+    results = {'explicit_loss': fetch(tokacc.window_loss(state))}
+    for name, value in fetch(tokacc.to_checkpoint(params)).items():
+      results[f'explicit_{name}'] = value
   return results
 
 
@@ -142,10 +180,9 @@ def _zero1_results():
   mesh = jax.make_mesh((jax.device_count(),), (MULTIHOST_AXIS,))
   windows = make_windows(MULTIHOST_WINDOW_SIZES, jax.device_count())
   tx = tokacc.token_weighted_multistep(adamw(), MULTIHOST_K)
+  run = _explicit_run(tx, mesh, (MULTIHOST_AXIS,))
+  params, state = placements.train_windows(run, windows)
   with jax.set_mesh(mesh):
-    params, state = placements.train_explicit_state(
-      tx, init_params(), windows, mesh, (MULTIHOST_AXIS,)
-    )
     results = {'zero1_loss': fetch(tokacc.window_loss(state))}
     for name, value in fetch(tokacc.to_checkpoint(params)).items():
       results[f'zero1_{name}'] = value
@@ -166,15 +203,15 @@ def _budget_results():
     axis_types=(jax.sharding.AxisType.Auto,),
   )
   windows = make_windows(MULTIHOST_WINDOW_SIZES, jax.device_count())
-  stream = [[batch for window in windows for batch in window]]
   tx = tokacc.token_weighted_multistep(
     adamw(),
     MULTIHOST_K,
     axis_name=MULTIHOST_AXIS,
     tokens_per_update=MULTIHOST_BUDGET,
   )
-  params, state = placements.train_shard_map(
-    tx, init_params(), stream, mesh, MULTIHOST_AXIS
+  params, state = placements.train_windows(
+    placements.shard_map_run(tx, init_params(), mesh, MULTIHOST_AXIS),
+    windows,
   )
   results = {'budget_updates': fetch(tokacc.find_state(state).gradient_step)}
   for name, value in fetch(params).items():

@@ -32,7 +32,13 @@ data of ``helpers``:
 :data:`PLACEMENTS` holds them as one registry: ``PLACEMENTS[name](n,
 make_tx)`` is a :class:`Run` on ``n`` devices, so that a test parametrizes
 over placements as chex variants parametrize over ``jit`` and ``pmap``;
-:func:`train` runs one.
+:func:`train` runs one (:func:`train_windows` from its start, over
+windows). A test that needs a placement on its own mesh, layout or
+parameters builds its :class:`Run` with the registry's builders
+(:func:`pmap_run`, :func:`shard_map_run`, :func:`jit_run` and
+:func:`gspmd_run`, :func:`explicit_run`, :func:`hsdp_run`) and trains it
+the same way; ZeRO-1 on its own model, closed by the host or checkpointed
+mid-run, has :func:`train_zero1`.
 """
 
 from collections.abc import Callable
@@ -150,21 +156,6 @@ def pmap_step(tx, with_emit_now=True, devices=None, host_closes=False):
   return jax.pmap(step, axis_name='data', devices=devices)
 
 
-def train_pmap(tx, params, windows):
-  """Trains under ``jax.pmap``; the last device raises emit_now at the end."""
-  num_devices = jax.device_count()
-  step = pmap_step(tx)
-  params = jax.tree.map(replicate, params)
-  state = jax.pmap(tx.init)(params)
-  for batch, last in micro_batches(windows):
-    emit_now = np.zeros(num_devices, bool)
-    emit_now[-1] = last
-    params, state = step(
-      params, state, jax.tree.map(per_device, batch), emit_now
-    )
-  return params, state
-
-
 # shard_map with axis_name: parameters replicated, shares of the window per
 # device.
 
@@ -229,26 +220,6 @@ def shard_map_step(
   return jax.jit(step, static_argnames='close')
 
 
-def train_shard_map(tx, params, windows, mesh, axes, mark_varying=True):
-  """Trains under ``shard_map``; the last micro-step of the last window is
-  closed early by ``emit_now`` raised on the last device only.
-
-  Returns the final parameters and state.
-  """
-  num_devices = mesh.devices.size
-  replicated = NamedSharding(mesh, P())
-  data = NamedSharding(mesh, P(axes))
-  state = shard_map_state(tx, params, mesh, axes)
-  params = jax.tree.map(lambda x: helpers.put(x, replicated), params)
-  step = shard_map_step(tx, mesh, axes, mark_varying=mark_varying)
-  for batch, last in micro_batches(windows):
-    emit_now = np.zeros(num_devices, bool)
-    emit_now[-1] = last
-    batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
-    params, state = step(params, state, batch, helpers.put(emit_now, data))
-  return params, state
-
-
 # GSPMD: jax.jit over global arrays, no axis_name.
 
 
@@ -276,26 +247,6 @@ def global_step(tx, loss_fn=helpers.loss_sum, with_updates=False):
     )
 
   return step
-
-
-def train_sharded_jit(tx, params, windows, mesh, axes, on_step=None):
-  """Trains with ``jax.jit`` over global arrays (GSPMD, no ``axis_name``).
-
-  The last window is closed early with ``emit_now``. ``on_step(params,
-  state)`` is called after ``tx.init`` and after every micro-step.
-  """
-  data = NamedSharding(mesh, P(axes))
-  params = jax.tree.map(helpers.put, params, fsdp_shardings(mesh, axes))
-  state = tx.init(params)
-  step = global_step(tx)
-  if on_step is not None:
-    on_step(params, state)
-  for batch, last in micro_batches(windows):
-    batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
-    params, state = step(params, state, batch, jnp.asarray(last))
-    if on_step is not None:
-      on_step(params, state)
-  return params, state
 
 
 # Explicit sharding: plain jax.jit on an Explicit mesh.
@@ -434,27 +385,6 @@ def plain(tree):
   )
 
 
-def train_explicit_layout(
-  layout, tx, windows, spelling='replicated', on_step=None, init=None
-):
-  """Trains on ``EXPLICIT_LAYOUTS[layout]``; the last window is closed
-  early by emit_now. ``init``: ``(tx, params, mesh)`` to the initial state
-  (``tx.init``). Returns the parameters, the state and the step."""
-  make_mesh, specs, _ = EXPLICIT_LAYOUTS[layout]
-  mesh = make_mesh()
-  with jax.set_mesh(mesh):
-    data = NamedSharding(mesh, P(batch_axes(mesh)))
-    params = place_params(helpers.init_params(), mesh, specs)
-    state = tx.init(params) if init is None else init(tx, params, mesh)
-    step = explicit_step(tx, spelling)
-    for batch, emit_now in micro_batches(windows):
-      batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
-      params, state = step(params, state, batch, jnp.asarray(emit_now))
-      if on_step is not None:
-        on_step(params, state)
-    return params, state, step
-
-
 def explicit_compiled_text(layout, spelling, inner=None, **options):
   """The compiled HLO of one micro-step (``emit_now`` traced, from
   ``tx.init``) on an explicit layout: ``tx`` accumulates 3 micro-steps of
@@ -471,52 +401,6 @@ def explicit_compiled_text(layout, spelling, inner=None, **options):
     return hlo.compiled_text(
       explicit_step(tx, spelling), params, state, batch, jnp.asarray(False)
     )
-
-
-def train_explicit(tx, params, windows, mesh, shard_optimizer_over=None):
-  """Explicit sharding under plain ``jax.jit`` over all of ``mesh``'s
-  first axis: parameters typed reduced over it (unreduced gradients), the
-  batch split over it. ``shard_optimizer_over``: the axes to shard
-  ``inner``'s state over (ZeRO-1, laid out by ``init_sharded``). Returns
-  host copies of the final parameters and of the last window's loss."""
-  with jax.set_mesh(mesh):
-    params, state = train_explicit_state(
-      tx, params, windows, mesh, shard_optimizer_over
-    )
-    return (
-      helpers.fetch(tokacc.to_checkpoint(params)),
-      helpers.fetch(tokacc.window_loss(state)),
-    )
-
-
-def reduced_params(params, mesh):
-  """``params`` placed on ``mesh`` typed reduced over its first axis (as
-  parameters of several processes are made)."""
-  axis = mesh.axis_names[0]
-  return {
-    name: jax.jit(
-      lambda x: jax.reshard(x, P(*(None,) * x.ndim, reduced={axis}))
-    )(helpers.put(value, NamedSharding(mesh, P())))
-    for name, value in params.items()
-  }
-
-
-def train_explicit_state(tx, params, windows, mesh, shard_optimizer_over=None):
-  """:func:`train_explicit`'s loop, under ``jax.set_mesh(mesh)``: the final
-  parameters and state, global arrays."""
-  params = reduced_params(params, mesh)
-  if shard_optimizer_over is None:
-    state = tx.init(params)
-  else:
-    state = tokacc.init_sharded(
-      tx, params, mesh, shard_optimizer_over=shard_optimizer_over
-    )
-  step = global_step(tx)
-  data = NamedSharding(mesh, P(mesh.axis_names[0]))
-  for batch, emit_now in micro_batches(windows):
-    batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
-    params, state = step(params, state, batch, jnp.asarray(emit_now))
-  return params, state
 
 
 # ZeRO-1 (the distributed optimizer): explicit sharding with inner's state
@@ -832,47 +716,6 @@ def hsdp_setup(tx, params, mesh, param_specs, axis_name):
   return params, state, state_specs
 
 
-def train_hsdp(
-  tx,
-  params,
-  windows,
-  mesh,
-  param_specs,
-  axis_name,
-  *,
-  partial_manual=False,
-  check_vma=True,
-):
-  """Trains HSDP on ``mesh``, partial-manual or fully manual.
-
-  The batch is split over both axes; the last device raises ``emit_now`` on
-  the last micro-step. Returns the final parameters and state.
-  """
-  params, state, state_specs = hsdp_setup(
-    tx, params, mesh, param_specs, axis_name
-  )
-  if partial_manual:
-    step = partial_manual_step(tx, mesh, param_specs, state_specs)
-    flags = NamedSharding(mesh, P('replica'))
-  else:
-    step = fully_manual_step(
-      tx, mesh, param_specs, state_specs, check_vma=check_vma
-    )
-    flags = NamedSharding(mesh, P(HSDP_AXES))
-  data = NamedSharding(mesh, P(HSDP_AXES))
-  num_flags = mesh.shape['replica'] if partial_manual else mesh.size
-  for batch, last in micro_batches(windows):
-    emit_now = np.zeros(num_flags, bool)
-    emit_now[-1] = last
-    params, state = step(
-      params,
-      state,
-      jax.tree.map(lambda x: helpers.put(x, data), batch),
-      helpers.put(emit_now, flags),
-    )
-  return params, state
-
-
 # HSDP layouts of shard_map: name -> (axis_name, param specs,
 # partial-manual). Every sharded dimension has 8 entries: 2 per device on a
 # 4-way `fsdp` axis, 4 on a 2-way one.
@@ -913,28 +756,12 @@ def last_device(flag, n):
   return np.arange(n) == (n - 1 if flag else n)
 
 
-def _shard_map_run(n, make_tx, mark_varying=True):
-  mesh = data_mesh(n)
-  tx = make_tx('data')
-  state = shard_map_state(tx, helpers.init_params(), mesh, 'data')
-  step = shard_map_step(tx, mesh, 'data', True, mark_varying)
-  replicated = NamedSharding(mesh, P())
-  data = NamedSharding(mesh, P('data'))
-  return Run(
-    jax.tree.map(lambda x: helpers.put(x, replicated), helpers.init_params()),
-    state,
-    step,
-    lambda batch: jax.tree.map(lambda x: helpers.put(x, data), batch),
-    lambda flag: helpers.put(last_device(flag, n), data),
-    helpers.fetch,
-    mesh,
-  )
-
-
-def _pmap_run(n, make_tx):
-  tx = make_tx('data')
+def pmap_run(tx, params, n=None):
+  """``jax.pmap`` over the first ``n`` devices (all by default), each
+  holding a copy of ``params``."""
+  n = n or jax.device_count()
   devices = jax.devices()[:n]
-  params = jax.tree.map(lambda x: replicate(x, n), helpers.init_params())
+  params = jax.tree.map(lambda x: replicate(x, n), params)
   state = jax.pmap(tx.init, devices=devices)(params)
   step = pmap_step(tx, devices=devices)
 
@@ -959,17 +786,33 @@ def _pmap_run(n, make_tx):
   )
 
 
-def _jit_run(n, make_tx, mesh, param_specs, data_axes, shard_over=None):
-  """``jax.jit`` over global arrays (GSPMD or explicit types)."""
-  tx = make_tx(None)
+def shard_map_run(tx, params, mesh, axes, mark_varying=True):
+  """``shard_map`` over ``axes`` of ``mesh`` (:func:`shard_map_step`):
+  ``params`` replicated, each device's share of the window its own."""
+  n = mesh.devices.size
+  replicated = NamedSharding(mesh, P())
+  data = NamedSharding(mesh, P(axes))
+  state = shard_map_state(tx, params, mesh, axes)
+  return Run(
+    jax.tree.map(lambda x: helpers.put(x, replicated), params),
+    state,
+    shard_map_step(tx, mesh, axes, True, mark_varying),
+    lambda batch: jax.tree.map(lambda x: helpers.put(x, data), batch),
+    lambda flag: helpers.put(last_device(flag, n), data),
+    helpers.fetch,
+    mesh,
+  )
+
+
+def jit_run(tx, params, mesh, param_specs, data_axes, init=None, step=None):
+  """``jax.jit`` over global arrays on ``mesh`` (GSPMD or explicit types):
+  ``params`` laid out by ``param_specs``, the batch split over
+  ``data_axes``; ``init(tx, params, mesh)`` gives the initial state
+  (``tx.init`` by default), ``step`` is :func:`explicit_step` by
+  default."""
   with jax.set_mesh(mesh):
-    params = place_params(helpers.init_params(), mesh, param_specs)
-    if shard_over is None:
-      state = tx.init(params)
-    else:
-      state = tokacc.init_sharded(
-        tx, params, mesh, shard_optimizer_over=shard_over
-      )
+    params = place_params(params, mesh, param_specs)
+    state = tx.init(params) if init is None else init(tx, params, mesh)
   data = NamedSharding(mesh, P(data_axes))
 
   def host(params):
@@ -978,7 +821,7 @@ def _jit_run(n, make_tx, mesh, param_specs, data_axes, shard_over=None):
   return Run(
     params,
     state,
-    explicit_step(tx),
+    step or explicit_step(tx),
     lambda batch: jax.tree.map(lambda x: jax.device_put(x, data), batch),
     jnp.asarray,
     host,
@@ -986,46 +829,116 @@ def _jit_run(n, make_tx, mesh, param_specs, data_axes, shard_over=None):
   )
 
 
+def gspmd_run(tx, params, mesh, axes):
+  """GSPMD FSDP: ``jax.jit`` with each parameter's first dimension sharded
+  over ``axes`` (:func:`fsdp_shardings`), no ``axis_name``."""
+  return jit_run(tx, params, mesh, {'w': P(axes), 'v': P(axes)}, axes)
+
+
+def explicit_run(layout, tx, spelling='replicated', init=None):
+  """Explicit sharding on ``EXPLICIT_LAYOUTS[layout]``, the count and loss
+  spelled ``spelling`` (:func:`explicit_step`), the state from
+  ``init(tx, params, mesh)`` (``tx.init`` by default)."""
+  mesh = EXPLICIT_LAYOUTS[layout].mesh()
+  specs = EXPLICIT_LAYOUTS[layout].specs
+  step = explicit_step(tx, spelling)
+  return jit_run(
+    tx, helpers.init_params(), mesh, specs, batch_axes(mesh), init, step
+  )
+
+
+def sharded_optimizer(axes):
+  """A state builder for :func:`jit_run`: ZeRO-1, ``inner``'s state
+  sharded over ``axes`` (``init_sharded``)."""
+  return lambda tx, params, mesh: tokacc.init_sharded(
+    tx, params, mesh, shard_optimizer_over=axes
+  )
+
+
+def hsdp_run(
+  tx, params, mesh, param_specs, axis_name, partial_manual=False, check_vma=True
+):
+  """HSDP with ``shard_map`` on ``mesh``, partial-manual
+  (:func:`partial_manual_step`, one ``emit_now`` per replica) or fully
+  manual (:func:`fully_manual_step`, one per device); the batch split over
+  both axes."""
+  params, state, state_specs = hsdp_setup(
+    tx, params, mesh, param_specs, axis_name
+  )
+  if partial_manual:
+    step = partial_manual_step(tx, mesh, param_specs, state_specs)
+    flags = NamedSharding(mesh, P('replica'))
+    num_flags = mesh.shape['replica']
+  else:
+    step = fully_manual_step(
+      tx, mesh, param_specs, state_specs, check_vma=check_vma
+    )
+    flags = NamedSharding(mesh, P(HSDP_AXES))
+    num_flags = mesh.size
+  data = NamedSharding(mesh, P(HSDP_AXES))
+  return Run(
+    params,
+    state,
+    step,
+    lambda batch: jax.tree.map(lambda x: helpers.put(x, data), batch),
+    lambda flag: helpers.put(last_device(flag, num_flags), flags),
+    helpers.fetch,
+  )
+
+
 def _hsdp_shape(n):
   return {4: (2, 2), 2: (2, 1), 1: (1, 1)}[n]
 
 
+def _typed_run(n, make_tx, mesh, param_specs, data_axes, init=None):
+  """:func:`jit_run` of ``make_tx(None)`` from ``helpers.init_params``."""
+  return jit_run(
+    make_tx(None), helpers.init_params(), mesh, param_specs, data_axes, init
+  )
+
+
 PLACEMENTS = {
-  'pmap': _pmap_run,
-  'shard_map': _shard_map_run,
-  # gradients of replicated parameters, summed by autodiff (Manual.share_of)
-  'shard_map_summed': functools.partial(_shard_map_run, mark_varying=False),
-  'gspmd': lambda n, make_tx: _jit_run(
-    n, make_tx, data_mesh(n), {'w': P('data'), 'v': P('data')}, 'data'
+  'pmap': lambda n, make_tx: pmap_run(
+    make_tx('data'), helpers.init_params(), n
   ),
-  'explicit_ddp': lambda n, make_tx: _jit_run(
+  'shard_map': lambda n, make_tx: shard_map_run(
+    make_tx('data'), helpers.init_params(), data_mesh(n), 'data'
+  ),
+  # gradients of replicated parameters, summed by autodiff (Manual.share_of)
+  'shard_map_summed': lambda n, make_tx: shard_map_run(
+    make_tx('data'), helpers.init_params(), data_mesh(n), 'data', False
+  ),
+  'gspmd': lambda n, make_tx: gspmd_run(
+    make_tx(None), helpers.init_params(), data_mesh(n), 'data'
+  ),
+  'explicit_ddp': lambda n, make_tx: _typed_run(
     n,
     make_tx,
     data_mesh(n, axis_type=EXPLICIT_AXES),
-    _reduced('data'),
+    EXPLICIT_LAYOUTS['ddp'].specs,
     'data',
   ),
-  'explicit_fsdp': lambda n, make_tx: _jit_run(
+  'explicit_fsdp': lambda n, make_tx: _typed_run(
     n,
     make_tx,
     data_mesh(n, axis_type=EXPLICIT_AXES),
     {'w': P('data'), 'v': P('data')},
     'data',
   ),
-  'explicit_hsdp': lambda n, make_tx: _jit_run(
+  'explicit_hsdp': lambda n, make_tx: _typed_run(
     n,
     make_tx,
-    data_mesh(n, ('replica', 'fsdp'), _hsdp_shape(n), axis_type=EXPLICIT_AXES),
-    {'w': P('fsdp', reduced={'replica'}), 'v': P('fsdp', reduced={'replica'})},
-    ('replica', 'fsdp'),
-  ),  # fmt: skip
-  'zero1': lambda n, make_tx: _jit_run(
+    data_mesh(n, HSDP_AXES, _hsdp_shape(n), axis_type=EXPLICIT_AXES),
+    EXPLICIT_LAYOUTS['hsdp'].specs,
+    HSDP_AXES,
+  ),
+  'zero1': lambda n, make_tx: _typed_run(
     n,
     make_tx,
     data_mesh(n, axis_type=EXPLICIT_AXES),
-    _reduced('data'),
+    EXPLICIT_LAYOUTS['ddp'].specs,
     'data',
-    ('data',),
+    sharded_optimizer(('data',)),
   ),
 }
 # The placements of explicit sharding: reduced and unreduced types, jax >=
@@ -1049,3 +962,10 @@ def train(run, params, state, batches, emit_last=False, on_step=None):
       if on_step is not None:
         on_step(params, state)
   return params, state
+
+
+def train_windows(run, windows, on_step=None):
+  """:func:`train` from ``run``'s start over the micro-batches of
+  ``windows`` in order, the last closing its window (``emit_now``)."""
+  batches = [batch for window in windows for batch in window]
+  return train(run, run.params, run.state, batches, True, on_step)

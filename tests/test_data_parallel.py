@@ -52,18 +52,19 @@ def train(mode, optimizer, params, windows):
   every device for pmap (leading device axis), global arrays otherwise."""
   if mode == 'pmap':
     tx = tokacc.token_weighted_multistep(optimizer, K, axis_name='data')
-    params, state = placements.train_pmap(tx, params, windows)
+    params, state = placements.train_windows(
+      placements.pmap_run(tx, params), windows
+    )
     return params, state.last_loss
   if mode == 'sharded_jit':
     mesh, axes = mesh_and_axes('1d')
     tx = tokacc.token_weighted_multistep(optimizer, K)
-    params, state = placements.train_sharded_jit(
-      tx, params, windows, mesh, axes
-    )
+    run = placements.gspmd_run(tx, params, mesh, axes)
   else:
     mesh, axes = mesh_and_axes(mode.removeprefix('shard_map_'))
     tx = tokacc.token_weighted_multistep(optimizer, K, axis_name=axes)
-    params, state = placements.train_shard_map(tx, params, windows, mesh, axes)
+    run = placements.shard_map_run(tx, params, mesh, axes)
+  params, state = placements.train_windows(run, windows)
   return params, tokacc.window_loss(state)
 
 
@@ -140,9 +141,8 @@ def test_shard_map_gradients_already_summed_by_autodiff(mesh_kind):
   mesh, axes = mesh_and_axes(mesh_kind)
   tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name=axes)
   with pytest.warns(UserWarning, match=r'already summed.*pcast'):
-    actual, _ = placements.train_shard_map(
-      tx, params, windows, mesh, axes, mark_varying=False
-    )
+    run = placements.shard_map_run(tx, params, mesh, axes, mark_varying=False)
+    actual, _ = placements.train_windows(run, windows)
   chex.assert_trees_all_close(
     actual, expected.params, rtol=0, atol=expected.atol
   )
@@ -283,9 +283,9 @@ def test_acc_grads_sharding_equals_params_sharding():
     assert not params['w'].sharding.is_fully_replicated
     assert_same_sharding(state.grad_sums, params)
 
-  params, _ = placements.train_sharded_jit(
-    tx, helpers.init_params(), windows, mesh, axes, on_step=on_step
-  )
+  run = placements.gspmd_run(tx, helpers.init_params(), mesh, axes)
+  on_step(run.params, run.state)
+  params, _ = placements.train_windows(run, windows, on_step=on_step)
   assert len(calls) == 1 + sum(WINDOW_SIZES)
   assert sum(bool(emitted) for emitted in calls) == len(WINDOW_SIZES)
   for name, sharding in placements.fsdp_shardings(mesh, axes).items():

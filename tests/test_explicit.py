@@ -71,9 +71,8 @@ def test_equals_full_batch(layout, spelling):
     pytest.skip('one spelling suffices where gradients are not unreduced')
   windows, expected = reference(helpers.sgd())
   tx = tokacc.token_weighted_multistep(helpers.sgd(), K)
-  params, state, _ = placements.train_explicit_layout(
-    layout, tx, windows, spelling
-  )
+  run = placements.explicit_run(layout, tx, spelling)
+  params, state = placements.train_windows(run, windows)
   with jax.set_mesh(placements.EXPLICIT_LAYOUTS[layout].mesh()):
     helpers.assert_within_round_off(placements.plain(params), expected)
     np.testing.assert_allclose(
@@ -126,12 +125,9 @@ def test_every_way_to_build_the_state_trains_exactly(layout, way):
     params = placements.place_params(helpers.init_params(), make_mesh(), specs)
     built = typed(STATE_BUILDERS[way](tx, params, make_mesh()))
   seen = []
-  params, state, _ = placements.train_explicit_layout(
-    layout,
-    tx,
-    windows,
-    init=STATE_BUILDERS[way],
-    on_step=lambda p, s: seen.append(typed(s)),
+  run = placements.explicit_run(layout, tx, init=STATE_BUILDERS[way])
+  params, state = placements.train_windows(
+    run, windows, on_step=lambda p, s: seen.append(typed(s))
   )
   with jax.set_mesh(make_mesh()):
     helpers.assert_within_round_off(placements.plain(params), expected)
@@ -154,7 +150,9 @@ def test_clip_by_global_norm_sees_the_global_norm():
   windows, expected = reference(clipped_adamw())
   tx = tokacc.token_weighted_multistep(clipped_adamw(), K)
   for layout in ('ddp', 'hsdp'):
-    params, _, _ = placements.train_explicit_layout(layout, tx, windows)
+    params, _ = placements.train_windows(
+      placements.explicit_run(layout, tx), windows
+    )
     with jax.set_mesh(placements.EXPLICIT_LAYOUTS[layout].mesh()):
       helpers.assert_within_round_off(placements.plain(params), expected)
 
@@ -179,11 +177,10 @@ def test_types_are_a_fixed_point(layout):
     assert type_strings(state) == expected_state
     seen.append(1)
 
-  _, _, step = placements.train_explicit_layout(
-    layout, tx, windows, on_step=check
-  )
+  run = placements.explicit_run(layout, tx)
+  placements.train_windows(run, windows, on_step=check)
   assert len(seen) == sum(WINDOW_SIZES)
-  assert step._cache_size() == 1
+  assert run.step._cache_size() == 1
 
 
 @pytest.mark.parametrize(

@@ -95,56 +95,44 @@ def full_batch(optimizer_name):
   return helpers.full_batch(optimizer, params, windows)
 
 
-def train_fsdp(tx, params, windows, mesh):
-  """GSPMD FSDP: ``jax.jit`` over global arrays, no ``axis_name``."""
-  params = placements.put_tree(params, mesh, FSDP_SPECS)
-  state = tokacc.init_sharded(tx, params, mesh, param_specs=FSDP_SPECS)
-  data = NamedSharding(mesh, P('fsdp'))
-
-  @jax.jit
-  def step(params, state, batch, emit_now):
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=helpers.token_count(batch),
-      loss=loss,
-      emit_now=emit_now,
-    )
-    return optax.apply_updates(params, updates), state
-
-  for w, window in enumerate(windows):
-    for m, batch in enumerate(window):
-      emit_now = w == len(windows) - 1 and m == len(window) - 1
-      batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
-      params, state = step(params, state, batch, jnp.asarray(emit_now))
-  return params, state
+def fsdp_run(tx, params):
+  """GSPMD FSDP: ``jax.jit`` over global arrays, no ``axis_name``; the
+  state laid out by ``init_sharded``."""
+  return placements.jit_run(
+    tx,
+    params,
+    placements.data_mesh(NUM_DEVICES, ('fsdp',)),
+    FSDP_SPECS,
+    'fsdp',
+    init=lambda tx, params, mesh: tokacc.init_sharded(
+      tx, params, mesh, param_specs=FSDP_SPECS
+    ),
+    step=placements.global_step(tx),
+  )
 
 
 def train(layout, optimizer, params, windows):
   """Final ``(params, state)`` of a sharded run: global arrays."""
   if layout == 'fsdp':
     tx = tokacc.token_weighted_multistep(optimizer, K)
-    return train_fsdp(
-      tx, params, windows, placements.data_mesh(NUM_DEVICES, ('fsdp',))
-    )
-  if layout == 'ddp':
+    run = fsdp_run(tx, params)
+  elif layout == 'ddp':
     tx = tokacc.token_weighted_multistep(optimizer, K, axis_name='data')
-    return placements.train_shard_map(
-      tx, params, windows, placements.data_mesh(NUM_DEVICES), 'data'
+    run = placements.shard_map_run(
+      tx, params, placements.data_mesh(NUM_DEVICES), 'data'
     )
-  axis_name, specs, partial_manual = placements.HSDP_LAYOUTS[layout]
-  tx = tokacc.token_weighted_multistep(optimizer, K, axis_name=axis_name)
-  return placements.train_hsdp(
-    tx,
-    params,
-    windows,
-    placements.hsdp_mesh(),
-    specs,
-    axis_name,
-    partial_manual=partial_manual,
-  )
+  else:
+    axis_name, specs, partial_manual = placements.HSDP_LAYOUTS[layout]
+    tx = tokacc.token_weighted_multistep(optimizer, K, axis_name=axis_name)
+    run = placements.hsdp_run(
+      tx,
+      params,
+      placements.hsdp_mesh(),
+      specs,
+      axis_name,
+      partial_manual=partial_manual,
+    )
+  return placements.train_windows(run, windows)
 
 
 def max_difference(tree, expected):
@@ -281,9 +269,7 @@ def test_fsdp_with_masked_or_factored_inner_state(optimizer):
   windows, params = windows_and_params()
   make = REFERENCE_OPTIMIZERS[optimizer]
   tx = tokacc.token_weighted_multistep(make(), K)
-  actual, state = train_fsdp(
-    tx, params, windows, placements.data_mesh(NUM_DEVICES, ('fsdp',))
-  )
+  actual, state = placements.train_windows(fsdp_run(tx, params), windows)
   helpers.assert_within_round_off(helpers.fetch(actual), full_batch(optimizer))
   specs = tokacc.state_partition_specs(tx, params, param_specs=FSDP_SPECS)
   mesh = placements.data_mesh(NUM_DEVICES, ('fsdp',))
@@ -350,9 +336,10 @@ def test_manual_hsdp_with_the_replica_axis_only_names_the_fix(specs):
   windows, params = windows_and_params()
   tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name='replica')
   with pytest.raises(ValueError) as error:
-    placements.train_hsdp(
-      tx, params, windows[:1], placements.hsdp_mesh(), specs, 'replica'
+    run = placements.hsdp_run(
+      tx, params, placements.hsdp_mesh(), specs, 'replica'
     )
+    placements.train_windows(run, windows[:1])
   message = str(error.value)
   assert "num_tokens varies over the mesh axes ['fsdp']" in message
   assert "axis_name=('replica', 'fsdp')" in message
@@ -376,15 +363,15 @@ def test_manual_hsdp_without_check_vma_is_refused(case):
   windows, params = windows_and_params()
   tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name=axis_name)
   with pytest.raises(ValueError, match=reason) as error:
-    placements.train_hsdp(
+    run = placements.hsdp_run(
       tx,
       params,
-      windows[:1],
       placements.hsdp_mesh(),
       placements.HSDP_MIXED,
       axis_name,
       check_vma=False,
     )
+    placements.train_windows(run, windows[:1])
   assert 'check_vma=True' in str(error.value)
 
 

@@ -41,7 +41,6 @@ import helpers
 import hlo
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
@@ -170,6 +169,16 @@ def recorder(windows):
   return on_step, records
 
 
+def train_recorded(run, windows):
+  """``run`` trained on ``windows`` (the last closed by ``emit_now``):
+  :func:`recorder`'s records."""
+  on_step, records = recorder(windows)
+  with placements.mesh_context(run.mesh):
+    on_step(run.params, run.state)
+  placements.train_windows(run, windows, on_step=on_step)
+  return records
+
+
 def single_step(tx):
   @functools.partial(jax.jit, static_argnames='close')
   def step(params, state, batch, emit_now=False, close=None):
@@ -216,23 +225,8 @@ def run_shard_map(windows, window_norms=True):
   tx = tokacc.token_weighted_multistep(
     momentum_sgd(), K, axis_name='data', window_norms=window_norms
   )
-  params = helpers.init_params()
-  state = placements.shard_map_state(tx, params, mesh, 'data')
-  params = jax.tree.map(
-    lambda x: helpers.put(x, NamedSharding(mesh, P())), params
-  )
-  step = placements.shard_map_step(tx, mesh, 'data')
-  data = NamedSharding(mesh, P('data'))
-  on_step, records = recorder(windows)
-  on_step(params, state)
-  for w, window in enumerate(windows):
-    for m, batch in enumerate(window):
-      flags = np.zeros(4, bool)
-      flags[-1] = w == len(windows) - 1 and m == len(window) - 1
-      batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
-      params, state = step(params, state, batch, helpers.put(flags, data))
-      on_step(params, state)
-  return records
+  run = placements.shard_map_run(tx, helpers.init_params(), mesh, 'data')
+  return train_recorded(run, windows)
 
 
 def run_gspmd_fsdp(windows, window_norms=True):
@@ -240,26 +234,15 @@ def run_gspmd_fsdp(windows, window_norms=True):
   tx = tokacc.token_weighted_multistep(
     momentum_sgd(), K, window_norms=window_norms
   )
-  on_step, records = recorder(windows)
-  placements.train_sharded_jit(
-    tx, helpers.init_params(), windows, mesh, 'fsdp', on_step=on_step
-  )
-  return records
+  run = placements.gspmd_run(tx, helpers.init_params(), mesh, 'fsdp')
+  return train_recorded(run, windows)
 
 
 def run_explicit(windows, layout, window_norms=True):
   tx = tokacc.token_weighted_multistep(
     momentum_sgd(), K, window_norms=window_norms
   )
-  on_step, records = recorder(windows)
-  make_mesh, specs, _ = placements.EXPLICIT_LAYOUTS[layout]
-  with jax.set_mesh(make_mesh()):
-    on_step(
-      placements.place_params(helpers.init_params(), make_mesh(), specs),
-      None,
-    )
-  placements.train_explicit_layout(layout, tx, windows, on_step=on_step)
-  return records
+  return train_recorded(placements.explicit_run(layout, tx), windows)
 
 
 # the cases that take 5 s or more of a core (--durations=0)
