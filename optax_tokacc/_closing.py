@@ -226,22 +226,17 @@ def close_if(
   inner = _inner(ctx, inner_state)
   buffer = _held_updates.holds_exactly(place, window.grad_sums, inner.shapes)
 
+  def held(updates, grad_sums):  # what the branches return for the updates
+    return _held_updates.held(place, buffer, inner.shapes, updates, grad_sums)
+
   def step(grad_sums, summed, inner_state, params):
     updates, new_inner, norms = inner.step(summed, inner_state, params)
-    return (
-      _held_updates.held(place, buffer, inner.shapes, updates, grad_sums),
-      new_inner,
-      norms,
-    )
+    return held(updates, grad_sums), new_inner, norms
 
   def no_step(grad_sums, summed, inner_state, params):
     del params
     norms = _norms.nan(config, summed.sums)
-    return (
-      _held_updates.held(place, buffer, inner.shapes, None, grad_sums),
-      inner_state,
-      norms,
-    )
+    return held(None, grad_sums), inner_state, norms
 
   def closing(window, inner_state, params):
     """Closes the window on the device, inside the outer ``cond``, and
@@ -252,32 +247,30 @@ def close_if(
     (temporaries the size of the inner state on every step)."""
     summed, closed = _reduce(ctx, window)
     ops = (window.grad_sums, summed, inner_state, params)
-    held, new_inner, norms = place.cond(closed.emitted, step, no_step, *ops)
+    kept, new_inner, norms = place.cond(closed.emitted, step, no_step, *ops)
     rest = _window.reset_if(place, True, _held_updates.rest(window, buffer))
-    return held, rest, new_inner, closed._replace(norms=norms)
+    return kept, rest, new_inner, closed._replace(norms=norms)
 
   def accumulating(window, inner_state, params):
     del params
-    held = _held_updates.held(
-      place, buffer, inner.shapes, None, window.grad_sums
-    )
+    rest = _held_updates.rest(window, buffer)
     return (
-      held,
-      _held_updates.rest(window, buffer),
+      held(None, window.grad_sums),
+      rest,
       inner_state,
       _open(config, window),
     )
 
   ops = (window, inner_state, ctx.params)
-  held, rest, inner_state, closed = place.cond(
+  kept, rest, inner_state, closed = place.cond(
     close, closing, accumulating, *ops
   )
   if not buffer:
-    return CallResult(held, rest, inner_state, closed)
+    return CallResult(kept, rest, inner_state, closed)
   # The buffer held the updates: the next window's zeros are written after
   # they are read, in a select.
-  updates = _held_updates.released(place, held, inner.shapes, closed.emitted)
-  grad_sums = _window.reset_if(place, close, held)
+  updates = _held_updates.released(place, kept, inner.shapes, closed.emitted)
+  grad_sums = _window.reset_if(place, close, kept)
   window = rest._replace(grad_sums=grad_sums)
   return CallResult(updates, window, inner_state, closed)
 
