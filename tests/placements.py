@@ -47,7 +47,6 @@ import functools
 from typing import Any, NamedTuple
 
 import helpers
-import hlo
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -58,6 +57,7 @@ import optax
 
 import optax_tokacc as tokacc
 from optax_tokacc import _compat
+from optax_tokacc import _hlo
 from optax_tokacc import _typed_sharding
 
 AUTO = jax.sharding.AxisType.Auto
@@ -398,7 +398,7 @@ def explicit_compiled_text(layout, spelling, inner=None, **options):
     batch = helpers.make_windows((1,), 4)[0][0]
     data = NamedSharding(mesh, P(batch_axes(mesh)))
     batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
-    return hlo.compiled_text(
+    return _hlo.compiled_text(
       explicit_step(tx, spelling), params, state, batch, jnp.asarray(False)
     )
 

@@ -1,0 +1,362 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Compiled programs, read from their HLO text: the one reader of the tests
+and the benchmarks (neither reaches into the other for it).
+
+The performance contract is a statement about compiled programs (a
+micro-step runs no inner-optimizer work and no collective), so the tests
+guard it by reading them, and the benchmarks count them the same way.
+:func:`compiled_text` compiles a jitted function for its arguments and
+gives its text; :func:`parse_hlo` splits that text into computations (an
+error names what it cannot read); :func:`reachable_opcodes` counts what a
+computation runs, inside the conditionals' branches or outside them;
+:func:`returns_its_parameters` says whether a program computes nothing;
+:func:`first_uses` what first computes with an argument. The collectives
+and the branches that lead to them are :mod:`._hlo_collectives`'.
+
+Not part of the public API: no promise is made about it between releases.
+"""
+
+import collections
+from collections.abc import Callable
+import dataclasses
+import math
+import re
+from typing import Any, Optional
+
+COLLECTIVE_OPCODES = (
+  'all-reduce',
+  'all-gather',
+  'reduce-scatter',
+  'all-to-all',
+  'ragged-all-to-all',
+  'collective-permute',
+  'collective-broadcast',
+)
+_ASYNC_SUFFIX = '-start'
+_BYTES_PER_ELEMENT = {
+  'pred': 1,
+  's8': 1,
+  'u8': 1,
+  'bf16': 2,
+  'f16': 2,
+  's16': 2,
+  'u16': 2,
+  'f32': 4,
+  's32': 4,
+  'u32': 4,
+  'f64': 8,
+  's64': 8,
+  'u64': 8,
+}
+
+_HEADER = re.compile(r'^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$')
+_INSTRUCTION = re.compile(r'^\s*(ROOT )?%?([\w.\-]+) = (.*)$')
+_OPCODE = re.compile(r'(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(')
+_SHAPE = re.compile(r'\b([a-z]+\d*)\[([\d,]*)\]')
+_CALLEE = re.compile(
+  r'\b(?:calls|to_apply|body|condition|true_computation|false_computation)'
+  r'=%?([\w.\-]+)'
+)
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_TRUE_FALSE = re.compile(r'\b(true|false)_computation=%?([\w.\-]+)')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_ROUNDS_TO = re.compile(r'exponent_bits=(\d+), mantissa_bits=(\d+)')
+_GROUPS = re.compile(
+  r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\]'
+  r'(?:T\([\d,]+\))?|mesh\[[^\]]*\]'
+  r'(?:, device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))? \{[^}]*\})'
+)
+
+Shape = tuple[str, tuple[int, ...]]  # (dtype, dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One HLO instruction: its name, opcode, result shapes and callees.
+
+  ``shapes`` are ``(dtype, dims)`` pairs of the result (a tuple result gives
+  several). ``branches`` are a ``conditional``'s branch computations in
+  branch-index order (``false`` before ``true`` for a predicate);
+  ``callees`` the other computations it calls. ``groups`` is the text of a
+  collective's ``replica_groups`` (``''`` if none).
+  """
+
+  name: str
+  opcode: str
+  shapes: tuple[Shape, ...]
+  callees: tuple[str, ...]
+  branches: tuple[str, ...]
+  groups: str = ''
+  operands: tuple[str, ...] = ()  # the names it reads
+  root: bool = False  # its computation's result
+  # A reduce-precision's format: (exponent_bits, mantissa_bits).
+  rounds_to: Optional[tuple[int, ...]] = None
+  op_name: str = ''  # its metadata's op_name: a parameter's argument path
+
+  @property
+  def collective(self) -> Optional[str]:
+    """The collective's kind (``'all-reduce'`` for its async start too)."""
+    opcode = self.opcode
+    if opcode.endswith(_ASYNC_SUFFIX):
+      opcode = opcode[: -len(_ASYNC_SUFFIX)]
+    return opcode if opcode in COLLECTIVE_OPCODES else None
+
+  @property
+  def num_bytes(self) -> int:
+    """Bytes of the result (of its second half for an async start)."""
+    shapes = self.shapes
+    if self.opcode.endswith(_ASYNC_SUFFIX) and len(shapes) > 1:
+      shapes = shapes[len(shapes) // 2 :]
+    return sum(
+      _BYTES_PER_ELEMENT.get(dtype, 4) * math.prod(dims)
+      for dtype, dims in shapes
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class HloModule:
+  """A compiled program: its computations by name, and the entry's name."""
+
+  computations: dict[str, list[Instruction]]
+  entry: str
+
+
+def _operands(rest: str, match: Optional[re.Match[str]]) -> tuple[str, ...]:
+  """The instruction names inside the opcode's parentheses (comments such
+  as ``/*index=5*/`` and operand types aside)."""
+  if match is None:
+    return ()
+  depth, start = 0, match.end()
+  for end in range(start, len(rest)):
+    depth += {'(': 1, ')': -1}.get(rest[end], 0)
+    if depth < 0:
+      break
+  inside = re.sub(r'/\*.*?\*/', '', rest[start:end])
+  return tuple(re.findall(r'%?([\w.\-]+)(?=\s*(?:,|$))', inside))
+
+
+def _parse_instruction(
+  root: Optional[str], name: str, rest: str
+) -> Instruction:
+  match = _OPCODE.search(rest)
+  opcode = match.group(1) if match else ''
+  type_text = rest[: match.start(1)] if match else rest
+  shapes = tuple(
+    (dtype, tuple(int(d) for d in dims.split(',') if d))
+    for dtype, dims in _SHAPE.findall(type_text)
+  )
+  branches = ()
+  found = _BRANCHES.search(rest)
+  if found:
+    branches = tuple(b.strip().lstrip('%') for b in found.group(1).split(','))
+  else:
+    true_false = dict(_TRUE_FALSE.findall(rest))
+    if true_false:
+      branches = (true_false['false'], true_false['true'])
+  callees = tuple(c for c in _CALLEE.findall(rest) if c not in branches)
+  groups = _GROUPS.search(rest)
+  groups = groups.group(1) if groups else ''
+  operands = _operands(rest, match)
+  rounds_to = None
+  if opcode == 'reduce-precision':
+    found = _ROUNDS_TO.search(rest)
+    if found is None:
+      raise ValueError(f'HLO text not understood: no format in {name}: {rest}')
+    rounds_to = tuple(int(bits) for bits in found.groups())
+  op_name = _OP_NAME.search(rest)
+  op_name = op_name.group(1).replace('\\', '') if op_name else ''
+  return Instruction(
+    name, opcode, shapes, callees, branches, groups, operands, bool(root),
+    rounds_to, op_name,
+  )  # fmt: skip
+
+
+def compiled_text(jitted: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+  """The HLO text of ``jitted`` (a ``jax.jit`` function) compiled for
+  ``args`` and ``kwargs`` (whatever it takes): what the readers below
+  take."""
+  return jitted.lower(*args, **kwargs).compile().as_text()
+
+
+def parse_hlo(hlo_text: str) -> HloModule:
+  """Splits compiled HLO text (``compiled.as_text()``) into computations."""
+  computations = {}
+  entry = None
+  current = None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(2)
+      computations[current] = []
+      if header.group(1):
+        entry = current
+      continue
+    if current is None:
+      continue
+    if line.startswith('}'):
+      current = None
+      continue
+    instruction = _INSTRUCTION.match(line)
+    if instruction:
+      computations[current].append(_parse_instruction(*instruction.groups()))
+  if entry is None:
+    raise ValueError('No ENTRY computation found in the HLO text.')
+  _check_branches(computations)
+  return HloModule(computations, entry)
+
+
+def _check_branches(computations: dict[str, list[Instruction]]) -> None:
+  """Every conditional's branches are computations of the module."""
+  for instructions in computations.values():
+    for instruction in instructions:
+      missing = set(instruction.branches) - set(computations)
+      if missing:
+        raise ValueError(
+          f'HLO text not understood: the branches {sorted(missing)} of '
+          f'{instruction.name} are not among its computations.'
+        )
+
+
+def find_instruction(module: HloModule, name: str) -> Instruction:
+  """The instruction called ``name`` (an error naming it if none is)."""
+  for instructions in module.computations.values():
+    for instruction in instructions:
+      if instruction.name == name:
+        return instruction
+  raise ValueError(f'No instruction {name!r} in the HLO module.')
+
+
+def reachable_opcodes(
+  module: HloModule,
+  computation: Optional[str] = None,
+  into_branches: bool = True,
+) -> collections.Counter[str]:
+  """Opcodes of every instruction ``computation`` (the entry: None) runs,
+  its callees included, with their counts; the conditionals' branches too,
+  unless ``into_branches`` is False (then: what runs on every call)."""
+  opcodes = collections.Counter()
+  for instruction in reachable_instructions(module, computation, into_branches):
+    opcodes[instruction.opcode] += 1
+  return opcodes
+
+
+def compiled_opcodes(
+  hlo_text: str, into_branches: bool = True
+) -> collections.Counter[str]:
+  """:func:`reachable_opcodes` of compiled HLO text's entry computation."""
+  return reachable_opcodes(parse_hlo(hlo_text), into_branches=into_branches)
+
+
+def instructions_of(module: HloModule, opcode: str) -> list[Instruction]:
+  """Every ``opcode`` instruction of every computation of ``module``."""
+  return [
+    instruction
+    for instructions in module.computations.values()
+    for instruction in instructions
+    if instruction.opcode == opcode
+  ]
+
+
+def reachable_instructions(
+  module: HloModule,
+  computation: Optional[str] = None,
+  into_branches: bool = True,
+) -> list[Instruction]:
+  """Every instruction ``computation`` (the entry: None) runs, as
+  :func:`reachable_opcodes` counts them."""
+  found, stack, seen = [], [computation or module.entry], set()
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in module.computations:
+      continue
+    seen.add(name)
+    for instruction in module.computations[name]:
+      found.append(instruction)
+      stack.extend(instruction.callees)
+      if into_branches:
+        stack.extend(instruction.branches)
+  return found
+
+
+def returns_its_parameters(
+  module: HloModule,
+) -> tuple[bool, list[tuple[str, str, tuple[str, ...]]]]:
+  """Whether the entry computation holds nothing but its parameters and
+  the tuple of exactly them that it returns (a program that computes and
+  writes nothing), with what it holds otherwise, for a message."""
+  entry = module.computations[module.entry]
+  parameters = {i.name for i in entry if i.opcode == 'parameter'}
+  others = [i for i in entry if i.opcode != 'parameter']
+  root = next((i for i in entry if i.root), None)
+  holds_only_the_tuple = others == [root] and root.opcode == 'tuple'
+  returned = set(root.operands) if root else set()
+  found = [(i.name, i.opcode, i.operands) for i in others]
+  return holds_only_the_tuple and returned == parameters, found
+
+
+# What hands a value on, changed at most in precision, on the way to what
+# computes with it.
+_PASSES_ON = ('copy', 'bitcast', 'convert')
+
+
+def first_uses(module: HloModule, argument_prefix: str) -> dict[str, list[str]]:
+  """What first computes with each entry parameter whose argument path
+  (its ``op_name``, e.g. ``state.grad_sums['w']``) starts with
+  ``argument_prefix``: ``{path: sorted opcodes}``, looking into the
+  fusions and calls that read it and past copies, bitcasts and converts. A
+  ``tuple`` among them is the operand of a conditional or a loop, or the
+  program's result."""
+  entry = module.computations[module.entry]
+  found = {}
+  for parameter in entry:
+    if parameter.opcode == 'parameter' and parameter.op_name.startswith(
+      argument_prefix
+    ):
+      found[parameter.op_name] = sorted(
+        _uses(module, module.entry, parameter.name)
+      )
+  if not found:
+    raise ValueError(f'No entry parameter whose path starts {argument_prefix}')
+  return found
+
+
+def _uses(module: HloModule, computation: str, name: str) -> set[str]:
+  """The opcodes that first compute with ``name`` in ``computation``."""
+  uses = set()
+  for instruction in module.computations[computation]:
+    if name not in instruction.operands:
+      continue
+    if instruction.opcode in _PASSES_ON:
+      uses |= _uses(module, computation, instruction.name)
+    elif instruction.opcode in ('fusion', 'call') and instruction.callees:
+      callee = instruction.callees[0]
+      for number, operand in enumerate(instruction.operands):
+        if operand == name:
+          uses |= _uses(module, callee, _parameter(module, callee, number))
+    else:
+      uses.add(instruction.opcode)
+  return uses
+
+
+def _parameter(module: HloModule, computation: str, number: int) -> str:
+  """The name of ``computation``'s parameter ``number``."""
+  for instruction in module.computations[computation]:
+    if instruction.opcode == 'parameter' and instruction.operands == (
+      str(number),
+    ):
+      return instruction.name
+  raise ValueError(f'HLO text not understood: no parameter({number}) in '
+                   f'{computation}')  # fmt: skip
