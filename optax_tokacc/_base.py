@@ -64,7 +64,7 @@ class Config:
   norms: bool = True
   leaf_norms: bool = False
 
-  def acc_dtype(self, leaf: Any) -> jnp.dtype:
+  def acc_dtype(self, leaf: jax.typing.ArrayLike) -> jnp.dtype:
     """The accumulator dtype of a leaf: configured, or at least float32."""
     if self.accumulator_dtype is not None:
       return self.accumulator_dtype
@@ -136,7 +136,7 @@ class Closed(NamedTuple):
 class Reduced(NamedTuple):
   """The window summed over the devices: what its one reduction gives."""
 
-  sums: Any  # the gradients' sums (a tree)
+  sums: optax.Updates  # the gradients' sums (a tree)
   token_parts: jax.Array  # the count as exact parts (``_tokens.to_parts``)
   loss: jax.Array  # the token-summed loss
 
@@ -251,7 +251,9 @@ class TokenWeightedMultiStepState(NamedTuple):
 PER_DEVICE_FIELDS = Window._fields + ('skip_state',)
 
 
-def map_per_device(fn: Any, state: 'TokenWeightedMultiStepState'):
+def map_per_device(
+  fn: Callable, state: 'TokenWeightedMultiStepState'
+) -> 'TokenWeightedMultiStepState':
   """``state`` with ``fn`` applied to every leaf of its per-device fields."""
   per_device = {name: getattr(state, name) for name in PER_DEVICE_FIELDS}
   return state._replace(**jax.tree.map(fn, per_device))

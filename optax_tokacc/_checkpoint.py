@@ -28,6 +28,7 @@ layout.
 import contextlib
 from typing import Any, Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +39,7 @@ from optax_tokacc import _state
 from optax_tokacc import _typed_sharding
 
 
-def _on_its_mesh(tree: Any) -> Any:
+def _on_its_mesh(tree: chex.ArrayTree) -> contextlib.AbstractContextManager:
   """``jax.set_mesh`` of the mesh in ``tree``'s types, where none is set
   (typed arrays are retyped with specs, which need it)."""
   if not jax.sharding.get_abstract_mesh().empty:
@@ -131,7 +132,9 @@ def _where(path: tuple[str, ...]) -> str:
   return '/'.join(path) or 'the tree'
 
 
-def _abstract(x: Any, shape: Optional[tuple] = None) -> jax.ShapeDtypeStruct:
+def _abstract(
+  x: _typed_sharding.ArrayOrShape, shape: Optional[tuple] = None
+) -> jax.ShapeDtypeStruct:
   """``x`` as a restore target of ``shape`` (``x``'s where None), on its
   devices: a row axis whose new length its sharding does not divide is
   replicated."""
@@ -224,8 +227,8 @@ def _check_same_leaves(expected: dict, saved: dict) -> None:
 def _refuse_leaf(
   path: tuple[str, ...],
   shape: tuple[int, ...],
-  dtype: Any,
-  x: Any,
+  dtype: jnp.dtype,
+  x: _typed_sharding.ArrayOrShape,
   legacy: dict,
   saved: dict,
 ) -> None:
@@ -332,7 +335,7 @@ def _is_state_form(x: Any) -> bool:
   return _is_saved(x) or _state.is_state(x)
 
 
-def _without_scratch(state: Any) -> Any:
+def _without_scratch(state: chex.ArrayTree) -> chex.ArrayTree:
   """``state`` with zero sums at a window boundary (``mini_step`` 0 on
   every device). A closing step leaves them zero now; 0.5.0 left scratch
   there (the emitted updates, restarted by the next micro-step, which now
@@ -344,7 +347,9 @@ def _without_scratch(state: Any) -> Any:
   return state._replace(grad_sums=grad_sums, acc_compensation=acc_compensation)
 
 
-def _restore_0_5(saved: Any, ref: Any) -> Any:
+def _restore_0_5(
+  saved: chex.ArrayTree, ref: _base.TokenWeightedMultiStepState
+) -> _base.TokenWeightedMultiStepState:
   """A state in the form 0.5's ``to_checkpoint`` saved (no rows record),
   restored on as many devices as it was saved on."""
   if not _state.is_state(saved):
@@ -355,7 +360,9 @@ def _restore_0_5(saved: Any, ref: Any) -> Any:
   return jax.tree.map(_shares.restore_leaf, saved, ref)
 
 
-def _restore_state(saved: _base.SavedState, ref: Any) -> Any:
+def _restore_state(
+  saved: _base.SavedState, ref: _base.TokenWeightedMultiStepState
+) -> _base.TokenWeightedMultiStepState:
   """``saved`` (a :class:`SavedState`) laid out like the state ``ref``."""
   state = saved.state
   _check_like(state, ref)
@@ -376,7 +383,10 @@ def _restore_state(saved: _base.SavedState, ref: Any) -> Any:
   return _shares.merged(state, ref)
 
 
-def _check_like(state: Any, ref: Any) -> None:
+def _check_like(
+  state: _base.TokenWeightedMultiStepState,
+  ref: _base.TokenWeightedMultiStepState,
+) -> None:
   """``state`` must be a saved state of ``ref``'s configuration."""
   per_device = _paths(_shares.per_device(state))
   targets = _paths(_shares.per_device(ref))

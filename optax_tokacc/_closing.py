@@ -84,7 +84,7 @@ class _Inner(NamedTuple):
   """``inner`` as the closing runs it: the shapes, dtypes and types of its
   updates, and its step (:func:`_step`, bound to its :class:`Context`)."""
 
-  shapes: Any
+  shapes: optax.Updates
   step: Callable
 
 

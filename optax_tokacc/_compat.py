@@ -47,7 +47,7 @@ axes in a value's type (``jax.typeof(x).sharding.mesh.manual_axes``,
 called directly.
 """
 
-from typing import Any
+from typing import Union
 
 import jax
 
@@ -61,7 +61,9 @@ def partitions(spec: jax.P) -> tuple:
   return tuple(getattr(spec, 'partitions', spec._partitions))
 
 
-def varying_axes(x: Any) -> frozenset:
+def varying_axes(
+  x: Union[jax.typing.ArrayLike, jax.ShapeDtypeStruct],
+) -> frozenset:
   """The manual mesh axes ``x`` varies over inside ``shard_map``.
 
   Args:

@@ -33,12 +33,14 @@ it against excess precision), and gives the bits ``astype`` gives.
 ``tests/test_compensated.py`` checks the compiled programs hold it.
 """
 
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import optax
+
+from optax_tokacc import _base
 
 
 def rounded(value: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
@@ -104,7 +106,7 @@ def accumulate(
   return jax.tree.transpose(jax.tree.structure(grad_sums), None, added)
 
 
-def window_sums(window: Any, compensated: bool) -> optax.Updates:
+def window_sums(window: _base.Window, compensated: bool) -> optax.Updates:
   """The window's sums (``_base.Window``): with compensation, ``total +
   error`` in >= float32."""
   if not compensated:

@@ -24,7 +24,7 @@ Elsewhere, and on a host's micro-step, the updates are zeros of
 parameter bit-identical.
 """
 
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,9 @@ def rest(window: _base.Window, buffer: bool) -> _base.Window:
 
 
 def holds_exactly(
-  place: _placement.Placement, grad_sums: optax.Updates, updates: Any
+  place: _placement.Placement,
+  grad_sums: optax.Updates,
+  updates: optax.Updates,
 ) -> bool:
   """Whether the accumulator's buffer can hold ``updates`` exactly: same
   shapes, a dtype that holds theirs, and what the placement allows."""
@@ -58,10 +60,10 @@ def holds_exactly(
 def held(
   place: _placement.Placement,
   buffer: bool,
-  shapes: Any,
+  shapes: optax.Updates,
   updates: Optional[optax.Updates],
   grad_sums: optax.Updates,
-) -> Any:
+) -> optax.Updates:
   """What the closing branch returns in place of the updates (None: no
   updates): written into the accumulator's buffer where it can hold them
   exactly (``buffer``); fresh zeros otherwise. Where the buffer is typed
@@ -75,7 +77,10 @@ def held(
 
 
 def released(
-  place: _placement.Placement, buffer: Any, shapes: Any, emitted: jax.Array
+  place: _placement.Placement,
+  buffer: optax.Updates,
+  shapes: optax.Updates,
+  emitted: jax.Array,
 ) -> optax.Updates:
   """The updates from the ``buffer`` that held them: -0.0 unless ``emitted``
   (the buffer holds the window's sums on a micro-step), typed and cast like
@@ -87,7 +92,7 @@ def released(
   return jax.tree.map(release, buffer, shapes)
 
 
-def zeros(shapes: Any, fold: bool = False) -> Any:
+def zeros(shapes: optax.Updates, fold: bool = False) -> optax.Updates:
   """Zero updates of the given shapes, dtypes and shardings, varying over
   no axis (``zeros_like`` of a gradient would inherit its per-device
   variance and make the parameters vary). They are -0.0, so that adding

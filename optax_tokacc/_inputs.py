@@ -22,9 +22,11 @@ is handled by the token rules of ``_tokens``.
 from collections.abc import Callable
 from typing import Any, Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _errors
@@ -64,7 +66,9 @@ def emit_now(value: Any) -> Optional[jax.Array]:
   return jnp.asarray(value, jnp.bool_)
 
 
-def close(value: Any, emit_now: Any, tokens_per_update: Any) -> None:
+def close(
+  value: Any, emit_now: Optional[jax.Array], tokens_per_update: Optional[int]
+) -> None:
   """``close``: None (the device decides), or a Python bool (the host)."""
   if value is None:
     return
@@ -95,7 +99,9 @@ def state_type(state: Any) -> None:
     raise _errors.refuse('state', kinds, type(state).__name__, fix)
 
 
-def tree(grads: Any, reference: Any, what: str) -> None:
+def tree(
+  grads: optax.Updates, reference: Optional[chex.ArrayTree], what: str
+) -> None:
   """``grads`` must have the tree structure of ``reference`` (None: any)."""
   expected = jax.tree.structure(reference)
   if reference is not None and jax.tree.structure(grads) != expected:
@@ -141,8 +147,11 @@ def needs_value_error(error: TypeError) -> Optional[TypeError]:
 
 
 def call_skip_fn(
-  should_skip_update_fn: Callable, grads: Any, gradient_step: Any, params: Any
-) -> tuple[jax.Array, Any]:
+  should_skip_update_fn: Callable,
+  grads: optax.Updates,
+  gradient_step: jax.Array,
+  params: Optional[optax.Params],
+) -> tuple[jax.Array, chex.ArrayTree]:
   """Calls ``should_skip_update_fn`` and checks what it returns."""
   result = should_skip_update_fn(grads, gradient_step, params)
   name = 'should_skip_update_fn(grads, step, params)'

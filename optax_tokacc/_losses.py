@@ -21,7 +21,7 @@ float32, and their count, which is exactly what
 ``optax.losses``.
 """
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +148,8 @@ def token_cross_entropy(
   return _sum(weighted, out_sharding), _sum(weights, out_sharding)
 
 
-def _sum(x: jax.Array, out_sharding: Any) -> jax.Array:
+def _sum(
+  x: jax.Array, out_sharding: Optional[Union[jax.sharding.Sharding, jax.P]]
+) -> jax.Array:
   """``jnp.sum(x)``, typed by ``out_sharding`` (None: replicated)."""
   return jax.lax.reduce_sum(x, range(x.ndim), out_sharding=out_sharding)

@@ -28,8 +28,9 @@ track variance, and everything is summed over all of ``axis_name``.
 
 from collections.abc import Callable
 import dataclasses
-from typing import Any, Optional, final
+from typing import Optional, final
 
+import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -59,7 +60,7 @@ class Manual(_placement.Placement):
     config: _base.Config,
     params: Optional[optax.Params],
     grads: Optional[optax.Updates],
-    num_tokens: Any,
+    num_tokens: Optional[jax.typing.ArrayLike],
   ) -> 'Manual':
     """The placement of ``update`` (of ``init`` without ``grads``): checks
     that the window can be summed exactly, or raises at trace time."""
@@ -87,7 +88,9 @@ class Manual(_placement.Placement):
   def rejected_micro_batch_advances(self) -> bool:
     return True  # devices may decide differently: they close together
 
-  def local_state(self, state: _base.TokenWeightedMultiStepState) -> Any:
+  def local_state(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
     """This device's share: the per-device fields without their slot axis
     (a leading axis of length 1, so that the global state stacks the
     devices' shares and ``shard_map`` / ``pmap`` need no written layout)."""
@@ -100,7 +103,9 @@ class Manual(_placement.Placement):
           )
     return _base.map_per_device(lambda x: x[0], state)
 
-  def global_state(self, state: Any) -> _base.TokenWeightedMultiStepState:
+  def global_state(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
     return _base.map_per_device(lambda x: jnp.asarray(x)[None], state)
 
   def share_of(self, x: jax.Array) -> jax.Array:
@@ -113,10 +118,10 @@ class Manual(_placement.Placement):
     first = jnp.all(jnp.stack([lax.axis_index(a) == 0 for a in same]))
     return jnp.where(first, x, jnp.zeros_like(x))
 
-  def gradient_shares(self, grads: Any) -> Any:
+  def gradient_shares(self, grads: optax.Updates) -> optax.Updates:
     return jax.tree.map(self.share_of, grads)
 
-  def _over(self, x: Any) -> tuple[str, ...]:
+  def _over(self, x: jax.Array) -> tuple[str, ...]:
     """The axes to sum a per-device value over: those it varies over."""
     varying = varying_axes(x) if self.tracked else self.axes
     return tuple(a for a in self.axes if a in varying)
@@ -131,7 +136,7 @@ class Manual(_placement.Placement):
     return lax.pmax(flag.astype('int32'), over) > 0
 
   def reduce_window(
-    self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
+    self, sums: optax.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
     """Each value summed over its axes; XLA combines the all-reduces (in
     data parallelism, a single all-reduce per window)."""
@@ -147,8 +152,12 @@ class Manual(_placement.Placement):
     return not varying_axes(acc) and _typed_sharding.same_layout(acc, update)
 
   def cond(
-    self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops: Any
-  ) -> Any:
+    self,
+    pred: jax.Array,
+    true_fn: Callable,
+    false_fn: Callable,
+    *ops: Optional[chex.ArrayTree],
+  ) -> chex.ArrayTree:
     """``lax.cond`` whose branches may differ in the axes their outputs
     vary over: each output is marked varying over the union of what the
     two branches give, as ``lax.cond`` requires."""
@@ -167,14 +176,18 @@ class Manual(_placement.Placement):
       return [frozenset()] * len(leaves)
     return [varying_axes(x) for x in leaves]
 
-  def squares(self, tree: Any, per_leaf: bool = False) -> dict:
+  def squares(self, tree: optax.Updates, per_leaf: bool = False) -> dict:
     """Each leaf's squares summed over its shard, per set of manual axes
     it is split over (already in a manual region)."""
     over = self._split_axes(jax.tree.leaves(tree))
     return _norms.local_squares(tree, over, per_leaf)
 
   def norms(
-    self, grads: Any, grad_squares: dict, updates: Any, per_leaf: bool = False
+    self,
+    grads: optax.Updates,
+    grad_squares: dict,
+    updates: optax.Updates,
+    per_leaf: bool = False,
   ) -> _norms.Norms:
     """One ``psum`` of both trees' squares per set of axes (already in a
     manual region)."""

@@ -23,6 +23,7 @@ count, runs the wrapped optimizer once, and keeps its state's dtypes.
 import functools
 from typing import Any, Optional, Union
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -236,7 +237,7 @@ def _judge(
   grads: optax.Updates,
   gradient_step: jax.Array,
   params: Optional[optax.Params],
-) -> tuple[Optional[jax.Array], Any]:
+) -> tuple[Optional[jax.Array], chex.ArrayTree]:
   """Whether to keep the micro-batch (None: always), and the skip state."""
   skip_fn = config.should_skip_update_fn
   if skip_fn is None:
@@ -315,7 +316,7 @@ def _next_state(
   mini_step: jax.Array,
   close: Union[bool, jax.Array],
   result: _closing.CallResult,
-  skip_state: Any,
+  skip_state: chex.ArrayTree,
 ) -> _base.TokenWeightedMultiStepState:
   """The state after this call: a closed window starts afresh (its sums
   were zeroed where it closed, ``_window.reset_if``)."""

@@ -146,7 +146,7 @@ def typed_split_axes(leaves: list, on_shares: bool) -> list[frozenset]:
   return over if typed else [frozenset()] * len(over)
 
 
-def typed_squares(tree: Any, per_leaf: bool, on_shares: bool) -> dict:
+def typed_squares(tree: optax.Updates, per_leaf: bool, on_shares: bool) -> dict:
   """``tree``'s squares summed on each device's share (:func:`local_squares`),
   partial sums typed unreduced over the axes :func:`typed_split_axes` gives,
   so that :func:`typed_norms` sums them in one collective."""
@@ -163,8 +163,8 @@ def typed_squares(tree: Any, per_leaf: bool, on_shares: bool) -> dict:
 
 def typed_norms(
   on_each_device: Callable,
-  grads: Any,
-  updates: Any,
+  grads: optax.Updates,
+  updates: optax.Updates,
   squares: tuple[dict, dict],
   on_shares: bool,
 ) -> Norms:
@@ -183,7 +183,9 @@ def typed_norms(
   return on_each_device(norms, squares, like)
 
 
-def local_squares(tree: Any, over: list, per_leaf: bool = False) -> dict:
+def local_squares(
+  tree: optax.Updates, over: list, per_leaf: bool = False
+) -> dict:
   """``{axes: v}``: per set of mesh axes in ``over`` (one entry per leaf:
   the axes its sum is split over), a float32 vector ``v``: the squares of
   ``tree``'s leaves split over them (in float32 or wider) summed on this

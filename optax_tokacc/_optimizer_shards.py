@@ -38,11 +38,11 @@ from optax_tokacc import _typed_sharding
 
 def inner_shard_specs(
   params: optax.Params,
-  param_specs: Any,
-  shard_over: Any,
+  param_specs: _typed_sharding.Specs,
+  shard_over: _base.AxisName,
   axis_name: Optional[_base.AxisName],
   mesh: Optional[jax.sharding.Mesh],
-) -> Any:
+) -> _typed_sharding.Specs:
   """The specs of ``inner``'s parameter-shaped state, per parameter, with
   ``shard_optimizer_over=shard_over``: the parameter's spec, sharded over
   the axes on its first dimension that is not already split and that the
@@ -82,7 +82,7 @@ def inner_shard_specs(
   return jax.tree.map(shard, params, param_specs)
 
 
-def _mesh(params: Any) -> Any:
+def _mesh(params: optax.Params) -> _typed_sharding.MeshLike:
   """The mesh of ``jax.set_mesh``, else that of the parameters (plain
   arrays are typed on JAX's empty mesh)."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -103,7 +103,7 @@ class ShardTarget(NamedTuple):
   (an entry of a spec), into shards typed ``spec``."""
 
   dim: int
-  axes: Any
+  axes: _base.AxisName
   spec: jax.P
 
 
@@ -129,7 +129,7 @@ def shard_targets(
 
 
 def _scattered(
-  leaf: Any, target: Optional[ShardTarget]
+  leaf: jax.Array, target: Optional[ShardTarget]
 ) -> Optional[ShardTarget]:
   """``target``, where ``leaf`` holds partial sums over its axes."""
   axes = set(jax.tree.leaves(target.axes)) if target else None
@@ -165,7 +165,9 @@ def is_masked(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
-def _target(grad: Any, specs: set, axes: frozenset) -> Optional[ShardTarget]:
+def _target(
+  grad: jax.Array, specs: set, axes: frozenset
+) -> Optional[ShardTarget]:
   """The one ``ShardTarget`` of ``grad`` its state's ``specs`` describe."""
   if not specs:
     return None

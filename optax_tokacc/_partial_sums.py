@@ -27,8 +27,9 @@ moves no data.
 
 from collections.abc import Callable
 import dataclasses
-from typing import Any, Optional, final
+from typing import Optional, final
 
+import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ class PartialSums(_placement.Placement):
   """
 
   axes: frozenset
-  mesh: Any
+  mesh: _typed_sharding.MeshLike
   targets: tuple = ()
 
   @classmethod
@@ -84,7 +85,7 @@ class PartialSums(_placement.Placement):
     )
     return cls(axes, _typed_sharding.mesh_of(state.acc_tokens), targets)
 
-  def scalar_zeros(self, dtype: Any) -> jax.Array:
+  def scalar_zeros(self, dtype: jax.typing.DTypeLike) -> jax.Array:
     spec = jax.P(unreduced=self.axes)
     return _typed_sharding.unreduced_zeros([], dtype, self.mesh, spec)
 
@@ -103,12 +104,18 @@ class PartialSums(_placement.Placement):
       factor = _typed_sharding.to_type(factor, jax.P(reduced=axes))
     return grad * factor
 
-  def on_each_device(self, fn: Callable, args: tuple, like: Any) -> Any:
+  def on_each_device(
+    self, fn: Callable, args: tuple, like: chex.ArrayTree
+  ) -> chex.ArrayTree:
     return _typed_sharding.local(fn, args, _typed_sharding.type_specs(like))
 
   def skip_decision(
-    self, skip_fn: Callable, grads: Any, gradient_step: Any, params: Any
-  ) -> tuple[jax.Array, Any]:
+    self,
+    skip_fn: Callable,
+    grads: optax.Updates,
+    gradient_step: jax.Array,
+    params: Optional[optax.Params],
+  ) -> tuple[jax.Array, chex.ArrayTree]:
     """Gradients kept as partial sums are judged on every device's share
     and rejected everywhere if any device rejects them: a scalar
     all-reduce per micro-step. That is exact for ``skip_not_finite`` (a sum
@@ -144,7 +151,7 @@ class PartialSums(_placement.Placement):
     return _typed_sharding.local(lambda v: lax.psum(fn(v), axes), (x,), jax.P())
 
   def reduce_window(
-    self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
+    self, sums: optax.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
     """On each device's share, each leaf summed over the axes it is
     unreduced over (reduce-scattered into its target, if any: the rest of
@@ -174,7 +181,7 @@ class PartialSums(_placement.Placement):
       reduce, (leaves, acc_tokens, acc_loss), out_specs
     )
 
-  def reduced_types(self, grads: Any) -> Any:
+  def reduced_types(self, grads: optax.Updates) -> optax.Updates:
     """Whole where summed whole, else the shards of the target."""
     leaves, treedef = jax.tree.flatten(grads)
     targets = self.targets or (None,) * len(leaves)
@@ -195,7 +202,9 @@ class PartialSums(_placement.Placement):
       f' does. Leave shard_optimizer_over out. (inner raised: {error})'
     )
 
-  def typed_like(self, tree: Any, reference: Any) -> Any:
+  def typed_like(
+    self, tree: chex.ArrayTree, reference: chex.ArrayTree
+  ) -> chex.ArrayTree:
     """Shards all-gathered where ``reference`` is whole (the updates of
     ``inner``'s shards), then typed like it."""
 
@@ -216,7 +225,9 @@ class PartialSums(_placement.Placement):
     return True
 
 
-def _reduced_spec(leaf: Any, target: Any) -> jax.P:
+def _reduced_spec(
+  leaf: jax.Array, target: Optional[_optimizer_shards.ShardTarget]
+) -> jax.P:
   """The spec of a window's sums once reduced: the target's shards, else
   the leaf's own spec without its unreduced axes."""
   if target is not None:

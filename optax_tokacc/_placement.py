@@ -37,10 +37,12 @@ new placement, not an edit of the algebra. The norms' arithmetic is
 
 import abc
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
+import chex
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _inputs
@@ -72,7 +74,7 @@ class Placement(abc.ABC):
 
   @abc.abstractmethod
   def reduce_window(
-    self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
+    self, sums: optax.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
     """The window's one reduction: its sums, its count as exact parts
     (``_tokens.to_parts``) and its loss, summed over the devices."""
@@ -84,21 +86,25 @@ class Placement(abc.ABC):
     rejected micro-batch is not a micro-step)."""
     return False
 
-  def local_state(self, state: _base.TokenWeightedMultiStepState) -> Any:
+  def local_state(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
     """The state as the algebra reads it: this device's share."""
     return state
 
-  def global_state(self, state: Any) -> _base.TokenWeightedMultiStepState:
+  def global_state(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
     """The inverse of :meth:`local_state`: the state as ``update``
     returns it."""
     return state
 
-  def scalar_zeros(self, dtype: Any) -> jax.Array:
+  def scalar_zeros(self, dtype: jax.typing.DTypeLike) -> jax.Array:
     """A zero count or loss of the window, typed as this placement holds
     its shares."""
     return jnp.zeros([], dtype)
 
-  def gradient_shares(self, grads: Any) -> Any:
+  def gradient_shares(self, grads: optax.Updates) -> optax.Updates:
     """A micro-batch's gradients as this device's shares of them."""
     return grads
 
@@ -107,14 +113,20 @@ class Placement(abc.ABC):
     device, in the types of ``grad``."""
     return grad * factor
 
-  def on_each_device(self, fn: Callable, args: tuple, like: Any) -> Any:
+  def on_each_device(
+    self, fn: Callable, args: tuple, like: chex.ArrayTree
+  ) -> chex.ArrayTree:
     """``fn(*args)`` on each device's share; its outputs are typed like
     ``like`` (a tree of values, or of their shapes)."""
     return jax.tree.map(self.retype_same_values, fn(*args), like)
 
   def skip_decision(
-    self, skip_fn: Callable, grads: Any, gradient_step: Any, params: Any
-  ) -> tuple[jax.Array, Any]:
+    self,
+    skip_fn: Callable,
+    grads: optax.Updates,
+    gradient_step: jax.Array,
+    params: Optional[optax.Params],
+  ) -> tuple[jax.Array, chex.ArrayTree]:
     """``should_skip_update_fn``'s decision on the micro-batch, the same
     on every device, and its skip state."""
     return _inputs.call_skip_fn(skip_fn, grads, gradient_step, params)
@@ -134,8 +146,12 @@ class Placement(abc.ABC):
     return _typed_sharding.same_layout(acc, update)
 
   def cond(
-    self, pred: jax.Array, true_fn: Callable, false_fn: Callable, *ops: Any
-  ) -> Any:
+    self,
+    pred: jax.Array,
+    true_fn: Callable,
+    false_fn: Callable,
+    *ops: Optional[chex.ArrayTree],
+  ) -> chex.ArrayTree:
     """``lax.cond``, where the two branches' outputs may differ in the
     types this placement gives them."""
     return jax.lax.cond(pred, true_fn, false_fn, *ops)
@@ -146,13 +162,17 @@ class Placement(abc.ABC):
     defers (``_norms.typed_split_axes``)."""
     return False
 
-  def squares(self, tree: Any, per_leaf: bool = False) -> dict:
+  def squares(self, tree: optax.Updates, per_leaf: bool = False) -> dict:
     """``tree``'s squares summed on each device's share, for
     :meth:`norms` (``_norms.local_squares``)."""
     return _norms.typed_squares(tree, per_leaf, self.shares_typed())
 
   def norms(
-    self, grads: Any, grad_squares: dict, updates: Any, per_leaf: bool = False
+    self,
+    grads: optax.Updates,
+    grad_squares: dict,
+    updates: optax.Updates,
+    per_leaf: bool = False,
   ) -> _norms.Norms:
     """The L2 norms of ``grads``, given by its :meth:`squares`, and of
     ``updates``, from each device's share of the squares: one ``psum``
@@ -167,7 +187,7 @@ class Placement(abc.ABC):
   # What ``inner`` sees: a placement that shards ``inner``'s state
   # (``PartialSums`` with ``shard_optimizer_over``) overrides these three.
 
-  def reduced_types(self, grads: Any) -> Any:
+  def reduced_types(self, grads: optax.Updates) -> optax.Updates:
     """Values typed as :meth:`reduce_window` types the window's sums (for
     their types only: ``jax.eval_shape`` of ``inner``)."""
     return jax.tree.map(self.summed_now, grads)
@@ -177,27 +197,33 @@ class Placement(abc.ABC):
     del error
     return None
 
-  def typed_like(self, tree: Any, reference: Any) -> Any:
+  def typed_like(
+    self, tree: chex.ArrayTree, reference: chex.ArrayTree
+  ) -> chex.ArrayTree:
     """``tree``, whole values such as ``inner``'s updates, typed and
     laid out like ``reference`` (the parameters, ``inner``'s state)."""
     return _typed_sharding.like(tree, reference)
 
   # The members below are the same in every placement.
 
-  def gradient_zeros(self, param: Any, dtype: Any) -> jax.Array:
+  def gradient_zeros(
+    self, param: jax.typing.ArrayLike, dtype: jax.typing.DTypeLike
+  ) -> jax.Array:
     """The accumulator's zeros for ``param``'s gradient, typed like it."""
     return _typed_sharding.gradient_zeros(param, dtype)
 
-  def summed_now(self, x: Any) -> Any:
+  def summed_now(self, x: jax.Array) -> jax.Array:
     """``x`` summed over the devices that hold parts of it, now (a value
     typed unreduced is reduced; any other is already whole)."""
     return _typed_sharding.reduce_now(x)
 
-  def retype_same_values(self, x: jax.Array, like: Any) -> jax.Array:
+  def retype_same_values(
+    self, x: jax.Array, like: _typed_sharding.ArrayOrShape
+  ) -> jax.Array:
     """``x``, held whole and alike on every device, typed like ``like``."""
     return _typed_sharding.retype_same_values(x, like)
 
-  def inner_types(self, tree: Any) -> Any:
+  def inner_types(self, tree: chex.ArrayTree) -> chex.ArrayTree:
     """``tree`` in the types that optax's nonlinear updates take (reduced
     types dropped, free)."""
     return _typed_sharding.without_reduced(tree)

@@ -32,8 +32,9 @@ import abc
 from collections.abc import Callable
 import dataclasses
 import functools
-from typing import Any
+from typing import Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,11 +47,13 @@ from optax_tokacc import _typed_sharding
 PER_DEVICE = _base.PER_DEVICE_FIELDS
 
 
-def per_device(state: Any) -> dict[str, Any]:
+def per_device(
+  state: _base.TokenWeightedMultiStepState,
+) -> dict[str, chex.ArrayTree]:
   return {name: getattr(state, name) for name in PER_DEVICE}
 
 
-def leading(x: Any) -> int:
+def leading(x: _typed_sharding.ArrayOrShape) -> int:
   return int(jnp.shape(x)[0])
 
 
@@ -59,23 +62,34 @@ class Layout(abc.ABC):
   so how they are saved as rows, put back, and given a merged window."""
 
   @abc.abstractmethod
-  def save(self, state: Any) -> Any:
+  def save(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
     """``state`` with its per-device fields as rows of shares."""
 
   @abc.abstractmethod
-  def put_back(self, rows: dict[str, Any], refs: dict[str, Any]) -> dict:
+  def put_back(
+    self, rows: dict[str, chex.ArrayTree], refs: dict[str, chex.ArrayTree]
+  ) -> dict:
     """The per-device fields from their rows, each device's share where it
     was saved, typed like ``refs`` (the target's)."""
 
   @abc.abstractmethod
-  def whole_field(self, value: Any, like: Any) -> Any:
+  def whole_field(
+    self, value: chex.ArrayTree, like: chex.ArrayTree
+  ) -> chex.ArrayTree:
     """A field other than the per-device ones laid out like ``like``."""
 
-  def rows(self, leaf: Any) -> int:
+  def rows(self, leaf: _typed_sharding.ArrayOrShape) -> int:
     """The rows :meth:`save` gives a per-device leaf: its leading axis."""
     return leading(leaf)
 
-  def spread(self, total: jax.Array, ref: Any, everywhere: bool) -> Any:
+  def spread(
+    self,
+    total: jax.Array,
+    ref: _typed_sharding.ArrayOrShape,
+    everywhere: bool,
+  ) -> jax.Array:
     """A window's ``total`` in the slots of ``ref`` (devices, [1,] *total's
     shape): on its first device (zeros on the others), or on every device
     (``everywhere``)."""
@@ -99,14 +113,20 @@ class Pmap(Layout):
 
   devices: int
 
-  def save(self, state: Any) -> Any:
+  def save(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
     whole = jax.tree.map(lambda x: x[0], state)  # one copy of each field
     return whole._replace(**jax.tree.map(lambda x: x[:, 0], per_device(state)))
 
-  def put_back(self, rows: dict[str, Any], refs: dict[str, Any]) -> dict:
+  def put_back(
+    self, rows: dict[str, chex.ArrayTree], refs: dict[str, chex.ArrayTree]
+  ) -> dict:
     return _placed(jax.tree.map(lambda x: x[:, None], rows), refs)
 
-  def whole_field(self, value: Any, like: Any) -> Any:
+  def whole_field(
+    self, value: chex.ArrayTree, like: chex.ArrayTree
+  ) -> chex.ArrayTree:
     stacked = jax.tree.map(lambda x: _stacked(x, self.devices), value)
     return _placed(stacked, like)
 
@@ -119,13 +139,19 @@ class Slots(Layout):
   """``shard_map`` with ``axis_name``: the per-device fields with a leading
   axis of one slot per device, the others whole."""
 
-  def save(self, state: Any) -> Any:
+  def save(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
     return state
 
-  def put_back(self, rows: dict[str, Any], refs: dict[str, Any]) -> dict:
+  def put_back(
+    self, rows: dict[str, chex.ArrayTree], refs: dict[str, chex.ArrayTree]
+  ) -> dict:
     return _placed(rows, refs)
 
-  def whole_field(self, value: Any, like: Any) -> Any:
+  def whole_field(
+    self, value: chex.ArrayTree, like: chex.ArrayTree
+  ) -> chex.ArrayTree:
     return _placed(value, like)
 
 
@@ -133,22 +159,33 @@ class Typed(Layout):
   """Each leaf whole, or partial sums typed unreduced: explicit sharding,
   one device, ``jax.jit`` over global arrays."""
 
-  def save(self, state: Any) -> Any:
+  def save(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
     shares = jax.tree.map(_shares, per_device(state))
     return jax.tree.map(leaf_rows, state)._replace(**shares)
 
-  def put_back(self, rows: dict[str, Any], refs: dict[str, Any]) -> dict:
+  def put_back(
+    self, rows: dict[str, chex.ArrayTree], refs: dict[str, chex.ArrayTree]
+  ) -> dict:
     return jax.tree.map(_from_shares, rows, refs)
 
-  def whole_field(self, value: Any, like: Any) -> Any:
+  def whole_field(
+    self, value: chex.ArrayTree, like: chex.ArrayTree
+  ) -> chex.ArrayTree:
     return jax.tree.map(restore_leaf, value, like)
 
-  def rows(self, leaf: Any) -> int:
+  def rows(self, leaf: _typed_sharding.ArrayOrShape) -> int:
     """The devices whose partial sums ``leaf`` holds: 1 for a whole leaf."""
     sizes = dict(getattr(_typed_sharding.mesh_of(leaf), 'shape', {}))
     return int(np.prod([sizes[a] for a in _typed_sharding.unreduced(leaf)]))
 
-  def spread(self, total: jax.Array, ref: Any, everywhere: bool) -> Any:
+  def spread(
+    self,
+    total: jax.Array,
+    ref: _typed_sharding.ArrayOrShape,
+    everywhere: bool,
+  ) -> jax.Array:
     """Typed like ``ref``: partial sums on its first device, unless
     ``everywhere``."""
     if _typed_sharding.unreduced(ref) and not everywhere:
@@ -156,7 +193,7 @@ class Typed(Layout):
     return _typed_sharding.like(total, ref)
 
 
-def layout_of(state: Any) -> Layout:
+def layout_of(state: _base.TokenWeightedMultiStepState) -> Layout:
   """How ``state`` (arrays or their shapes) holds its per-device fields,
   read once from its ranks: ``pmap`` stacks every field (``mini_step``
   too), ``shard_map`` with ``axis_name`` only the per-device ones (the
@@ -166,7 +203,7 @@ def layout_of(state: Any) -> Layout:
   return Slots() if jnp.ndim(state.acc_tokens) == 1 else Typed()
 
 
-def leaf_rows(x: Any) -> Any:
+def leaf_rows(x: _typed_sharding.ArrayOrShape) -> _typed_sharding.ArrayOrShape:
   """An unreduced ``x`` of shape ``s`` as its devices' partial sums,
   ``(n, *s)`` split over the axes it is unreduced over (no data moves);
   a reduced ``x`` typed replicated; any other ``x`` as it is."""
@@ -178,41 +215,48 @@ def leaf_rows(x: Any) -> Any:
   return _typed_sharding.local(lambda v: v[None], (x,), out)
 
 
-def _one_row(x: Any) -> Any:
+def _one_row(x: jax.typing.ArrayLike) -> jax.Array:
   """A whole ``x`` as one row (its unreduced axes of one device reduced,
   its reduced types replicated: ordinary arrays)."""
   (x,) = _typed_sharding.reduce_trivial(x)
   return jnp.expand_dims(_typed_sharding.without_reduced(x), 0)
 
 
-def _shares(x: Any) -> Any:
+def _shares(x: jax.typing.ArrayLike) -> jax.typing.ArrayLike:
   """A per-device leaf of a :class:`Typed` state as rows of shares: its
   partial sums where typed unreduced, else itself as one row."""
   return leaf_rows(x) if _typed_sharding.unreduced(x) else _one_row(x)
 
 
-def save_state(state: Any) -> _base.SavedState:
+def save_state(state: _base.TokenWeightedMultiStepState) -> _base.SavedState:
   """``state`` as :func:`optax_tokacc.to_checkpoint` saves it."""
   saved = layout_of(state).save(state)
   counts = [leading(x) for x in jax.tree.leaves(per_device(saved))]
   return _base.SavedState(saved, jnp.asarray(counts, jnp.int32))
 
 
-def row_counts(state: Any) -> list[int]:
+def row_counts(state: _base.TokenWeightedMultiStepState) -> list[int]:
   """The rows :func:`save_state` gives each per-device leaf of
   ``state`` (arrays or their shapes, ``like``'s)."""
   layout = layout_of(state)
   return [layout.rows(x) for x in jax.tree.leaves(per_device(state))]
 
 
-def put_back(state: Any, ref: Any) -> Any:
+def put_back(
+  state: _base.TokenWeightedMultiStepState,
+  ref: _base.TokenWeightedMultiStepState,
+) -> _base.TokenWeightedMultiStepState:
   """Each device's share where it was saved, typed like ``ref``."""
   layout = layout_of(ref)
   shares = layout.put_back(per_device(state), per_device(ref))
   return _whole_fields(layout, state, ref)._replace(**shares)
 
 
-def _whole_fields(layout: Layout, state: Any, ref: Any) -> Any:
+def _whole_fields(
+  layout: Layout,
+  state: _base.TokenWeightedMultiStepState,
+  ref: _base.TokenWeightedMultiStepState,
+) -> _base.TokenWeightedMultiStepState:
   """``state`` with its fields other than the per-device ones laid out
   like ``ref``'s (the per-device ones left as they are)."""
   fields = {
@@ -223,7 +267,10 @@ def _whole_fields(layout: Layout, state: Any, ref: Any) -> Any:
   return state._replace(**fields)
 
 
-def merged(state: Any, ref: Any) -> Any:
+def merged(
+  state: _base.TokenWeightedMultiStepState,
+  ref: _base.TokenWeightedMultiStepState,
+) -> _base.TokenWeightedMultiStepState:
   """The window of ``state``'s rows (the shares of another number of
   devices) merged into its totals, held by the first device of ``ref``'s
   layout."""
@@ -251,7 +298,9 @@ def merged(state: Any, ref: Any) -> Any:
   return _whole_fields(layout, state, ref)._replace(**shares)
 
 
-def _out_sharding(ref: Any) -> Any:
+def _out_sharding(
+  ref: _typed_sharding.ArrayOrShape,
+) -> Optional[jax.NamedSharding]:
   """Where a merged leaf is put: ``ref``'s sharding, or where its types
   say (partial sums typed unreduced, reduced types, shapes without one)."""
   sharding = getattr(ref, 'sharding', None)
@@ -261,7 +310,7 @@ def _out_sharding(ref: Any) -> Any:
   return None
 
 
-def _gathered(x: Any) -> Any:
+def _gathered(x: jax.typing.ArrayLike) -> jax.typing.ArrayLike:
   """``x`` with its row axis whole on each of its devices (its other
   dimensions split as they are): the rows' sums then need no collective."""
   sharding = getattr(x, 'sharding', None)
@@ -275,7 +324,9 @@ def _gathered(x: Any) -> Any:
   )
 
 
-def _window_totals(rows: dict[str, Any]) -> dict[str, Any]:
+def _window_totals(
+  rows: dict[str, chex.ArrayTree],
+) -> dict[str, chex.ArrayTree]:
   """The window's totals from the rows of its devices' shares: gradient
   sums with their compensation, the count (invalid if any share is), the
   loss, and the skip state (any device's booleans, the sum of its
@@ -312,7 +363,9 @@ def _combined(rows: jax.Array) -> jax.Array:
   return jnp.sum(rows, axis=0, dtype=jnp.result_type(rows))
 
 
-def _on_first_device(total: jax.Array, ref: Any) -> jax.Array:
+def _on_first_device(
+  total: jax.Array, ref: _typed_sharding.ArrayOrShape
+) -> jax.Array:
   """``total`` typed like ``ref`` (unreduced): held by the first device
   along the axes ``ref`` is unreduced over, zeros on the others."""
   axes = sorted(_typed_sharding.unreduced(ref))
@@ -327,19 +380,21 @@ def _on_first_device(total: jax.Array, ref: Any) -> jax.Array:
   return _typed_sharding.local(first, (total,), _typed_sharding.spec(ref))
 
 
-def _from_shares(rows: Any, ref: Any) -> Any:
+def _from_shares(
+  rows: jax.typing.ArrayLike, ref: _typed_sharding.ArrayOrShape
+) -> jax.typing.ArrayLike:
   """The inverse of :func:`_shares` on as many devices."""
   if _typed_sharding.unreduced(ref):
     return restore_leaf(rows, ref)
   return _placed(rows[0], ref)
 
 
-def _stacked(x: Any, count: int) -> jax.Array:
+def _stacked(x: jax.typing.ArrayLike, count: int) -> jax.Array:
   """``x`` stacked ``count`` times, as ``pmap`` holds a replicated value."""
   return jnp.broadcast_to(x, (count, *jnp.shape(x)))
 
 
-def _placed(tree: Any, like: Any) -> Any:
+def _placed(tree: chex.ArrayTree, like: chex.ArrayTree) -> chex.ArrayTree:
   """``tree`` typed like ``like`` and on its devices (where ``like`` holds
   arrays or shapes with a sharding, and no partial sums)."""
 
@@ -357,7 +412,9 @@ def _placed(tree: Any, like: Any) -> Any:
   return jax.tree.map(place, tree, like)
 
 
-def restore_leaf(x: Any, ref: Any) -> Any:
+def restore_leaf(
+  x: jax.typing.ArrayLike, ref: _typed_sharding.ArrayOrShape
+) -> jax.typing.ArrayLike:
   """A leaf that :func:`leaf_rows` saved, typed like ``ref`` again."""
   if not _typed_sharding.unreduced(ref):
     return _typed_sharding.like(x, ref)

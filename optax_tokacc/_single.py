@@ -20,9 +20,10 @@ parameters are not typed reduced). Values may carry types of sharding;
 they are kept as they come.
 """
 
-from typing import Any, final
+from typing import final
 
 import jax
+import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _placement
@@ -38,6 +39,6 @@ class Single(_placement.Placement):
     return self.summed_now(x)
 
   def reduce_window(
-    self, sums: Any, acc_tokens: jax.Array, acc_loss: jax.Array
+    self, sums: optax.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
     return _base.Reduced(sums, _tokens.to_parts(acc_tokens), acc_loss)

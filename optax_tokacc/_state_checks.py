@@ -20,10 +20,11 @@ over the same axes as the gradient, and never over an axis along which its
 parameter is split; the errors say how to rebuild or restore the state.
 """
 
-from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _inputs
@@ -32,7 +33,10 @@ from optax_tokacc import _typed_sharding
 
 
 def state_matches(
-  config: _base.Config, grads: Any, state: Any, params: Any
+  config: _base.Config,
+  grads: optax.Updates,
+  state: _base.TokenWeightedMultiStepState,
+  params: Optional[optax.Params],
 ) -> None:
   """Refuses a state made (or restored) for another configuration, or for
   gradients of another tree, shape, dtype or (explicit sharding) type.
@@ -75,7 +79,9 @@ def state_matches(
     _leaf_matches(grad, acc, param, axes)
 
 
-def _state_dtype(field: str, value: Any, expected: Any) -> None:
+def _state_dtype(
+  field: str, value: jax.typing.ArrayLike, expected: jax.typing.DTypeLike
+) -> None:
   """``state.field`` (``value``) must have the dtype this transform keeps."""
   if jnp.result_type(value) != expected:
     raise TypeError(
@@ -84,7 +90,12 @@ def _state_dtype(field: str, value: Any, expected: Any) -> None:
     )
 
 
-def _leaf_matches(grad: Any, acc: Any, param: Any, axes: frozenset) -> None:
+def _leaf_matches(
+  grad: jax.Array,
+  acc: jax.Array,
+  param: Optional[jax.typing.ArrayLike],
+  axes: frozenset,
+) -> None:
   """A gradient must match its accumulator's shape and type (see above)."""
   if jnp.shape(grad) != jnp.shape(acc):
     raise ValueError(

@@ -43,7 +43,9 @@ class _WindowSpecs(NamedTuple):
   of_scalars: jax.P  # the window's count and loss
 
 
-def _window_specs(axis_name: Any, specs: list) -> _WindowSpecs:
+def _window_specs(
+  axis_name: Optional[_base.AxisName], specs: list[jax.P]
+) -> _WindowSpecs:
   """How the per-device fields are laid out, from the parameters' ``specs``:
   the map of the accumulator's specs, and the spec of the scalars.
 
@@ -72,8 +74,11 @@ def _window_specs(axis_name: Any, specs: list) -> _WindowSpecs:
 
 
 def _state_specs_like_params(
-  tx: Any, abstract: Any, specs: Any, params: Any
-) -> Any:
+  tx: optax.GradientTransformation,
+  abstract: optax.OptState,
+  specs: _typed_sharding.Specs,
+  params: optax.Params,
+) -> _typed_sharding.Specs:
   """The specs of ``tx``'s state: parameter-shaped leaves take ``specs``'
   (a ``MaskedNode`` of ``optax.masked`` or ``multi_transform`` stays
   one); the others (scalars, adafactor's factored moments) are
@@ -172,11 +177,11 @@ def state_partition_specs(
 def _full_layout(
   tx: optax.GradientTransformation,
   params: optax.Params,
-  param_specs: Optional[Any],
+  param_specs: Optional[_typed_sharding.Specs],
   axis_name: Optional[_base.AxisName],
-  shard_over: Optional[Any],
+  shard_over: Optional[_base.AxisName],
   mesh: Optional[jax.sharding.Mesh],
-) -> Any:
+) -> _typed_sharding.Specs:
   """:func:`state_partition_specs` but ``manual_axes``: the full layout."""
   # None: the specs in the parameters' types
   param_specs = (
@@ -210,7 +215,7 @@ def _full_layout(
   return jax.tree.map(with_window, specs, inner_specs, is_leaf=_state.is_state)
 
 
-def _inner_states(specs: Any) -> list:
+def _inner_states(specs: _typed_sharding.Specs) -> list:
   nodes = jax.tree.leaves(specs, is_leaf=_state.is_state)
   return [n.inner_state for n in nodes if _state.is_state(n)]
 

@@ -26,18 +26,28 @@ splitting a count into exact parts) runs on each device's partial sum inside a
 fully manual ``shard_map`` with ``check_vma=False``, which moves no data.
 """
 
-from collections.abc import Callable
-from typing import Any, Optional
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Optional, Union
 
+import chex
 import jax
 import jax.numpy as jnp
+import optax
 
 from optax_tokacc._compat import EXPLICIT_SHARDING as SUPPORTED
 from optax_tokacc._compat import EXPLICIT_SHARDING_JAX as MIN_JAX
 from optax_tokacc._compat import partitions
 
+# A leaf of a tree of values or of their shapes (``jax.eval_shape``'s);
+# Python and NumPy values carry no sharding.
+ArrayOrShape = Union[jax.typing.ArrayLike, jax.ShapeDtypeStruct]
+# The mesh in a type: an array's is abstract, a shape's may be concrete.
+MeshLike = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
+# A ``PartitionSpec``, or a pytree of them (``shard_map``'s ``in_specs``).
+Specs = Union[jax.P, Iterable['Specs'], Mapping[Any, 'Specs']]
 
-def spec(x: Any, *, unreduced: bool = True) -> Optional[jax.P]:
+
+def spec(x: ArrayOrShape, *, unreduced: bool = True) -> Optional[jax.P]:
   """The ``PartitionSpec`` in ``x``'s type, padded to its rank (None where
   the type carries no named sharding); ``unreduced=False`` drops the
   unreduced axes (the type of ``x`` once reduced)."""
@@ -52,25 +62,25 @@ def spec(x: Any, *, unreduced: bool = True) -> Optional[jax.P]:
   return jax.P(*parts, reduced=found.reduced, unreduced=kept)
 
 
-def untyped(x: Any) -> bool:
+def untyped(x: ArrayOrShape) -> bool:
   """Whether ``x``'s type carries no named sharding, or only replication
   (no split dimension, no reduced or unreduced axis)."""
   return spec(x) in (None, jax.P(*[None] * len(jnp.shape(x))))
 
 
-def _sharding(x: Any) -> Any:
+def _sharding(x: ArrayOrShape) -> Optional[jax.sharding.Sharding]:
   """The sharding of ``x``'s type (a shape's own); Python and NumPy values
   carry none."""
   typed = jax.typeof(x) if isinstance(x, jax.Array) else x
   return getattr(typed, 'sharding', None)
 
 
-def mesh_of(x: Any) -> Any:
+def mesh_of(x: ArrayOrShape) -> Optional[MeshLike]:
   """The mesh in ``x``'s type (None where the type carries no sharding)."""
   return getattr(_sharding(x), 'mesh', None)
 
 
-def deferred(axes: Any, mesh: Any) -> frozenset:
+def deferred(axes: Optional[frozenset], mesh: Optional[MeshLike]) -> frozenset:
   """``axes`` but those of size 1 on ``mesh`` (all of them where no mesh is
   known): partial sums over a single device are already the sum (and JAX
   0.10.2 cannot lower a ``shard_map`` with unreduced specs over a size-1
@@ -79,13 +89,13 @@ def deferred(axes: Any, mesh: Any) -> frozenset:
   return frozenset(a for a in axes or () if sizes.get(a, 2) > 1)
 
 
-def unreduced(x: Any) -> frozenset:
+def unreduced(x: ArrayOrShape) -> frozenset:
   """The mesh axes over which ``x`` holds per-device partial sums (axes of
   size 1 aside: see :func:`reduce_trivial`)."""
   return deferred(getattr(spec(x), 'unreduced', None), mesh_of(x))
 
 
-def reduce_trivial(*trees: Any) -> tuple:
+def reduce_trivial(*trees: Optional[chex.ArrayTree]) -> tuple:
   """``trees`` with every unreduced axis of size 1 reduced (no data moves):
   a partial sum over one device is the sum."""
 
@@ -99,18 +109,18 @@ def reduce_trivial(*trees: Any) -> tuple:
   return jax.tree.map(reduce, trees)
 
 
-def reduced(x: Any) -> frozenset:
+def reduced(x: ArrayOrShape) -> frozenset:
   """The mesh axes over which ``x`` is typed reduced."""
   return frozenset(getattr(spec(x), 'reduced', ()))
 
 
-def sharded(x: Any) -> frozenset:
+def sharded(x: ArrayOrShape) -> frozenset:
   """The mesh axes ``x`` is split over."""
   # entries: None, an axis, or a tuple of axes (none where no spec)
   return frozenset(jax.tree.leaves(partitions(spec(x) or jax.P())))
 
 
-def check_supported(tree: Any, what: str) -> None:
+def check_supported(tree: chex.ArrayTree, what: str) -> None:
   """Refuses reduced or unreduced types on a JAX that cannot run them."""
   for leaf in jax.tree.leaves(tree):
     if not SUPPORTED and (reduced(leaf) or unreduced(leaf)):
@@ -121,14 +131,16 @@ def check_supported(tree: Any, what: str) -> None:
       )
 
 
-def data_axes(params: Any) -> frozenset:
+def data_axes(params: optax.Params) -> frozenset:
   """The axes whose gradient reduction is deferred: those over which some
   parameter is typed reduced."""
   leaves = jax.tree.leaves(params)
   return frozenset().union(*(deferred(reduced(x), mesh_of(x)) for x in leaves))
 
 
-def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
+def gradient_zeros(
+  param: jax.typing.ArrayLike, dtype: jax.typing.DTypeLike
+) -> jax.Array:
   """Zeros typed like the gradient of ``param``: its spec with reduced axes
   turned unreduced (``jnp.zeros_like`` would keep them reduced)."""
   if not reduced(param):
@@ -138,7 +150,12 @@ def gradient_zeros(param: Any, dtype: Any) -> jax.Array:
   return unreduced_zeros(jnp.shape(param), dtype, mesh, gradient)
 
 
-def unreduced_zeros(shape: Any, dtype: Any, mesh: Any, new_spec: jax.P) -> Any:
+def unreduced_zeros(
+  shape: Sequence[int],
+  dtype: jax.typing.DTypeLike,
+  mesh: MeshLike,
+  new_spec: jax.P,
+) -> jax.Array:
   """Zeros typed ``new_spec`` (unreduced), made replicated, then retyped:
   a bare unreduced constant is merged with the program's other zeros of
   its shape, which then leave ``jax.jit`` typed unreduced too (jax >= 0.11:
@@ -147,7 +164,9 @@ def unreduced_zeros(shape: Any, dtype: Any, mesh: Any, new_spec: jax.P) -> Any:
   return to_type(jnp.zeros(shape, dtype, out_sharding=plain), new_spec)
 
 
-def on_one_device(x: Any, axes: frozenset, mesh: Any) -> jax.Array:
+def on_one_device(
+  x: jax.typing.ArrayLike, axes: frozenset, mesh: MeshLike
+) -> jax.Array:
   """A replicated ``x`` typed unreduced over ``axes``: held by the first
   device along them, zeros elsewhere (a select in a manual region).
 
@@ -163,7 +182,7 @@ def on_one_device(x: Any, axes: frozenset, mesh: Any) -> jax.Array:
   return jax.shard_map(first, **args, check_vma=False)(jnp.asarray(x))
 
 
-def to_type(x: Any, new_spec: jax.P) -> jax.Array:
+def to_type(x: jax.typing.ArrayLike, new_spec: jax.P) -> jax.Array:
   """``x`` resharded to ``new_spec`` (no work when it already has it; free
   from replicated to reduced or unreduced, and from reduced to replicated).
   A replicated value meant to be summed once is put on one device by
@@ -173,7 +192,7 @@ def to_type(x: Any, new_spec: jax.P) -> jax.Array:
   return x if spec(x) == new_spec else jax.reshard(x, new_spec)
 
 
-def without_reduced(tree: Any) -> Any:
+def without_reduced(tree: chex.ArrayTree) -> chex.ArrayTree:
   """``tree`` with reduced axes dropped from every type (free): what
   optax's nonlinear updates can take."""
 
@@ -183,7 +202,7 @@ def without_reduced(tree: Any) -> Any:
   return jax.tree.map(plain, tree)
 
 
-def like(tree: Any, reference: Any) -> Any:
+def like(tree: chex.ArrayTree, reference: chex.ArrayTree) -> chex.ArrayTree:
   """``tree`` typed like ``reference``, leaf by leaf, where ``reference``
   is typed reduced (free: the values are already replicated)."""
 
@@ -194,7 +213,7 @@ def like(tree: Any, reference: Any) -> Any:
   return jax.tree.map(retype, tree, reference)
 
 
-def local(fn: Callable, args: tuple, out_specs: Any) -> Any:
+def local(fn: Callable, args: tuple, out_specs: Specs) -> chex.ArrayTree:
   """``fn(*args)`` on each device's share, partial sums included.
 
   A fully manual ``shard_map`` with ``check_vma=False``: ``fn`` sees every
@@ -212,25 +231,25 @@ def local(fn: Callable, args: tuple, out_specs: Any) -> Any:
   )(*args)
 
 
-def type_specs(tree: Any) -> Any:
+def type_specs(tree: chex.ArrayTree) -> Specs:
   """The specs of a tree's types, ``P()`` where a type carries none or
   only replication."""
   return jax.tree.map(lambda x: jax.P() if untyped(x) else spec(x), tree)
 
 
-def reduce_now(x: Any) -> Any:
+def reduce_now(x: jax.Array) -> jax.Array:
   """``x`` summed over the axes it is unreduced over (an all-reduce)."""
   return jax.reshard(x, spec(x, unreduced=False)) if unreduced(x) else x
 
 
-def same_layout(a: Any, b: Any) -> bool:
+def same_layout(a: ArrayOrShape, b: ArrayOrShape) -> bool:
   """Whether ``a`` and ``b`` split their dimensions alike (reduced and
   unreduced axes aside); true where either carries no named sharding."""
   found = [partitions(s) for s in (spec(a), spec(b)) if s is not None]
   return len(found) < 2 or found[0] == found[1]
 
 
-def retype_same_values(x: Any, like: Any) -> Any:
+def retype_same_values(x: jax.Array, like: ArrayOrShape) -> jax.Array:
   """``x`` typed like ``like``, for a value held identically on every
   device (no data moves).
 

@@ -23,7 +23,7 @@ placement's (``_placement``); nothing here asks which parallel mode it runs
 in.
 """
 
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -153,8 +153,8 @@ def window_tokens(
 def reset_if(
   place: _placement.Placement,
   close: Union[bool, jax.Array],
-  window: Any,
-) -> Any:
+  window: Union[_base.Window, optax.Updates],
+) -> Union[_base.Window, optax.Updates]:
   """The window zeroed if ``close`` (its sums, compensation, count and
   loss, or any of them in a tree): where a window closes, the next one
   starts, so that a micro-step only adds. A select, never a

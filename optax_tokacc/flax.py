@@ -64,7 +64,7 @@ class _Accumulating:
         f'once; {e} For a plain optimizer use {self._PLAIN}.'
       ) from e
 
-  def _counters(self, before: jax.Array, step: Any) -> tuple:
+  def _counters(self, before: jax.Array, step: jax.typing.ArrayLike) -> tuple:
     """``(step, micro_step, emitted)`` after one micro-batch.
 
     ``before`` is the accumulator's ``gradient_step`` (its count of
