@@ -6,7 +6,9 @@ counts per device and per micro-step (and devices without tokens). The
 compiled step is inspected to show one reduction of the gradients per
 window, none on micro-steps. A micro-batch rejected on one device closes
 the window on every device, in a process of its own (issue 11, defect 1:
-a deadlock). Bad ``axis_name`` values and the warnings of ``shard_map``.
+a deadlock). The warning of ``shard_map`` about gradients summed by
+autodiff; bad ``axis_name`` values, and where that warning points:
+``test_bad_placement``.
 """
 
 import subprocess
@@ -14,10 +16,8 @@ import subprocess
 import chex
 import children
 import helpers
-import hlo
 import jax
 from jax import lax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -26,6 +26,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
+from optax_tokacc import _hlo
+from optax_tokacc import _hlo_collectives
 
 K = 3
 WINDOW_SIZES = (3, 3, 2)  # the last window is closed early by emit_now
@@ -186,7 +188,7 @@ def compiled_step_text(mode, with_emit_now):
     tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name=axes)
     state = placements.shard_map_state(tx, params, mesh, axes)
     step = placements.shard_map_step(tx, mesh, axes, with_emit_now)
-  return hlo.compiled_text(step, params, state, batch, *flags)
+  return _hlo.compiled_text(step, params, state, batch, *flags)
 
 
 @pytest.mark.parametrize('with_emit_now', [False, True])
@@ -203,11 +205,11 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
     the inner optimizer (AdamW's ``sqrt``): a single all-reduce of each
     gradient leaf, the window's token count and its loss.
   """
-  module = hlo.parse_hlo(compiled_step_text(mode, with_emit_now))
-  sites = hlo.collective_sites(module)
+  module = _hlo.parse_hlo(compiled_step_text(mode, with_emit_now))
+  sites = _hlo_collectives.collective_sites(module)
   assert {site.collective for site, _ in sites} == {'all-reduce'}
 
-  every_step = hlo.on_every_call(sites)
+  every_step = _hlo_collectives.on_every_call(sites)
   if with_emit_now:
     assert len(every_step) == 1
     assert all(dims == () for _, dims in every_step[0].shapes)
@@ -217,14 +219,14 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
   branches = {path[0] for _, path in sites if path}
   assert len(branches) == 1, branches
   ((conditional_name, emit_index),) = branches
-  conditional = hlo.find_instruction(module, conditional_name)
+  conditional = _hlo.find_instruction(module, conditional_name)
   emit_branch = conditional.branches[emit_index]
-  assert hlo.reachable_opcodes(module, emit_branch)['sqrt'] > 0
+  assert _hlo.reachable_opcodes(module, emit_branch)['sqrt'] > 0
   for index, branch in enumerate(conditional.branches):
     if index != emit_index:
-      opcodes = hlo.reachable_opcodes(module, branch)
+      opcodes = _hlo.reachable_opcodes(module, branch)
       assert opcodes['sqrt'] == 0  # the micro-step does not run AdamW
-      assert not set(opcodes) & set(hlo.COLLECTIVE_OPCODES)
+      assert not set(opcodes) & set(_hlo.COLLECTIVE_OPCODES)
 
   gradient_shapes = sorted(
     ('f32', tuple(np.shape(p))) for p in jax.tree.leaves(helpers.init_params())
@@ -232,7 +234,7 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
   # One all-reduce per window: each gradient leaf once, the token count's
   # four float32 parts and the loss.
   token_parts_and_loss = [('f32', (4,)), ('f32', ())]
-  (reduction,) = hlo.in_branches(sites)
+  (reduction,) = _hlo_collectives.in_branches(sites)
   assert sorted(reduction.shapes) == sorted(
     gradient_shapes + token_parts_and_loss
   )
@@ -247,7 +249,7 @@ def test_count_collectives_of_the_usual_pattern():
       x[0] > 0, lambda: lax.psum(x, axes) + x, lambda: x
     )
 
-  text = hlo.compiled_text(
+  text = _hlo.compiled_text(
     jax.jit(
       jax.shard_map(
         step, mesh=mesh, in_specs=P(axes), out_specs=(P(axes), P(axes))
@@ -255,7 +257,7 @@ def test_count_collectives_of_the_usual_pattern():
     ),
     np.ones(jax.device_count(), np.float32),
   )
-  sites = hlo.compiled_collectives(text)
+  sites = _hlo_collectives.compiled_collectives(text)
   every_step = [site.collective for site, path in sites if not path]
   in_branches = [site.collective for site, path in sites if path]
   assert every_step == ['all-reduce'] and in_branches == ['all-reduce']
@@ -307,124 +309,6 @@ def test_jit_init_keeps_sharding_on_explicit_mesh():
     )
     state = jax.jit(tx.init)(params)
   assert_same_sharding(state.grad_sums, params)
-
-
-# Bad input.
-
-
-def bound_nowhere_update(axis_name):
-  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), K, axis_name=axis_name)
-  params = {'w': jnp.ones(3)}
-  state = tx.init(params)
-  return lambda: tx.update(params, state, params, num_tokens=2)
-
-
-@pytest.mark.parametrize('axis_name', ['data', ('data', 'model')])
-@pytest.mark.parametrize('use_jit', [False, True])
-def test_axis_name_outside_pmap_or_shard_map(axis_name, use_jit):
-  update = bound_nowhere_update(axis_name)
-  if use_jit:
-    update = jax.jit(update)
-  with pytest.raises(ValueError, match=r'axis_name=.* is not bound') as error:
-    update()
-  message = str(error.value)
-  assert 'jax.pmap' in message and 'jax.shard_map' in message
-  assert 'axis_name=None' in message
-
-
-def test_axis_name_missing_from_the_mesh():
-  mesh, _ = mesh_and_axes('1d')
-  update = bound_nowhere_update('model')
-  with pytest.raises(ValueError, match=r"axis_name='model' is not bound"):
-    jax.jit(
-      jax.shard_map(
-        lambda x: update()[0]['w'] + x,
-        mesh=mesh,
-        in_specs=P('data'),
-        out_specs=P('data'),
-      )
-    )(jnp.ones((jax.device_count(), 3)))
-
-
-def test_hybrid_mesh_with_an_axis_left_out_is_refused():
-  """Data split over ('replica', 'fsdp') but axis_name='replica': the window
-  would be summed over half the devices (0.1: half the tokens, silently)."""
-  mesh = jax.make_mesh(
-    (2, 2), ('replica', 'fsdp'), (AUTO, AUTO), devices=jax.devices()[:4]
-  )
-  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), 2, axis_name='replica')
-  params = {'w': np.zeros(4, np.float32)}
-  specs = tokacc.state_partition_specs(tx, params, axis_name='replica')
-  state = tokacc.init_sharded(
-    tx,
-    jax.device_put(params, NamedSharding(mesh, P())),
-    mesh,
-    axis_name='replica',
-  )
-
-  def local_step(params, state, x):
-    local = jax.tree.map(
-      lambda p: lax.pcast(p, ('replica', 'fsdp'), to='varying'), params
-    )
-    grads = jax.grad(lambda p: jnp.sum(p['w'] * x))(local)
-    return tx.update(grads, state, params, num_tokens=x.size)
-
-  step = jax.jit(
-    jax.shard_map(
-      local_step,
-      mesh=mesh,
-      in_specs=(P(), specs, P(('replica', 'fsdp'))),
-      out_specs=(P(), specs),
-    )
-  )
-  x = jax.device_put(
-    np.ones(16, np.float32), NamedSharding(mesh, P(('replica', 'fsdp')))
-  )
-  with pytest.raises(ValueError, match=r"axis_name=\('replica', 'fsdp'\)"):
-    step(jax.device_put(params, NamedSharding(mesh, P())), state, x)
-
-
-def _shard_map_update(tx, mesh, axes, vary, pass_params=True):
-  """One ``tx.update`` inside ``shard_map`` over ``mesh``, written here so
-  that a warning's location can be compared with this file."""
-  params = {'w': np.zeros((4, 4), np.float32)}
-  rows = mesh.devices.size  # one row of data per device
-
-  def local(params, x):
-    state = tx.init(params)
-    varying = lax.pcast(params, vary, to='varying') if vary else params
-    grads = jax.grad(lambda p: jnp.sum(p['w'] * x))(varying)
-    given = params if pass_params else None
-    tx.update(grads, state, given, num_tokens=16)  # the caller's line
-    return x
-
-  data = P(tuple(mesh.axis_names))
-  step = jax.shard_map(local, mesh=mesh, in_specs=(P(), data), out_specs=data)
-  jax.jit(step)(params, np.ones((rows, 4), np.float32))
-
-
-def test_shard_map_warning_points_at_the_callers_line():
-  """The warning about gradients summed by autodiff names the line that
-  calls ``tx.update``, not a line of the library."""
-  mesh, axes = mesh_and_axes('1d')
-  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), K, axis_name=axes)
-  with pytest.warns(UserWarning, match='already summed') as record:
-    _shard_map_update(tx, mesh, axes, vary=None)
-  assert [w.filename for w in record] == [__file__]
-
-
-def test_shard_map_without_params_cannot_tell_sharded_from_replicated():
-  """A gradient varying over a manual axis that ``axis_name`` leaves out
-  is summed there only if its parameter is replicated there, which only
-  ``params`` says: without them the update is refused, naming ``params``,
-  where it would otherwise leave the sum over ``fsdp`` out."""
-  mesh = jax.make_mesh((2, 2), ('replica', 'fsdp'), (AUTO, AUTO))
-  tx = tokacc.token_weighted_multistep(optax.sgd(0.1), K, axis_name='replica')
-  vary = ('replica', 'fsdp')
-  with pytest.raises(ValueError, match='params'):
-    _shard_map_update(tx, mesh, 'replica', vary, pass_params=False)
-  with pytest.raises(ValueError, match=r"axis_name=\('replica', 'fsdp'\)"):
-    _shard_map_update(tx, mesh, 'replica', vary)
 
 
 # A micro-batch rejected on one device closes the window everywhere: run in

@@ -7,13 +7,13 @@ unequal token counts per device and micro-step and devices without tokens.
 The compiled step is inspected for the collectives each path runs: a
 micro-step issues none, whatever reductions the user writes in the loss
 (issue 22). Checkpoints mid-window (orbax, in this process and in new
-ones), bad input, Flax, and a data axis of one device.
+ones), Flax, and a data axis of one device. Bad input:
+``test_bad_placement``.
 """
 
 import chex
 import children
 import helpers
-import hlo
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -24,6 +24,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
+from optax_tokacc import _hlo
+from optax_tokacc import _hlo_collectives
 from optax_tokacc import _typed_sharding
 
 pytestmark = pytest.mark.skipif(
@@ -246,10 +248,13 @@ def test_ddp_one_all_reduce_per_window():
   """Unreduced counts and loss: no collective at all on a micro-step; the
   closing branch runs one all-reduce carrying every gradient leaf, the
   count's float32 parts and the loss."""
-  sites = hlo.compiled_collectives(
+  sites = _hlo_collectives.compiled_collectives(
     placements.explicit_compiled_text('ddp', 'unreduced')
   )
-  every_step, window = hlo.on_every_call(sites), hlo.in_branches(sites)
+  every_step, window = (
+    _hlo_collectives.on_every_call(sites),
+    _hlo_collectives.in_branches(sites),
+  )
   assert every_step == []
   (reduction,) = window
   assert reduction.opcode.startswith('all-reduce')
@@ -262,10 +267,13 @@ def test_ddp_one_all_reduce_per_window():
 def test_ddp_replicated_count_costs_only_scalars_per_micro_step():
   """A plain ``mask.sum()`` count and loss cost scalar all-reduces in the
   forward pass (the user's code), never a gradient-sized one."""
-  sites = hlo.compiled_collectives(
+  sites = _hlo_collectives.compiled_collectives(
     placements.explicit_compiled_text('ddp', 'replicated')
   )
-  every_step, window = hlo.on_every_call(sites), hlo.in_branches(sites)
+  every_step, window = (
+    _hlo_collectives.on_every_call(sites),
+    _hlo_collectives.in_branches(sites),
+  )
   assert every_step, 'the forward pass sums the count and loss'
   for site in every_step:
     assert all(dims == () for _, dims in site.shapes), site
@@ -282,20 +290,30 @@ def test_hsdp_reduces_across_replicas_once_per_window():
   fsdp_groups = [[0, 1], [2, 3]]
   replica_groups = [[0, 2], [1, 3]]
   for spelling in ('replicated', 'unreduced'):
-    sites = hlo.compiled_collectives(
+    sites = _hlo_collectives.compiled_collectives(
       placements.explicit_compiled_text('hsdp', spelling)
     )
-    every_step, window = hlo.on_every_call(sites), hlo.in_branches(sites)
+    every_step, window = (
+      _hlo_collectives.on_every_call(sites),
+      _hlo_collectives.in_branches(sites),
+    )
     reductions = [s for s in every_step if s.opcode.startswith('all-reduce')]
     assert reductions
     for site in reductions:
       if spelling == 'replicated' and all(d == () for _, d in site.shapes):
         continue
-      assert sorted(map(sorted, hlo.group_sets(site, 4))) == fsdp_groups, site
+      assert (
+        sorted(map(sorted, _hlo_collectives.group_sets(site, 4))) == fsdp_groups
+      ), site
     (norms,) = [s for s in window if sorted(s.shapes) == [('f32', (2,))]]
-    assert sorted(map(sorted, hlo.group_sets(norms, 4))) == fsdp_groups
+    assert (
+      sorted(map(sorted, _hlo_collectives.group_sets(norms, 4))) == fsdp_groups
+    )
     (reduction,) = [s for s in window if s is not norms]
-    assert sorted(map(sorted, hlo.group_sets(reduction, 4))) == replica_groups
+    assert (
+      sorted(map(sorted, _hlo_collectives.group_sets(reduction, 4)))
+      == replica_groups
+    )
     assert sorted(reduction.shapes) == sorted(
       [('f32', (4, 8)), ('f32', (4,)), ('f32', (4,)), ('f32', ())]
     )
@@ -627,100 +645,8 @@ def test_resume_mid_window_in_new_processes(tmp_path):
     chex.assert_trees_all_equal(host(final), host(expected))
 
 
-# Bad input: refused at trace time, naming what is wrong and the fix.
-
-
-def _one_update(tx, params, state, grads, **kwargs):
-  return jax.jit(
-    lambda g, s, p: tx.update(g, s, p, num_tokens=4, **kwargs)
-  ).trace(grads, state, params)
-
-
-def _ddp_grads(params):
-  x = jax.device_put(jnp.ones((8, 8)), P('data'))
-
-  @jax.jit
-  def grads(params):
-    return jax.grad(lambda p: jnp.sum(x @ p['w'] @ p['v']))(params)
-
-  return grads(params)
-
-
-def test_unreduced_gradients_with_a_state_of_replicated_params():
-  """A state built for replicated parameters, fed unreduced gradients (the
-  parameters were typed reduced afterwards): the error names both types
-  and how to build the state, not JAX's internal ShardingTypeError."""
-  tx = tokacc.token_weighted_multistep(helpers.sgd(), K)
-  mesh = placements.explicit_ddp_mesh()
-  with jax.set_mesh(mesh):
-    replicated = placements.place_params(
-      helpers.init_params(),
-      mesh,
-      placements.EXPLICIT_LAYOUTS['replicated'].specs,
-    )
-    reduced = placements.place_params(
-      helpers.init_params(), mesh, placements.EXPLICIT_LAYOUTS['ddp'].specs
-    )
-    state = tx.init(replicated)
-    with pytest.raises(TypeError, match=r'U:data.*accumulator.*tx\.init'):
-      _one_update(tx, reduced, state, _ddp_grads(reduced))
-    state = tx.init(reduced)  # the reverse: reduced state, replicated grads
-    with pytest.raises(TypeError, match='accumulator is float32.*U:data'):
-      _one_update(tx, replicated, state, _ddp_grads(replicated))
-
-
-def test_state_restored_with_another_type():
-  """A state whose window count lost its unreduced type (restored without
-  ``from_checkpoint``) is refused: it would be summed wrongly."""
-  tx = tokacc.token_weighted_multistep(helpers.sgd(), K)
-  mesh = placements.explicit_ddp_mesh()
-  with jax.set_mesh(mesh):
-    params = placements.place_params(
-      helpers.init_params(), mesh, placements.EXPLICIT_LAYOUTS['ddp'].specs
-    )
-    state = tx.init(params)
-    broken = state._replace(acc_tokens=jnp.zeros([], jnp.int32))
-    with pytest.raises(TypeError, match='restored with another type'):
-      _one_update(tx, params, broken, _ddp_grads(params))
-    broken = state._replace(
-      grad_sums=dict(state.grad_sums, w=jnp.zeros((8, 8)))
-    )
-    with pytest.raises(TypeError, match='built or restored'):
-      _one_update(tx, params, broken, _ddp_grads(params))
-
-
-def test_gradients_unreduced_over_an_axis_the_parameter_is_split_on():
-  """Gradients whose partial sums run over the axis their parameter is
-  sharded on would add different shards into one sum: refused."""
-  tx = tokacc.token_weighted_multistep(helpers.sgd(), K)
-  mesh = placements.explicit_ddp_mesh()
-  with jax.set_mesh(mesh):
-    params = placements.place_params(
-      helpers.init_params(), mesh, {'w': P('data'), 'v': P('data')}
-    )
-    state = tx.init(params)
-    grads = jax.jit(
-      lambda: {
-        'w': jnp.zeros((8, 8), out_sharding=P(None, None, unreduced={'data'})),
-        'v': jnp.zeros((8,), out_sharding=P(None, unreduced={'data'})),
-      }
-    )()
-    with pytest.raises(ValueError, match=r"unreduced over \['data'\].*split"):
-      _one_update(tx, params, state, grads)
-
-
-def test_from_checkpoint_refuses_a_tree_of_other_shapes():
-  tx = tokacc.token_weighted_multistep(helpers.sgd(), K)
-  mesh = placements.explicit_ddp_mesh()
-  with jax.set_mesh(mesh):
-    params = placements.place_params(
-      helpers.init_params(), mesh, placements.EXPLICIT_LAYOUTS['ddp'].specs
-    )
-    state = tx.init(params)
-    saved = tokacc.to_checkpoint(state).state
-    assert saved.grad_sums['w'].shape == (4, 8, 8)
-    with pytest.raises(ValueError, match='from_checkpoint.*partial sums'):
-      tokacc.from_checkpoint(state._replace(grad_sums=saved.grad_sums), state)
+# Flax nnx, token_cross_entropy's partial sums, a data axis of one device,
+# what a micro-step copies, and a literal count.
 
 
 def test_nnx_optimizer_with_reduced_parameters():
@@ -792,7 +718,7 @@ def test_token_cross_entropy_partial_sums_need_no_collective():
     assert str(jax.typeof(loss_sum)) == 'float32[]{U:data}'
     assert str(jax.typeof(count)) == 'int32[]{U:data}'
     totals = jax.jit(lambda t: jax.reshard(t, P()))((loss_sum, count))
-    text = hlo.compiled_text(fn, logits_d, labels_d)
+    text = _hlo.compiled_text(fn, logits_d, labels_d)
   # A sum of 40 non-negative terms in two orders (per device, then across
   # devices; whole), each term through about 7 + 10 roundings (7 classes'
   # logsumexp): within 2 gamma(40 + 17) of each other relatively (Higham).
@@ -800,7 +726,7 @@ def test_token_cross_entropy_partial_sums_need_no_collective():
   gamma = m * 2.0**-24 / (1 - m * 2.0**-24)
   np.testing.assert_allclose(totals[0], expected[0], rtol=2 * gamma)
   assert int(totals[1]) == int(expected[1])
-  sites = hlo.compiled_collectives(text)
+  sites = _hlo_collectives.compiled_collectives(text)
   assert sites == []
 
 
@@ -847,14 +773,14 @@ def test_ddp_micro_step_copies_nothing_parameter_sized():
     state = tx.init(params)
     batch = helpers.make_windows((1,), 4)[0][0]
     batch = jax.device_put(batch, NamedSharding(mesh, P('data')))
-    text = hlo.compiled_text(
+    text = _hlo.compiled_text(
       placements.explicit_step(tx, 'unreduced'),
       params,
       state,
       batch,
       jnp.asarray(False),
     )
-  module = hlo.parse_hlo(text)
+  module = _hlo.parse_hlo(text)
   closing = [
     i
     for instructions in module.computations.values()
@@ -871,22 +797,6 @@ def test_ddp_micro_step_copies_nothing_parameter_sized():
       and ('f32', (8, 8)) in i.shapes
     ]
     assert not big, (name, big)
-
-
-def test_manual_axes_with_reduced_parameters_names_the_argument():
-  """``manual_axes`` describes a partial-manual ``shard_map``; parameters
-  typed reduced are explicit sharding under ``jax.jit``, whose state specs
-  keep their reduced and unreduced axes: the mix is refused naming
-  ``manual_axes`` (JAX's own error about unpacking a spec came first)."""
-  mesh = placements.explicit_ddp_mesh()
-  tx = tokacc.token_weighted_multistep(optax.adam(0.1), 3)
-  with jax.set_mesh(mesh):
-    params = {
-      'w': jax.device_put(np.zeros((8, 4), np.float32), P(reduced={'data'}))
-    }
-    with pytest.raises(ValueError, match='manual_axes') as error:
-      tokacc.state_partition_specs(tx, params, manual_axes=('data',))
-  assert 'explicit sharding' in str(error.value)
 
 
 @pytest.mark.parametrize('reduction', ['sum', 'mean'])
@@ -949,7 +859,7 @@ def test_a_literal_count_and_no_loss(host_closes, reduction):
 # it (the squared error summed over the outputs with ``jnp.sum(..., -1)``,
 # then an einsum with the mask into ``P(unreduced={'data'})``), the token
 # count a partial sum too. The compiled step (k = 4, so that a step from
-# ``tx.init`` does not close the window) is read with ``tests/hlo.py``: a
+# ``tx.init`` does not close the window) is read with ``optax_tokacc._hlo``: a
 # collective on the micro-step's path is one outside the closing branch
 # (branch 1 of the transform's conditional). Controls: the user's loss and
 # gradient compiled alone have no collective at all, and the step without
@@ -1019,15 +929,15 @@ def compiled_step_sites(with_loss):
     params, place = partial_placed(mesh)
     batch = place(partial_windows((1,))[0][0])
     step = partial_step(tx, with_loss)
-    text = hlo.compiled_text(step, params, tx.init(params), batch)
-  return hlo.compiled_collectives(text)
+    text = _hlo.compiled_text(step, params, tx.init(params), batch)
+  return _hlo_collectives.compiled_collectives(text)
 
 
 def assert_one_reduction_when_closing(sites):
   """The closing branch holds the window's one all-reduce: the gradient,
   with the count (and loss) beside it (so the reader does see the step's
   collectives)."""
-  closing = hlo.on_closing_step_only(sites)
+  closing = _hlo_collectives.on_closing_step_only(sites)
   assert [site.collective for site in closing] == ['all-reduce'], closing
   assert ('f32', (helpers.FEATURES, PARTIAL_OUTPUTS)) in closing[0].shapes
 
@@ -1048,15 +958,15 @@ def test_user_loss_and_grad_alone_issue_no_collective():
     loss, grads, _ = loss_grad_count(params, batch)
     assert str(jax.typeof(loss)) == 'float32[]{U:data}'
     assert str(jax.typeof(grads['w'])).endswith('{U:data}')
-    text = hlo.compiled_text(loss_grad_count, params, batch)
-  assert hlo.compiled_collectives(text) == []
+    text = _hlo.compiled_text(loss_grad_count, params, batch)
+  assert _hlo_collectives.compiled_collectives(text) == []
 
 
 def test_micro_step_without_loss_issues_no_collective():
   """Control: without ``loss=``, the micro-step's path holds no
   collective."""
   sites = compiled_step_sites(with_loss=False)
-  assert hlo.on_micro_step_path(sites) == []
+  assert _hlo_collectives.on_micro_step_path(sites) == []
   assert_one_reduction_when_closing(sites)
 
 
@@ -1065,7 +975,7 @@ def test_micro_step_with_loss_issues_no_collective():
   either (0.3 issued an all-reduce of a float32 scalar on every call, from
   the select that reset the window's loss on unreduced values)."""
   sites = compiled_step_sites(with_loss=True)
-  assert hlo.on_micro_step_path(sites) == []
+  assert _hlo_collectives.on_micro_step_path(sites) == []
   assert_one_reduction_when_closing(sites)
 
 

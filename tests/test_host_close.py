@@ -44,7 +44,7 @@ Checked here:
 
 The Flax ``TrainState`` and nnx ``Optimizer`` with ``close``:
 ``test_flax``; bad ``close`` values, and ``close`` with
-``tokens_per_update`` or ``emit_now``: ``test_bad_input``.
+``tokens_per_update`` or ``emit_now``: ``test_bad_call``.
 """
 
 from collections.abc import Callable
@@ -1230,7 +1230,7 @@ def test_a_static_false_emit_now_with_close_is_not_passing_it(close, emit_now):
   """``emit_now=False`` is the default: passed with a Python ``close``, it
   is the same call as without it (a wrapper that forwards its own
   ``emit_now=False`` works). ``emit_now=True`` or any array is refused
-  (``test_bad_input.test_close_with_emit_now_is_refused``)."""
+  (``test_bad_call.test_close_with_emit_now_is_refused``)."""
   tx = tokacc.token_weighted_multistep(momentum_sgd(), 2)
   state = tx.init(PARAMS)
   expected = tx.update(GRADS, state, PARAMS, num_tokens=3, close=close)
