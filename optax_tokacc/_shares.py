@@ -45,15 +45,16 @@ from optax_tokacc import _tokens
 from optax_tokacc import _typed_sharding
 
 PER_DEVICE = _base.PER_DEVICE_FIELDS
+State = _base.TokenWeightedMultiStepState  # arrays, or their shapes
+Tree = chex.ArrayTree
+Leaf = _typed_sharding.ArrayOrShape
 
 
-def per_device(
-  state: _base.TokenWeightedMultiStepState,
-) -> dict[str, chex.ArrayTree]:
+def per_device(state: State) -> dict[str, Tree]:
   return {name: getattr(state, name) for name in PER_DEVICE}
 
 
-def leading(x: _typed_sharding.ArrayOrShape) -> int:
+def leading(x: Leaf) -> int:
   return int(jnp.shape(x)[0])
 
 
@@ -62,32 +63,26 @@ class Layout(abc.ABC):
   so how they are saved as rows, put back, and given a merged window."""
 
   @abc.abstractmethod
-  def save(
-    self, state: _base.TokenWeightedMultiStepState
-  ) -> _base.TokenWeightedMultiStepState:
+  def save(self, state: State) -> State:
     """``state`` with its per-device fields as rows of shares."""
 
   @abc.abstractmethod
-  def put_back(
-    self, rows: dict[str, chex.ArrayTree], refs: dict[str, chex.ArrayTree]
-  ) -> dict:
+  def put_back(self, rows: dict[str, Tree], refs: dict[str, Tree]) -> dict:
     """The per-device fields from their rows, each device's share where it
     was saved, typed like ``refs`` (the target's)."""
 
   @abc.abstractmethod
-  def whole_field(
-    self, value: chex.ArrayTree, like: chex.ArrayTree
-  ) -> chex.ArrayTree:
+  def whole_field(self, value: Tree, like: Tree) -> Tree:
     """A field other than the per-device ones laid out like ``like``."""
 
-  def rows(self, leaf: _typed_sharding.ArrayOrShape) -> int:
+  def rows(self, leaf: Leaf) -> int:
     """The rows :meth:`save` gives a per-device leaf: its leading axis."""
     return leading(leaf)
 
   def spread(
     self,
     total: jax.Array,
-    ref: _typed_sharding.ArrayOrShape,
+    ref: Leaf,
     everywhere: bool,
   ) -> jax.Array:
     """A window's ``total`` in the slots of ``ref`` (devices, [1,] *total's
@@ -113,20 +108,14 @@ class Pmap(Layout):
 
   devices: int
 
-  def save(
-    self, state: _base.TokenWeightedMultiStepState
-  ) -> _base.TokenWeightedMultiStepState:
+  def save(self, state: State) -> State:
     whole = jax.tree.map(lambda x: x[0], state)  # one copy of each field
     return whole._replace(**jax.tree.map(lambda x: x[:, 0], per_device(state)))
 
-  def put_back(
-    self, rows: dict[str, chex.ArrayTree], refs: dict[str, chex.ArrayTree]
-  ) -> dict:
+  def put_back(self, rows: dict[str, Tree], refs: dict[str, Tree]) -> dict:
     return _placed(jax.tree.map(lambda x: x[:, None], rows), refs)
 
-  def whole_field(
-    self, value: chex.ArrayTree, like: chex.ArrayTree
-  ) -> chex.ArrayTree:
+  def whole_field(self, value: Tree, like: Tree) -> Tree:
     stacked = jax.tree.map(lambda x: _stacked(x, self.devices), value)
     return _placed(stacked, like)
 
@@ -139,19 +128,13 @@ class Slots(Layout):
   """``shard_map`` with ``axis_name``: the per-device fields with a leading
   axis of one slot per device, the others whole."""
 
-  def save(
-    self, state: _base.TokenWeightedMultiStepState
-  ) -> _base.TokenWeightedMultiStepState:
+  def save(self, state: State) -> State:
     return state
 
-  def put_back(
-    self, rows: dict[str, chex.ArrayTree], refs: dict[str, chex.ArrayTree]
-  ) -> dict:
+  def put_back(self, rows: dict[str, Tree], refs: dict[str, Tree]) -> dict:
     return _placed(rows, refs)
 
-  def whole_field(
-    self, value: chex.ArrayTree, like: chex.ArrayTree
-  ) -> chex.ArrayTree:
+  def whole_field(self, value: Tree, like: Tree) -> Tree:
     return _placed(value, like)
 
 
@@ -159,23 +142,17 @@ class Typed(Layout):
   """Each leaf whole, or partial sums typed unreduced: explicit sharding,
   one device, ``jax.jit`` over global arrays."""
 
-  def save(
-    self, state: _base.TokenWeightedMultiStepState
-  ) -> _base.TokenWeightedMultiStepState:
+  def save(self, state: State) -> State:
     shares = jax.tree.map(_shares, per_device(state))
     return jax.tree.map(leaf_rows, state)._replace(**shares)
 
-  def put_back(
-    self, rows: dict[str, chex.ArrayTree], refs: dict[str, chex.ArrayTree]
-  ) -> dict:
+  def put_back(self, rows: dict[str, Tree], refs: dict[str, Tree]) -> dict:
     return jax.tree.map(_from_shares, rows, refs)
 
-  def whole_field(
-    self, value: chex.ArrayTree, like: chex.ArrayTree
-  ) -> chex.ArrayTree:
+  def whole_field(self, value: Tree, like: Tree) -> Tree:
     return jax.tree.map(restore_leaf, value, like)
 
-  def rows(self, leaf: _typed_sharding.ArrayOrShape) -> int:
+  def rows(self, leaf: Leaf) -> int:
     """The devices whose partial sums ``leaf`` holds: 1 for a whole leaf."""
     sizes = dict(getattr(_typed_sharding.mesh_of(leaf), 'shape', {}))
     return int(np.prod([sizes[a] for a in _typed_sharding.unreduced(leaf)]))
@@ -183,7 +160,7 @@ class Typed(Layout):
   def spread(
     self,
     total: jax.Array,
-    ref: _typed_sharding.ArrayOrShape,
+    ref: Leaf,
     everywhere: bool,
   ) -> jax.Array:
     """Typed like ``ref``: partial sums on its first device, unless
@@ -193,7 +170,7 @@ class Typed(Layout):
     return _typed_sharding.like(total, ref)
 
 
-def layout_of(state: _base.TokenWeightedMultiStepState) -> Layout:
+def layout_of(state: State) -> Layout:
   """How ``state`` (arrays or their shapes) holds its per-device fields,
   read once from its ranks: ``pmap`` stacks every field (``mini_step``
   too), ``shard_map`` with ``axis_name`` only the per-device ones (the
@@ -203,7 +180,7 @@ def layout_of(state: _base.TokenWeightedMultiStepState) -> Layout:
   return Slots() if jnp.ndim(state.acc_tokens) == 1 else Typed()
 
 
-def leaf_rows(x: _typed_sharding.ArrayOrShape) -> _typed_sharding.ArrayOrShape:
+def leaf_rows(x: Leaf) -> Leaf:
   """An unreduced ``x`` of shape ``s`` as its devices' partial sums,
   ``(n, *s)`` split over the axes it is unreduced over (no data moves);
   a reduced ``x`` typed replicated; any other ``x`` as it is."""
@@ -228,14 +205,14 @@ def _shares(x: jax.typing.ArrayLike) -> jax.typing.ArrayLike:
   return leaf_rows(x) if _typed_sharding.unreduced(x) else _one_row(x)
 
 
-def save_state(state: _base.TokenWeightedMultiStepState) -> _base.SavedState:
+def save_state(state: State) -> _base.SavedState:
   """``state`` as :func:`optax_tokacc.to_checkpoint` saves it."""
   saved = layout_of(state).save(state)
   counts = [leading(x) for x in jax.tree.leaves(per_device(saved))]
   return _base.SavedState(saved, jnp.asarray(counts, jnp.int32))
 
 
-def row_counts(state: _base.TokenWeightedMultiStepState) -> list[int]:
+def row_counts(state: State) -> list[int]:
   """The rows :func:`save_state` gives each per-device leaf of
   ``state`` (arrays or their shapes, ``like``'s)."""
   layout = layout_of(state)
@@ -243,9 +220,9 @@ def row_counts(state: _base.TokenWeightedMultiStepState) -> list[int]:
 
 
 def put_back(
-  state: _base.TokenWeightedMultiStepState,
-  ref: _base.TokenWeightedMultiStepState,
-) -> _base.TokenWeightedMultiStepState:
+  state: State,
+  ref: State,
+) -> State:
   """Each device's share where it was saved, typed like ``ref``."""
   layout = layout_of(ref)
   shares = layout.put_back(per_device(state), per_device(ref))
@@ -254,9 +231,9 @@ def put_back(
 
 def _whole_fields(
   layout: Layout,
-  state: _base.TokenWeightedMultiStepState,
-  ref: _base.TokenWeightedMultiStepState,
-) -> _base.TokenWeightedMultiStepState:
+  state: State,
+  ref: State,
+) -> State:
   """``state`` with its fields other than the per-device ones laid out
   like ``ref``'s (the per-device ones left as they are)."""
   fields = {
@@ -268,9 +245,9 @@ def _whole_fields(
 
 
 def merged(
-  state: _base.TokenWeightedMultiStepState,
-  ref: _base.TokenWeightedMultiStepState,
-) -> _base.TokenWeightedMultiStepState:
+  state: State,
+  ref: State,
+) -> State:
   """The window of ``state``'s rows (the shares of another number of
   devices) merged into its totals, held by the first device of ``ref``'s
   layout."""
@@ -298,9 +275,7 @@ def merged(
   return _whole_fields(layout, state, ref)._replace(**shares)
 
 
-def _out_sharding(
-  ref: _typed_sharding.ArrayOrShape,
-) -> Optional[jax.NamedSharding]:
+def _out_sharding(ref: Leaf) -> Optional[jax.NamedSharding]:
   """Where a merged leaf is put: ``ref``'s sharding, or where its types
   say (partial sums typed unreduced, reduced types, shapes without one)."""
   sharding = getattr(ref, 'sharding', None)
@@ -325,8 +300,8 @@ def _gathered(x: jax.typing.ArrayLike) -> jax.typing.ArrayLike:
 
 
 def _window_totals(
-  rows: dict[str, chex.ArrayTree],
-) -> dict[str, chex.ArrayTree]:
+  rows: dict[str, Tree],
+) -> dict[str, Tree]:
   """The window's totals from the rows of its devices' shares: gradient
   sums with their compensation, the count (invalid if any share is), the
   loss, and the skip state (any device's booleans, the sum of its
@@ -363,9 +338,7 @@ def _combined(rows: jax.Array) -> jax.Array:
   return jnp.sum(rows, axis=0, dtype=jnp.result_type(rows))
 
 
-def _on_first_device(
-  total: jax.Array, ref: _typed_sharding.ArrayOrShape
-) -> jax.Array:
+def _on_first_device(total: jax.Array, ref: Leaf) -> jax.Array:
   """``total`` typed like ``ref`` (unreduced): held by the first device
   along the axes ``ref`` is unreduced over, zeros on the others."""
   axes = sorted(_typed_sharding.unreduced(ref))
@@ -380,9 +353,7 @@ def _on_first_device(
   return _typed_sharding.local(first, (total,), _typed_sharding.spec(ref))
 
 
-def _from_shares(
-  rows: jax.typing.ArrayLike, ref: _typed_sharding.ArrayOrShape
-) -> jax.typing.ArrayLike:
+def _from_shares(rows: jax.typing.ArrayLike, ref: Leaf) -> jax.typing.ArrayLike:
   """The inverse of :func:`_shares` on as many devices."""
   if _typed_sharding.unreduced(ref):
     return restore_leaf(rows, ref)
@@ -394,7 +365,7 @@ def _stacked(x: jax.typing.ArrayLike, count: int) -> jax.Array:
   return jnp.broadcast_to(x, (count, *jnp.shape(x)))
 
 
-def _placed(tree: chex.ArrayTree, like: chex.ArrayTree) -> chex.ArrayTree:
+def _placed(tree: Tree, like: Tree) -> Tree:
   """``tree`` typed like ``like`` and on its devices (where ``like`` holds
   arrays or shapes with a sharding, and no partial sums)."""
 
@@ -412,9 +383,7 @@ def _placed(tree: chex.ArrayTree, like: chex.ArrayTree) -> chex.ArrayTree:
   return jax.tree.map(place, tree, like)
 
 
-def restore_leaf(
-  x: jax.typing.ArrayLike, ref: _typed_sharding.ArrayOrShape
-) -> jax.typing.ArrayLike:
+def restore_leaf(x: jax.typing.ArrayLike, ref: Leaf) -> jax.typing.ArrayLike:
   """A leaf that :func:`leaf_rows` saved, typed like ``ref`` again."""
   if not _typed_sharding.unreduced(ref):
     return _typed_sharding.like(x, ref)
