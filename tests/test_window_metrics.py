@@ -56,10 +56,8 @@ needs_explicit = pytest.mark.skipif(
   not _typed_sharding.SUPPORTED,
   reason='reduced/unreduced types need jax >= 0.10',
 )
-EXPLICIT = ('ddp', 'fsdp', 'hsdp')
 
 K = 3
-AUTO = jax.sharding.AxisType.Auto
 WINDOW_SIZES = (3, 3, 2)  # the last closed by emit_now
 U = np.finfo(np.float32).eps / 2
 # a token's forward and backward pass (either model)
@@ -152,10 +150,15 @@ def plain_host(x):
   return np.asarray(x)
 
 
-def recorder(windows):
+def plain_tree(tree):
+  return jax.tree.map(plain_host, tree)
+
+
+def recorder(windows, host=plain_tree):
   """``(on_step, records)``: call ``on_step(params, state)`` with the
   initial parameters and after every micro-step; ``records`` then holds,
-  per window, the parameters before it and ``window_metrics`` after it."""
+  per window, the parameters before it (``host``'s copies) and
+  ``window_metrics`` after it."""
   ends = set(np.cumsum([len(w) for w in windows]).tolist())
   steps, records = [], []
 
@@ -165,19 +168,32 @@ def recorder(windows):
     if n in ends:
       records[-1][1] = tokacc.window_metrics(state)
     if n == 0 or (n in ends and len(records) < len(windows)):
-      records.append([jax.tree.map(plain_host, params), None])
+      records.append([host(params), None])
 
   return on_step, records
 
 
+def one_copy(metrics):
+  """Host copies of ``metrics``, one per device where the state has a
+  device axis (``pmap``): the same bits on every device, read once."""
+
+  def read(x):
+    copies = np.ravel(plain_host(x))
+    np.testing.assert_array_equal(copies, copies[0])
+    return copies[0]
+
+  return jax.tree.map(read, metrics)
+
+
 def train_recorded(run, windows):
   """``run`` trained on ``windows`` (the last closed by ``emit_now``):
-  :func:`recorder`'s records."""
-  on_step, records = recorder(windows)
+  :func:`recorder`'s records, the parameters read by ``run.host`` and the
+  metrics once (:func:`one_copy`)."""
+  on_step, records = recorder(windows, run.host)
   with placements.mesh_context(run.mesh):
     on_step(run.params, run.state)
   placements.train_windows(run, windows, on_step=on_step)
-  return records
+  return [[params, one_copy(metrics)] for params, metrics in records]
 
 
 def single_step(tx):
@@ -221,24 +237,6 @@ def run_single(windows, host_closes, window_norms=True):
   return records
 
 
-def run_shard_map(windows, window_norms=True):
-  mesh = jax.make_mesh((4,), ('data',), (AUTO,), devices=jax.devices()[:4])
-  tx = tokacc.token_weighted_multistep(
-    momentum_sgd(), K, axis_name='data', window_norms=window_norms
-  )
-  run = placements.shard_map_run(tx, helpers.init_params(), mesh, 'data')
-  return train_recorded(run, windows)
-
-
-def run_gspmd_fsdp(windows, window_norms=True):
-  mesh = jax.make_mesh((4,), ('fsdp',), (AUTO,), devices=jax.devices()[:4])
-  tx = tokacc.token_weighted_multistep(
-    momentum_sgd(), K, window_norms=window_norms
-  )
-  run = placements.gspmd_run(tx, helpers.init_params(), mesh, 'fsdp')
-  return train_recorded(run, windows)
-
-
 def run_explicit(windows, layout, window_norms=True):
   tx = tokacc.token_weighted_multistep(
     momentum_sgd(), K, window_norms=window_norms
@@ -246,47 +244,44 @@ def run_explicit(windows, layout, window_norms=True):
   return train_recorded(placements.explicit_run(layout, tx), windows)
 
 
-# the cases that take 5 s or more of a core (--durations=0)
-SLOW_METRICS = {
-  (True, 'gspmd_fsdp'),
-  ('per_leaf', 'gspmd_fsdp'),
-  (True, 'single'),
-  ('per_leaf', 'single_host'),
-  ('per_leaf', 'fsdp'),
-  ('per_leaf', 'hsdp'),
-}
-
-
-@pytest.mark.parametrize(
-  ('window_norms', 'placement'),
-  [
-    pytest.param(
-      window_norms,
-      placement,
-      marks=(needs_explicit,) * (placement in EXPLICIT)
-      + (pytest.mark.slow,) * ((window_norms, placement) in SLOW_METRICS),
-    )
-    for placement in ('single', 'single_host', 'shard_map', 'gspmd_fsdp')
-    + EXPLICIT
-    for window_norms in (True, 'per_leaf')
-  ],
-)
-def test_equal_full_batch(placement, window_norms):
+def assert_equal_full_batch(records, windows, window_norms):
   """The global norms, and with ``window_norms='per_leaf'`` each leaf's
   (issue 41), against full batch."""
-  windows = helpers.make_windows(WINDOW_SIZES, 4)
-  if placement.startswith('single'):
-    records = run_single(windows, placement == 'single_host', window_norms)
-  elif placement == 'shard_map':
-    records = run_shard_map(windows, window_norms)
-  elif placement == 'gspmd_fsdp':
-    records = run_gspmd_fsdp(windows, window_norms)
-  else:
-    records = run_explicit(windows, placement, window_norms)
   assert len(records) == len(windows)
   per_leaf = [metrics.grad_norms is not None for _, metrics in records]
   assert per_leaf == [window_norms == 'per_leaf'] * len(windows)
   assert_metrics(records, windows)
+
+
+@pytest.mark.parametrize(
+  'host_closes', [False, True], ids=['single', 'single_host']
+)
+@pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
+def test_equal_full_batch_on_one_device(window_norms, host_closes):
+  """On one device, the window closed by the device (``emit_now``) or by
+  the host (``close``)."""
+  windows = helpers.make_windows(WINDOW_SIZES, 4)
+  records = run_single(windows, host_closes, window_norms)
+  assert_equal_full_batch(records, windows, window_norms)
+
+
+@pytest.mark.parametrize('placement', placements.PLACEMENTS)
+@pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
+# shard_map_summed: the gradients' all-reduce per micro-step is warned of
+@pytest.mark.filterwarnings('ignore:token_weighted_multistep. gradients arrive')
+def test_equal_full_batch(placement, window_norms):
+  """On 4 devices of every placement of ``placements.PLACEMENTS``."""
+  if not placements.supported(placement):
+    pytest.skip(placements.NEEDS_TYPED_SHARDING)
+
+  def make_tx(axis_name):
+    return tokacc.token_weighted_multistep(
+      momentum_sgd(), K, axis_name=axis_name, window_norms=window_norms
+    )
+
+  windows = helpers.make_windows(WINDOW_SIZES, 4)
+  run = placements.PLACEMENTS[placement](4, make_tx)
+  assert_equal_full_batch(train_recorded(run, windows), windows, window_norms)
 
 
 def test_explicit_fsdp_on_every_jax(monkeypatch):
