@@ -17,13 +17,17 @@ this process only:
 - ``checkpoint``: ``test_checkpoint.save_or_resume`` (8 devices);
 - ``checkpoint_on_one_device``: ``test_checkpoint_anywhere.
   finish_on_one_device`` (1 device);
-- ``explicit_checkpoint``: ``test_explicit.save_or_resume`` (8 devices);
+- ``explicit_checkpoint``: ``test_checkpoint_anywhere.save_or_resume`` (8
+  devices);
 - ``rejected_micro_batches``: ``test_data_parallel.rejected_micro_batches``
   (8 devices);
 - ``mixed_runs_bit_for_bit``: the runs of ``test_host_close.mixed_runs``
   bit for bit (started without FMA: ``XLA_FLAGS``);
 - ``multihost``: one process of ``multihost_worker``'s ``jax.distributed``
-  job (it joins the job and sets its devices itself).
+  job (it joins the job and sets its devices itself);
+- ``devices``: sets its number of CPU devices and prints it (what
+  ``test_checkpoint`` runs to show that importing this module, and so
+  ``helpers``, starts no backend).
 """
 
 from collections.abc import Callable
@@ -83,9 +87,9 @@ def checkpoint_on_one_device(path: str, out: str) -> None:
 
 def explicit_checkpoint(role: str, path: str, variant: str) -> None:
   _use_cpu(8)
-  import test_explicit
+  import test_checkpoint_anywhere
 
-  test_explicit.save_or_resume(role, path, variant)
+  test_checkpoint_anywhere.save_or_resume(role, path, variant)
 
 
 def rejected_micro_batches(mode: str) -> None:
@@ -104,6 +108,11 @@ def mixed_runs_bit_for_bit(name: str) -> None:
     test_host_close.assert_same_run(actual, expected)
 
 
+def devices(count: str) -> None:
+  _use_cpu(int(count))
+  print(jax.device_count())
+
+
 def multihost(*args: str) -> None:
   import multihost_worker
 
@@ -117,6 +126,7 @@ ENTRY_POINTS: dict[str, Callable[..., None]] = {
   'rejected_micro_batches': rejected_micro_batches,
   'mixed_runs_bit_for_bit': mixed_runs_bit_for_bit,
   'multihost': multihost,
+  'devices': devices,
 }
 
 

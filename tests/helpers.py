@@ -320,20 +320,6 @@ def plateau_scale(opt_state):
   return float(opt_state[1].scale)
 
 
-# The transform the bad-input tests refuse values of (test_bad_config,
-# test_bad_call, test_bad_values): SGD over windows of two, on two leaves.
-BAD_INPUT_PARAMS = {'w': jnp.ones((2, 3)), 'b': jnp.zeros(3)}
-BAD_INPUT_GRADS = {'w': jnp.full((2, 3), 0.5), 'b': jnp.ones(3)}
-
-
-def bad_input_transform(**kwargs):
-  """``token_weighted_multistep(**kwargs)``, by default of
-  ``optax.sgd(0.1)`` over windows of two."""
-  kwargs.setdefault('inner', optax.sgd(0.1))
-  kwargs.setdefault('every_k_schedule', 2)
-  return optax_tokacc.token_weighted_multistep(**kwargs)
-
-
 # The reference: full-batch training, and the round-off bound.
 
 # The roundings on one token's path to its gradient term: the dot products'

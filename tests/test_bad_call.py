@@ -9,9 +9,9 @@ the gradients, the state, ``emit_now``, a schedule's value, an unbound
 
 import re
 
-from helpers import BAD_INPUT_GRADS as GRADS
-from helpers import BAD_INPUT_PARAMS as PARAMS
-from helpers import bad_input_transform as build
+from bad_input import GRADS
+from bad_input import PARAMS
+from bad_input import build
 import jax
 import jax.numpy as jnp
 import numpy as np

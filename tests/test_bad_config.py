@@ -5,8 +5,8 @@ time: ``test_bad_values``; bad input under a placement:
 ``test_bad_placement``.
 """
 
-from helpers import BAD_INPUT_PARAMS as PARAMS
-from helpers import bad_input_transform as build
+from bad_input import PARAMS
+from bad_input import build
 import jax.numpy as jnp
 import optax
 import pytest

@@ -4,10 +4,10 @@ non-finite ``loss`` and non-finite gradients, and the opt-in ``checkify``
 checks (``with_input_checks``) that report them.
 """
 
+from bad_input import GRADS
+from bad_input import PARAMS
+from bad_input import build
 import chex
-from helpers import BAD_INPUT_GRADS as GRADS
-from helpers import BAD_INPUT_PARAMS as PARAMS
-from helpers import bad_input_transform as build
 import jax
 from jax.experimental import checkify
 import jax.numpy as jnp

@@ -216,6 +216,20 @@ def run_child(*args):
   assert result.returncode == 0, result.stderr[-3000:]
 
 
+# A process that imports only JAX, the package and the tests' support
+# modules: a few seconds; 120 s is the limit on 2 cores at load 17 (issue 33).
+@pytest.mark.waits_on_processes(120)
+def test_a_child_sets_its_devices_after_importing_the_support_modules():
+  """Regression: every child process imports ``children`` and ``helpers``
+  before it sets its number of devices, so importing them must start no
+  JAX backend. Arrays made at ``helpers``' import (the bad-input tests'
+  values, for a few commits) made every child fail with "should be updated
+  before backends are initialized"."""
+  done = children.run('devices', 3, limit_s=120)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.split() == ['3']
+
+
 @pytest.mark.waits_on_processes(2 * CHILD_LIMIT_S)  # one after the other
 @pytest.mark.slow
 def test_resume_mid_window_in_new_process(tmp_path):

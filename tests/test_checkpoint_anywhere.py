@@ -22,6 +22,10 @@ The global micro-batch is the same whatever the number of devices (8
 sequences, split over the devices of the data axes), so the windows are the
 same full batches on N and on M devices; the reference is plain optax on one
 device, with the round-off bound of ``helpers.full_batch``.
+
+Also, on the explicit DDP and HSDP layouts (moved from ``test_explicit``,
+issue 47): a checkpoint taken mid-window resumes bit for bit on as many
+devices, in this process and in new ones.
 """
 
 import contextlib
@@ -43,6 +47,7 @@ import pytest
 
 import optax_tokacc as tokacc
 from optax_tokacc import _shares
+from optax_tokacc import _typed_sharding
 
 K = 4
 WINDOW_SIZES = (K, K, K)
@@ -427,3 +432,162 @@ def test_a_state_restored_for_another_k_closes_its_window_at_that_k(tmp_path):
   step = placements.explicit_step(tx)
   params, state = step(params, state, batches[K + 2], jnp.asarray(False))
   assert int(state.gradient_step) == 2 and int(state.mini_step) == 0
+
+
+# Checkpoints in the middle of a window, with orbax.
+# The explicit DDP and HSDP layouts of test_explicit, bit for bit on as
+# many devices, in this process and in new ones (issue 47 moved them here).
+
+EXPLICIT_K = 3
+EXPLICIT_WINDOW_SIZES = (3, 3, 2)  # the last window is closed by emit_now
+needs_typed_sharding = pytest.mark.skipif(
+  not _typed_sharding.SUPPORTED, reason=placements.NEEDS_TYPED_SHARDING
+)
+
+
+def type_strings(tree):
+  return jax.tree.map(lambda x: str(jax.typeof(x)), tree)
+
+
+CHECKPOINT_VARIANTS = {
+  'ddp': (
+    'ddp',
+    lambda: tokacc.token_weighted_multistep(helpers.adamw(), EXPLICIT_K),
+  ),
+  'hsdp_compensated_skip': (
+    'hsdp',
+    lambda: tokacc.token_weighted_multistep(
+      helpers.adamw(),
+      EXPLICIT_K,
+      compensated=True,
+      should_skip_update_fn=tokacc.skip_not_finite,
+    ),
+  ),
+}
+
+
+def checkpoint_training(variant, start, stop, train_state=None):
+  """Trains micro-steps ``[start, stop)`` of the windows from the placed
+  initial parameters, or from ``train_state``; returns (params, state)."""
+  layout, make_tx = CHECKPOINT_VARIANTS[variant]
+  tx = make_tx()
+  windows = helpers.make_windows(EXPLICIT_WINDOW_SIZES, 4)
+  sequence = list(placements.micro_batches(windows))
+  mesh = placements.EXPLICIT_LAYOUTS[layout].mesh()
+  data = NamedSharding(mesh, P(placements.batch_axes(mesh)))
+  step = _checkpoint_step(variant)
+  if train_state is None:
+    params = placements.place_params(
+      helpers.init_params(), mesh, placements.EXPLICIT_LAYOUTS[layout].specs
+    )
+    train_state = (params, tx.init(params))
+  for batch, emit_now in sequence[start:stop]:
+    batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
+    train_state = step(*train_state, batch, jnp.asarray(emit_now))
+  return train_state
+
+
+_STEPS = {}
+
+
+def _checkpoint_step(variant):
+  if variant not in _STEPS:
+    _STEPS[variant] = placements.explicit_step(
+      CHECKPOINT_VARIANTS[variant][1]()
+    )
+  return _STEPS[variant]
+
+
+def save_split(path, train_state):
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(path, tokacc.to_checkpoint(train_state))
+  checkpointer.wait_until_finished()
+
+
+def restore_merged(path, variant):
+  """Restores into ``tx.init`` of freshly placed parameters."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  layout, make_tx = CHECKPOINT_VARIANTS[variant]
+  mesh = placements.EXPLICIT_LAYOUTS[layout].mesh()
+  params = placements.place_params(
+    helpers.init_params(), mesh, placements.EXPLICIT_LAYOUTS[layout].specs
+  )
+  like = (params, make_tx().init(params))
+  target = jax.tree.map(
+    ocp.utils.to_shape_dtype_struct, tokacc.to_checkpoint(like)
+  )
+  restored = ocp.StandardCheckpointer().restore(path, target)
+  return tokacc.from_checkpoint(restored, like)
+
+
+STOP_AT = 4  # one micro-step into the second window
+
+
+def host(train_state):
+  """Host copies, comparable bit for bit (partial sums split per device)."""
+  return jax.tree.map(np.asarray, tokacc.to_checkpoint(train_state))
+
+
+@needs_typed_sharding
+@pytest.mark.slow
+@pytest.mark.parametrize('variant', sorted(CHECKPOINT_VARIANTS))
+def test_resume_mid_window_is_bit_identical(tmp_path, variant):
+  layout = CHECKPOINT_VARIANTS[variant][0]
+  with jax.set_mesh(placements.EXPLICIT_LAYOUTS[layout].mesh()):
+    expected = checkpoint_training(variant, 0, sum(EXPLICIT_WINDOW_SIZES))
+    train_state = checkpoint_training(variant, 0, STOP_AT)
+    state = train_state[1]
+    assert int(state.mini_step) == 1  # really mid-window
+    assert str(jax.typeof(state.grad_sums['w'])).endswith(
+      f'{{U:{"data" if layout == "ddp" else "replica"}}}'
+    )
+    with pytest.raises(Exception, match='unreduced'):
+      np.asarray(state.grad_sums['w'])  # why the helper exists
+    save_split(tmp_path / 'ckpt', train_state)
+    restored = restore_merged(tmp_path / 'ckpt', variant)
+    assert type_strings(restored) == type_strings(train_state)
+    chex.assert_trees_all_equal(host(restored), host(train_state))
+    resumed = checkpoint_training(
+      variant, STOP_AT, sum(EXPLICIT_WINDOW_SIZES), restored
+    )
+    chex.assert_trees_all_equal(host(resumed), host(expected))
+
+
+# Per process; loaded 2 cores (issue 33).
+CHILD_LIMIT_S = 600
+
+
+def save_or_resume(role, path, variant):
+  """In a new process (``python -m children explicit_checkpoint``): `save`
+  trains to STOP_AT and checkpoints; `resume` restores, finishes training
+  and checkpoints the result."""
+  layout = CHECKPOINT_VARIANTS[variant][0]
+  with jax.set_mesh(placements.EXPLICIT_LAYOUTS[layout].mesh()):
+    if role == 'save':
+      save_split(path, checkpoint_training(variant, 0, STOP_AT))
+    else:
+      restored = restore_merged(path, variant)
+      final = checkpoint_training(
+        variant, STOP_AT, sum(EXPLICIT_WINDOW_SIZES), restored
+      )
+      save_split(path + '_final', final)
+
+
+@needs_typed_sharding
+@pytest.mark.waits_on_processes(2 * CHILD_LIMIT_S)  # one after the other
+@pytest.mark.slow  # starts Python processes
+def test_resume_mid_window_in_new_processes(tmp_path):
+  variant = 'hsdp_compensated_skip'
+  path = str(tmp_path / 'ckpt')
+  for role in ('save', 'resume'):
+    result = children.run(
+      'explicit_checkpoint', role, path, variant, limit_s=CHILD_LIMIT_S
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+  with jax.set_mesh(placements.EXPLICIT_LAYOUTS['hsdp'].mesh()):
+    final = restore_merged(path + '_final', variant)
+    expected = checkpoint_training(variant, 0, sum(EXPLICIT_WINDOW_SIZES))
+    chex.assert_trees_all_equal(host(final), host(expected))
