@@ -54,6 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
+import pytest
 
 import optax_tokacc as tokacc
 from optax_tokacc import _compat
@@ -63,6 +64,15 @@ from optax_tokacc import _typed_sharding
 AUTO = jax.sharding.AxisType.Auto
 EXPLICIT_AXES = jax.sharding.AxisType.Explicit
 NEEDS_TYPED_SHARDING = 'reduced/unreduced types need jax >= 0.10'
+# A test that runs only where this JAX has reduced and unreduced types.
+needs_typed_sharding = pytest.mark.skipif(
+  not _typed_sharding.SUPPORTED, reason=NEEDS_TYPED_SHARDING
+)
+
+
+def type_strings(tree):
+  """Each leaf's type as JAX prints it (shape, dtype, sharding)."""
+  return jax.tree.map(lambda x: str(jax.typeof(x)), tree)
 
 
 def data_mesh(n=4, names=('data',), shape=None, axis_type=AUTO):

@@ -24,9 +24,6 @@ from optax_tokacc import _typed_sharding
 
 K = 3
 AUTO = jax.sharding.AxisType.Auto
-needs_typed_sharding = pytest.mark.skipif(
-  not _typed_sharding.SUPPORTED, reason=placements.NEEDS_TYPED_SHARDING
-)
 
 
 # axis_name under pmap and shard_map.
@@ -166,7 +163,7 @@ def _ddp_grads(params):
   return grads(params)
 
 
-@needs_typed_sharding
+@placements.needs_typed_sharding
 def test_unreduced_gradients_with_a_state_of_replicated_params():
   """A state built for replicated parameters, fed unreduced gradients (the
   parameters were typed reduced afterwards): the error names both types
@@ -190,7 +187,7 @@ def test_unreduced_gradients_with_a_state_of_replicated_params():
       _one_update(tx, replicated, state, _ddp_grads(replicated))
 
 
-@needs_typed_sharding
+@placements.needs_typed_sharding
 def test_state_restored_with_another_type():
   """A state whose window count lost its unreduced type (restored without
   ``from_checkpoint``) is refused: it would be summed wrongly."""
@@ -211,7 +208,7 @@ def test_state_restored_with_another_type():
       _one_update(tx, params, broken, _ddp_grads(params))
 
 
-@needs_typed_sharding
+@placements.needs_typed_sharding
 def test_gradients_unreduced_over_an_axis_the_parameter_is_split_on():
   """Gradients whose partial sums run over the axis their parameter is
   sharded on would add different shards into one sum: refused."""
@@ -232,7 +229,7 @@ def test_gradients_unreduced_over_an_axis_the_parameter_is_split_on():
       _one_update(tx, params, state, grads)
 
 
-@needs_typed_sharding
+@placements.needs_typed_sharding
 def test_from_checkpoint_refuses_a_tree_of_other_shapes():
   tx = tokacc.token_weighted_multistep(helpers.sgd(), K)
   mesh = placements.explicit_ddp_mesh()
@@ -247,7 +244,7 @@ def test_from_checkpoint_refuses_a_tree_of_other_shapes():
       tokacc.from_checkpoint(state._replace(grad_sums=saved.grad_sums), state)
 
 
-@needs_typed_sharding
+@placements.needs_typed_sharding
 def test_manual_axes_with_reduced_parameters_names_the_argument():
   """``manual_axes`` describes a partial-manual ``shard_map``; parameters
   typed reduced are explicit sharding under ``jax.jit``, whose state specs

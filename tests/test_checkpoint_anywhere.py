@@ -47,7 +47,6 @@ import pytest
 
 import optax_tokacc as tokacc
 from optax_tokacc import _shares
-from optax_tokacc import _typed_sharding
 
 K = 4
 WINDOW_SIZES = (K, K, K)
@@ -440,13 +439,6 @@ def test_a_state_restored_for_another_k_closes_its_window_at_that_k(tmp_path):
 
 EXPLICIT_K = 3
 EXPLICIT_WINDOW_SIZES = (3, 3, 2)  # the last window is closed by emit_now
-needs_typed_sharding = pytest.mark.skipif(
-  not _typed_sharding.SUPPORTED, reason=placements.NEEDS_TYPED_SHARDING
-)
-
-
-def type_strings(tree):
-  return jax.tree.map(lambda x: str(jax.typeof(x)), tree)
 
 
 CHECKPOINT_VARIANTS = {
@@ -531,7 +523,7 @@ def host(train_state):
   return jax.tree.map(np.asarray, tokacc.to_checkpoint(train_state))
 
 
-@needs_typed_sharding
+@placements.needs_typed_sharding
 @pytest.mark.slow
 @pytest.mark.parametrize('variant', sorted(CHECKPOINT_VARIANTS))
 def test_resume_mid_window_is_bit_identical(tmp_path, variant):
@@ -548,7 +540,9 @@ def test_resume_mid_window_is_bit_identical(tmp_path, variant):
       np.asarray(state.grad_sums['w'])  # why the helper exists
     save_split(tmp_path / 'ckpt', train_state)
     restored = restore_merged(tmp_path / 'ckpt', variant)
-    assert type_strings(restored) == type_strings(train_state)
+    assert placements.type_strings(restored) == placements.type_strings(
+      train_state
+    )
     chex.assert_trees_all_equal(host(restored), host(train_state))
     resumed = checkpoint_training(
       variant, STOP_AT, sum(EXPLICIT_WINDOW_SIZES), restored
@@ -576,7 +570,7 @@ def save_or_resume(role, path, variant):
       save_split(path + '_final', final)
 
 
-@needs_typed_sharding
+@placements.needs_typed_sharding
 @pytest.mark.waits_on_processes(2 * CHILD_LIMIT_S)  # one after the other
 @pytest.mark.slow  # starts Python processes
 def test_resume_mid_window_in_new_processes(tmp_path):

@@ -25,19 +25,11 @@ import pytest
 import optax_tokacc as tokacc
 from optax_tokacc import _hlo
 from optax_tokacc import _hlo_collectives
-from optax_tokacc import _typed_sharding
 
-pytestmark = pytest.mark.skipif(
-  not _typed_sharding.SUPPORTED,
-  reason='reduced/unreduced types need jax >= 0.10',
-)
+pytestmark = placements.needs_typed_sharding
 
 K = 3
 WINDOW_SIZES = (3, 3, 2)  # the last window is closed early by emit_now
-
-
-def type_strings(tree):
-  return jax.tree.map(lambda x: str(jax.typeof(x)), tree)
 
 
 def clipped_adamw():
@@ -167,15 +159,15 @@ def test_types_are_a_fixed_point(layout):
   make_mesh, specs, _ = placements.EXPLICIT_LAYOUTS[layout]
   with jax.set_mesh(make_mesh()):
     params0 = placements.place_params(helpers.init_params(), make_mesh(), specs)
-    expected_params = type_strings(params0)
-    expected_state = type_strings(tx.init(params0))
-    jitted_state = type_strings(jax.jit(tx.init)(params0))
+    expected_params = placements.type_strings(params0)
+    expected_state = placements.type_strings(tx.init(params0))
+    jitted_state = placements.type_strings(jax.jit(tx.init)(params0))
   assert jitted_state == expected_state
   seen = []
 
   def check(params, state):
-    assert type_strings(params) == expected_params
-    assert type_strings(state) == expected_state
+    assert placements.type_strings(params) == expected_params
+    assert placements.type_strings(state) == expected_state
     seen.append(1)
 
   run = placements.explicit_run(layout, tx)

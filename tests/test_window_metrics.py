@@ -49,13 +49,8 @@ import pytest
 import optax_tokacc as tokacc
 from optax_tokacc import _hlo
 from optax_tokacc import _hlo_collectives
-from optax_tokacc import _typed_sharding
 
 # Explicit sharding (parameters typed reduced) and ZeRO-1 need jax >= 0.10.
-needs_explicit = pytest.mark.skipif(
-  not _typed_sharding.SUPPORTED,
-  reason='reduced/unreduced types need jax >= 0.10',
-)
 
 K = 3
 WINDOW_SIZES = (3, 3, 2)  # the last closed by emit_now
@@ -305,7 +300,7 @@ def test_explicit_fsdp_on_every_jax(monkeypatch):
   assert_metrics(records, windows)
 
 
-@needs_explicit
+@placements.needs_typed_sharding
 @pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
 @pytest.mark.parametrize(
   'host_closes', [pytest.param(False, marks=pytest.mark.slow), True]
@@ -549,7 +544,7 @@ def test_micro_step_gains_no_work():
   assert opcodes['sqrt'] == opcodes['rsqrt'] == 0
 
 
-@needs_explicit
+@placements.needs_typed_sharding
 def test_closing_collectives():
   """Where the gradient is whole (DDP) the norms cost no collective; where
   its type splits it (FSDP typed sharded, the compiler reducing the
@@ -604,7 +599,7 @@ def _closing_sites(layout, window_norms):
   )
 
 
-@needs_explicit
+@placements.needs_typed_sharding
 @pytest.mark.parametrize(
   'layout', ['ddp', 'fsdp', 'hsdp', 'zero1_ddp', 'zero1_hsdp']
 )
