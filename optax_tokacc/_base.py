@@ -247,6 +247,12 @@ class TokenWeightedMultiStepState(NamedTuple):
     return self.grad_sums
 
 
+# The name scope of ``inner.update`` where a window closes: it names every
+# instruction of the optimizer's work in the compiled program's metadata,
+# which ``optax_tokacc.testing`` reads (no optimizer work on an open
+# micro-step).
+INNER_UPDATE_SCOPE = 'tokacc_inner_update'
+
 # The per-device fields of the state: the window's sums and the skip state.
 PER_DEVICE_FIELDS = Window._fields + ('skip_state',)
 

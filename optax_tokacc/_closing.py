@@ -149,13 +149,14 @@ def _step(
   value = {'value': summed.mean_loss} if ctx.extra.with_loss else {}
   mean_grads = optax.tree.cast_like(jax.tree.map(mean, summed.sums), ctx.grads)
   plain_inner = place.inner_types(opt_state)
-  updates, new_inner = config.inner.update(
-    mean_grads,
-    plain_inner,
-    place.inner_types(params),
-    **ctx.extra.args,
-    **value,
-  )
+  with jax.named_scope(_base.INNER_UPDATE_SCOPE):
+    updates, new_inner = config.inner.update(
+      mean_grads,
+      plain_inner,
+      place.inner_types(params),
+      **ctx.extra.args,
+      **value,
+    )
   new_inner = optax.tree.cast_like(new_inner, opt_state)
   norms = _norms.nan(config, ctx.grads)
   if config.norms:
