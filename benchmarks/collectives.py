@@ -17,7 +17,7 @@
 Compiles one training step (gradient, optimizer update, ``apply_updates``)
 of a small MLP for each sharding pattern of ``patterns.py``, on fake CPU
 devices, with AdamW and windows of k micro-batches, and lists every
-collective of the compiled HLO (read by ``optax_tokacc._hlo_collectives``,
+collective of the compiled HLO (read by ``optax_tokacc.testing.collectives``,
 the tests' reader) with the mesh axes it spans and its payload. A collective on the
 unconditional path of the step runs on every micro-step; one in the taken
 branch of the transform's ``lax.cond`` only on the step that closes the
@@ -42,7 +42,7 @@ from benchmarks import models
 from benchmarks import patterns
 from benchmarks import report
 import optax_tokacc as tokacc
-from optax_tokacc import _hlo_collectives
+from optax_tokacc.testing import collectives
 
 
 def _train(setup, windows):
@@ -76,7 +76,7 @@ def measure(name, devices, k, windows, expected):
     windows = jax.device_put(windows, data)
     lowered = setup.step.lower(setup.params, setup.state, windows[0][0])
     text = lowered.compile().as_text()
-    records = _hlo_collectives.collective_records(text, setup.mesh_axes)
+    records = collectives.collective_records(text, setup.mesh_axes)
     params = _train(setup, windows)
   return {
     'name': name,
@@ -86,7 +86,7 @@ def measure(name, devices, k, windows, expected):
     'mesh': ' x '.join(f'{n}={s}' for n, s in setup.mesh_axes),
     'param_bytes': param_bytes,
     'collectives': records,
-    'summary': _hlo_collectives.summarize(records, k),
+    'summary': collectives.summarize(records, k),
     'accumulator_bytes_per_device': acc_bytes,
     'optimizer_bytes_per_device': optimizer_bytes,
     'exact': pattern.exact,

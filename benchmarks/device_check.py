@@ -398,13 +398,13 @@ def build_model(model_name, setting, k):
 
 def conditionals(compiled):
   """label -> the conditionals of that compiled program (its HLO read by
-  ``optax_tokacc._hlo``), or why it could not be read."""
-  from optax_tokacc import _hlo  # noqa: PLC0415 - after preflight
+  ``optax_tokacc.testing.hlo``), or why it could not be read."""
+  from optax_tokacc.testing import hlo  # noqa: PLC0415 - after preflight
 
   out = {}
   for label, program in compiled.items():
     try:
-      out[label] = _hlo.compiled_opcodes(program.as_text())['conditional']
+      out[label] = hlo.compiled_opcodes(program.as_text())['conditional']
     except Exception as e:  # noqa: BLE001 - reported in its row
       out[label] = f'not read: {_first_line(e)[:100]}'
   return out

@@ -15,8 +15,8 @@
 """Parts the tests share: the model, the data, the one full-batch reference
 with its round-off bound, global arrays, and the repository's files (the
 placements, where a run's values live: ``placements.py``; the reader of
-compiled programs is the package's private ``_hlo`` and
-``_hlo_collectives``, which the benchmarks import too).
+compiled programs is the package's ``optax_tokacc.testing.hlo`` and
+``optax_tokacc.testing.collectives``, which the benchmarks import too).
 
 The model is a one-hidden-layer per-token regression (``loss_sum``); the
 data are global micro-batches of ``SEQS`` sequences per device with unequal

@@ -58,7 +58,7 @@ import pytest
 
 import optax_tokacc as tokacc
 from optax_tokacc import _compat
-from optax_tokacc import _hlo
+from optax_tokacc.testing import hlo
 from optax_tokacc import _typed_sharding
 
 AUTO = jax.sharding.AxisType.Auto
@@ -408,7 +408,7 @@ def explicit_compiled_text(layout, spelling, inner=None, **options):
     batch = helpers.make_windows((1,), 4)[0][0]
     data = NamedSharding(mesh, P(batch_axes(mesh)))
     batch = jax.tree.map(lambda x: jax.device_put(x, data), batch)
-    return _hlo.compiled_text(
+    return hlo.compiled_text(
       explicit_step(tx, spelling), params, state, batch, jnp.asarray(False)
     )
 
@@ -759,6 +759,25 @@ class Run(NamedTuple):
   # copy (as flax's unreplicate), stacked again on restore
   unstack: Callable = lambda params: params
   stack: Callable = lambda params: params
+  # ``lower(mesh, close, params, state, batch, emit_now)``: the step built
+  # on ``mesh`` (of the run's shape, on other devices: an accelerator
+  # target's) and lowered there for abstract arguments; ``close`` None: the
+  # device decides (``emit_now``), a bool: the host's program. None: the
+  # step itself, a ``jax.jit`` of placed arguments (lower_jit).
+  lower: Any = None
+
+
+def lower_jit(step):
+  """``Run.lower`` of a ``jax.jit`` step that takes its devices from its
+  arguments: lowered under the target's mesh."""
+
+  def lower(mesh, close, params, state, batch, emit_now):
+    with jax.set_mesh(mesh):
+      if close is None:
+        return step.lower(params, state, batch, emit_now)
+      return step.lower(params, state, batch, close=close)
+
+  return lower
 
 
 def last_device(flag, n):
@@ -793,7 +812,16 @@ def pmap_run(tx, params, n=None):
     stack=lambda params: jax.tree.map(
       lambda x: replicate(np.asarray(x), n), params
     ),
+    lower=functools.partial(_lower_pmap, tx),
   )
+
+
+def _lower_pmap(tx, mesh, close, params, state, batch, emit_now):
+  devices = list(mesh.devices.flat)
+  if close is None:
+    return pmap_step(tx, devices=devices).lower(params, state, batch, emit_now)
+  step = pmap_step(tx, devices=devices, host_closes=True)
+  return step.lower(params, state, batch, close)
 
 
 def shard_map_run(tx, params, mesh, axes, mark_varying=True):
@@ -803,6 +831,11 @@ def shard_map_run(tx, params, mesh, axes, mark_varying=True):
   replicated = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P(axes))
   state = shard_map_state(tx, params, mesh, axes)
+
+  def lower(mesh, close, params, state, batch, emit_now):
+    step = shard_map_step(tx, mesh, axes, True, mark_varying)
+    return step.lower(params, state, batch, emit_now, close=close)
+
   return Run(
     jax.tree.map(lambda x: helpers.put(x, replicated), params),
     state,
@@ -811,6 +844,7 @@ def shard_map_run(tx, params, mesh, axes, mark_varying=True):
     lambda flag: helpers.put(last_device(flag, n), data),
     helpers.fetch,
     mesh,
+    lower=lower,
   )
 
 
@@ -897,7 +931,7 @@ def hsdp_run(
 
 
 def _hsdp_shape(n):
-  return {4: (2, 2), 2: (2, 1), 1: (1, 1)}[n]
+  return {8: (2, 4), 4: (2, 2), 2: (2, 1), 1: (1, 1)}[n]
 
 
 def _typed_run(n, make_tx, mesh, param_specs, data_axes, init=None):

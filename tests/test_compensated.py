@@ -12,7 +12,7 @@ import pytest
 
 import optax_tokacc as tokacc
 from optax_tokacc import _compensated
-from optax_tokacc import _hlo
+from optax_tokacc.testing import hlo
 
 WINDOW = 2048  # micro-steps in the one long window
 SIZE = 256  # gradient entries
@@ -205,11 +205,11 @@ LOW_PRECISION = [jnp.bfloat16, jnp.float16]
 def _roundings_on_every_call(text, dtype):
   """The program's roundings to ``dtype`` outside any conditional branch
   (what an accumulating micro-step runs)."""
-  module = _hlo.parse_hlo(text)
+  module = hlo.parse_hlo(text)
   info = jnp.finfo(dtype)
   return [
     instruction
-    for instruction in _hlo.reachable_instructions(module, into_branches=False)
+    for instruction in hlo.reachable_instructions(module, into_branches=False)
     if instruction.rounds_to == (info.nexp, info.nmant)
   ]
 
@@ -222,7 +222,7 @@ def test_an_accumulating_step_forces_the_rounding_of_each_leaf(close, dtype):
     optax.adamw(1e-3), 4, accumulator_dtype=dtype, compensated=True
   )
   step = jax.jit(tx.update, static_argnames='close')
-  text = _hlo.compiled_text(
+  text = hlo.compiled_text(
     step, params, tx.init(params), params, num_tokens=3, close=close
   )
   roundings = _roundings_on_every_call(text, dtype)
@@ -234,7 +234,7 @@ def test_the_checkpoint_merge_forces_the_rounding(dtype):
   """Shares merged onto another device count (``from_checkpoint``) are
   added by the same compensated sum."""
   rows = jnp.ones((4, 8), dtype)
-  text = _hlo.compiled_text(jax.jit(_compensated.merge_rows), rows, rows)
+  text = hlo.compiled_text(jax.jit(_compensated.merge_rows), rows, rows)
   assert _roundings_on_every_call(text, dtype)
 
 

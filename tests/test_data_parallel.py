@@ -26,8 +26,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _hlo
-from optax_tokacc import _hlo_collectives
+from optax_tokacc.testing import hlo
+from optax_tokacc.testing import collectives
 
 K = 3
 WINDOW_SIZES = (3, 3, 2)  # the last window is closed early by emit_now
@@ -188,7 +188,7 @@ def compiled_step_text(mode, with_emit_now):
     tx = tokacc.token_weighted_multistep(helpers.adamw(), K, axis_name=axes)
     state = placements.shard_map_state(tx, params, mesh, axes)
     step = placements.shard_map_step(tx, mesh, axes, with_emit_now)
-  return _hlo.compiled_text(step, params, state, batch, *flags)
+  return hlo.compiled_text(step, params, state, batch, *flags)
 
 
 @pytest.mark.parametrize('with_emit_now', [False, True])
@@ -205,11 +205,11 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
     the inner optimizer (AdamW's ``sqrt``): a single all-reduce of each
     gradient leaf, the window's token count and its loss.
   """
-  module = _hlo.parse_hlo(compiled_step_text(mode, with_emit_now))
-  sites = _hlo_collectives.collective_sites(module)
+  module = hlo.parse_hlo(compiled_step_text(mode, with_emit_now))
+  sites = collectives.collective_sites(module)
   assert {site.collective for site, _ in sites} == {'all-reduce'}
 
-  every_step = _hlo_collectives.on_every_call(sites)
+  every_step = collectives.on_every_call(sites)
   if with_emit_now:
     assert len(every_step) == 1
     assert all(dims == () for _, dims in every_step[0].shapes)
@@ -219,14 +219,14 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
   branches = {path[0] for _, path in sites if path}
   assert len(branches) == 1, branches
   ((conditional_name, emit_index),) = branches
-  conditional = _hlo.find_instruction(module, conditional_name)
+  conditional = hlo.find_instruction(module, conditional_name)
   emit_branch = conditional.branches[emit_index]
-  assert _hlo.reachable_opcodes(module, emit_branch)['sqrt'] > 0
+  assert hlo.reachable_opcodes(module, emit_branch)['sqrt'] > 0
   for index, branch in enumerate(conditional.branches):
     if index != emit_index:
-      opcodes = _hlo.reachable_opcodes(module, branch)
+      opcodes = hlo.reachable_opcodes(module, branch)
       assert opcodes['sqrt'] == 0  # the micro-step does not run AdamW
-      assert not set(opcodes) & set(_hlo.COLLECTIVE_OPCODES)
+      assert not set(opcodes) & set(hlo.COLLECTIVE_OPCODES)
 
   gradient_shapes = sorted(
     ('f32', tuple(np.shape(p))) for p in jax.tree.leaves(helpers.init_params())
@@ -234,7 +234,7 @@ def test_one_gradient_reduction_per_window(mode, with_emit_now):
   # One all-reduce per window: each gradient leaf once, the token count's
   # four float32 parts and the loss.
   token_parts_and_loss = [('f32', (4,)), ('f32', ())]
-  (reduction,) = _hlo_collectives.in_branches(sites)
+  (reduction,) = collectives.in_branches(sites)
   assert sorted(reduction.shapes) == sorted(
     gradient_shapes + token_parts_and_loss
   )
@@ -249,7 +249,7 @@ def test_count_collectives_of_the_usual_pattern():
       x[0] > 0, lambda: lax.psum(x, axes) + x, lambda: x
     )
 
-  text = _hlo.compiled_text(
+  text = hlo.compiled_text(
     jax.jit(
       jax.shard_map(
         step, mesh=mesh, in_specs=P(axes), out_specs=(P(axes), P(axes))
@@ -257,7 +257,7 @@ def test_count_collectives_of_the_usual_pattern():
     ),
     np.ones(jax.device_count(), np.float32),
   )
-  sites = _hlo_collectives.compiled_collectives(text)
+  sites = collectives.compiled_collectives(text)
   every_step = [site.collective for site, path in sites if not path]
   in_branches = [site.collective for site, path in sites if path]
   assert every_step == ['all-reduce'] and in_branches == ['all-reduce']

@@ -24,8 +24,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _hlo
-from optax_tokacc import _hlo_collectives
+from optax_tokacc.testing import hlo
+from optax_tokacc.testing import collectives
 from optax_tokacc import _typed_sharding
 
 pytestmark = pytest.mark.skipif(
@@ -179,10 +179,10 @@ def test_window_closes_with_one_reduce_scatter_and_an_all_gather():
     params, place = placements.zero1_placed(mesh)
     state = placements.zero1_init(tx, params, mesh)
     batch = place(helpers.zero1_windows()[0][0])
-    text = _hlo.compiled_text(step, params, state, batch)
-  sites = _hlo_collectives.compiled_collectives(text)
-  assert _hlo_collectives.on_micro_step_path(sites) == []
-  closing = _hlo_collectives.on_closing_step_only(sites)
+    text = hlo.compiled_text(step, params, state, batch)
+  sites = collectives.compiled_collectives(text)
+  assert collectives.on_micro_step_path(sites) == []
+  closing = collectives.on_closing_step_only(sites)
   w_shape = ('f32', (helpers.FEATURES, helpers.ZERO1_OUTPUTS))
   w_shard = ('f32', (helpers.FEATURES // NUM_DEVICES, helpers.ZERO1_OUTPUTS))
   kinds = {s.collective for s in closing}
@@ -221,9 +221,9 @@ def test_moments_resharded_by_hand_are_followed():
     params, place = placements.zero1_placed(mesh)
     state = on_last_dimension(tx, params, mesh, 'ddp')
     batch = place(helpers.zero1_windows()[0][0])
-    text = _hlo.compiled_text(step, params, state, batch)
-  sites = _hlo_collectives.compiled_collectives(text)
-  closing = _hlo_collectives.on_closing_step_only(sites)
+    text = hlo.compiled_text(step, params, state, batch)
+  sites = collectives.compiled_collectives(text)
+  closing = collectives.on_closing_step_only(sites)
   shard = ('f32', (helpers.FEATURES, helpers.ZERO1_OUTPUTS // NUM_DEVICES))
   scatters = [s for s in closing if s.collective == 'reduce-scatter']
   assert [s.shapes for s in scatters] == [(shard,)], closing
@@ -396,7 +396,7 @@ REPLICA_GROUPS = [[0, 2], [1, 3]]
 
 
 def groups(site):
-  return sorted(map(sorted, _hlo_collectives.group_sets(site, NUM_DEVICES)))
+  return sorted(map(sorted, collectives.group_sets(site, NUM_DEVICES)))
 
 
 def test_hsdp_window_reduce_scattered_over_replica_once():
@@ -412,13 +412,13 @@ def test_hsdp_window_reduce_scattered_over_replica_once():
     params, place = placements.zero1_placed(mesh, 'hsdp')
     state = placements.zero1_init(tx, params, mesh, 'hsdp')
     batch = place(helpers.zero1_windows()[0][0])
-    text = _hlo.compiled_text(step, params, state, batch)
-  sites = _hlo_collectives.compiled_collectives(text)
-  micro = _hlo_collectives.on_micro_step_path(sites)
+    text = hlo.compiled_text(step, params, state, batch)
+  sites = collectives.compiled_collectives(text)
+  micro = collectives.on_micro_step_path(sites)
   assert micro, 'the forward pass gathers w within fsdp'
   for site in micro:
     assert groups(site) == FSDP_GROUPS, site
-  closing = _hlo_collectives.on_closing_step_only(sites)
+  closing = collectives.on_closing_step_only(sites)
   fsdp_shard = ('f32', (helpers.FEATURES // 2, helpers.ZERO1_OUTPUTS))
   state_shard = ('f32', (helpers.FEATURES // 2, helpers.ZERO1_OUTPUTS // 2))
   whole = ('f32', (helpers.FEATURES, helpers.ZERO1_OUTPUTS))

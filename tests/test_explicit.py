@@ -23,8 +23,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _hlo
-from optax_tokacc import _hlo_collectives
+from optax_tokacc.testing import hlo
+from optax_tokacc.testing import collectives
 
 pytestmark = placements.needs_typed_sharding
 
@@ -239,12 +239,12 @@ def test_ddp_one_all_reduce_per_window():
   """Unreduced counts and loss: no collective at all on a micro-step; the
   closing branch runs one all-reduce carrying every gradient leaf, the
   count's float32 parts and the loss."""
-  sites = _hlo_collectives.compiled_collectives(
+  sites = collectives.compiled_collectives(
     placements.explicit_compiled_text('ddp', 'unreduced')
   )
   every_step, window = (
-    _hlo_collectives.on_every_call(sites),
-    _hlo_collectives.in_branches(sites),
+    collectives.on_every_call(sites),
+    collectives.in_branches(sites),
   )
   assert every_step == []
   (reduction,) = window
@@ -258,12 +258,12 @@ def test_ddp_one_all_reduce_per_window():
 def test_ddp_replicated_count_costs_only_scalars_per_micro_step():
   """A plain ``mask.sum()`` count and loss cost scalar all-reduces in the
   forward pass (the user's code), never a gradient-sized one."""
-  sites = _hlo_collectives.compiled_collectives(
+  sites = collectives.compiled_collectives(
     placements.explicit_compiled_text('ddp', 'replicated')
   )
   every_step, window = (
-    _hlo_collectives.on_every_call(sites),
-    _hlo_collectives.in_branches(sites),
+    collectives.on_every_call(sites),
+    collectives.in_branches(sites),
   )
   assert every_step, 'the forward pass sums the count and loss'
   for site in every_step:
@@ -281,12 +281,12 @@ def test_hsdp_reduces_across_replicas_once_per_window():
   fsdp_groups = [[0, 1], [2, 3]]
   replica_groups = [[0, 2], [1, 3]]
   for spelling in ('replicated', 'unreduced'):
-    sites = _hlo_collectives.compiled_collectives(
+    sites = collectives.compiled_collectives(
       placements.explicit_compiled_text('hsdp', spelling)
     )
     every_step, window = (
-      _hlo_collectives.on_every_call(sites),
-      _hlo_collectives.in_branches(sites),
+      collectives.on_every_call(sites),
+      collectives.in_branches(sites),
     )
     reductions = [s for s in every_step if s.opcode.startswith('all-reduce')]
     assert reductions
@@ -294,15 +294,15 @@ def test_hsdp_reduces_across_replicas_once_per_window():
       if spelling == 'replicated' and all(d == () for _, d in site.shapes):
         continue
       assert (
-        sorted(map(sorted, _hlo_collectives.group_sets(site, 4))) == fsdp_groups
+        sorted(map(sorted, collectives.group_sets(site, 4))) == fsdp_groups
       ), site
     (norms,) = [s for s in window if sorted(s.shapes) == [('f32', (2,))]]
     assert (
-      sorted(map(sorted, _hlo_collectives.group_sets(norms, 4))) == fsdp_groups
+      sorted(map(sorted, collectives.group_sets(norms, 4))) == fsdp_groups
     )
     (reduction,) = [s for s in window if s is not norms]
     assert (
-      sorted(map(sorted, _hlo_collectives.group_sets(reduction, 4)))
+      sorted(map(sorted, collectives.group_sets(reduction, 4)))
       == replica_groups
     )
     assert sorted(reduction.shapes) == sorted(
@@ -572,7 +572,7 @@ def test_token_cross_entropy_partial_sums_need_no_collective():
     assert str(jax.typeof(loss_sum)) == 'float32[]{U:data}'
     assert str(jax.typeof(count)) == 'int32[]{U:data}'
     totals = jax.jit(lambda t: jax.reshard(t, P()))((loss_sum, count))
-    text = _hlo.compiled_text(fn, logits_d, labels_d)
+    text = hlo.compiled_text(fn, logits_d, labels_d)
   # A sum of 40 non-negative terms in two orders (per device, then across
   # devices; whole), each term through about 7 + 10 roundings (7 classes'
   # logsumexp): within 2 gamma(40 + 17) of each other relatively (Higham).
@@ -580,7 +580,7 @@ def test_token_cross_entropy_partial_sums_need_no_collective():
   gamma = m * 2.0**-24 / (1 - m * 2.0**-24)
   np.testing.assert_allclose(totals[0], expected[0], rtol=2 * gamma)
   assert int(totals[1]) == int(expected[1])
-  sites = _hlo_collectives.compiled_collectives(text)
+  sites = collectives.compiled_collectives(text)
   assert sites == []
 
 
@@ -627,14 +627,14 @@ def test_ddp_micro_step_copies_nothing_parameter_sized():
     state = tx.init(params)
     batch = helpers.make_windows((1,), 4)[0][0]
     batch = jax.device_put(batch, NamedSharding(mesh, P('data')))
-    text = _hlo.compiled_text(
+    text = hlo.compiled_text(
       placements.explicit_step(tx, 'unreduced'),
       params,
       state,
       batch,
       jnp.asarray(False),
     )
-  module = _hlo.parse_hlo(text)
+  module = hlo.parse_hlo(text)
   closing = [
     i
     for instructions in module.computations.values()
@@ -713,7 +713,7 @@ def test_a_literal_count_and_no_loss(host_closes, reduction):
 # it (the squared error summed over the outputs with ``jnp.sum(..., -1)``,
 # then an einsum with the mask into ``P(unreduced={'data'})``), the token
 # count a partial sum too. The compiled step (k = 4, so that a step from
-# ``tx.init`` does not close the window) is read with ``optax_tokacc._hlo``: a
+# ``tx.init`` does not close the window) is read with ``optax_tokacc.testing.hlo``: a
 # collective on the micro-step's path is one outside the closing branch
 # (branch 1 of the transform's conditional). Controls: the user's loss and
 # gradient compiled alone have no collective at all, and the step without
@@ -783,15 +783,15 @@ def compiled_step_sites(with_loss):
     params, place = partial_placed(mesh)
     batch = place(partial_windows((1,))[0][0])
     step = partial_step(tx, with_loss)
-    text = _hlo.compiled_text(step, params, tx.init(params), batch)
-  return _hlo_collectives.compiled_collectives(text)
+    text = hlo.compiled_text(step, params, tx.init(params), batch)
+  return collectives.compiled_collectives(text)
 
 
 def assert_one_reduction_when_closing(sites):
   """The closing branch holds the window's one all-reduce: the gradient,
   with the count (and loss) beside it (so the reader does see the step's
   collectives)."""
-  closing = _hlo_collectives.on_closing_step_only(sites)
+  closing = collectives.on_closing_step_only(sites)
   assert [site.collective for site in closing] == ['all-reduce'], closing
   assert ('f32', (helpers.FEATURES, PARTIAL_OUTPUTS)) in closing[0].shapes
 
@@ -812,15 +812,15 @@ def test_user_loss_and_grad_alone_issue_no_collective():
     loss, grads, _ = loss_grad_count(params, batch)
     assert str(jax.typeof(loss)) == 'float32[]{U:data}'
     assert str(jax.typeof(grads['w'])).endswith('{U:data}')
-    text = _hlo.compiled_text(loss_grad_count, params, batch)
-  assert _hlo_collectives.compiled_collectives(text) == []
+    text = hlo.compiled_text(loss_grad_count, params, batch)
+  assert collectives.compiled_collectives(text) == []
 
 
 def test_micro_step_without_loss_issues_no_collective():
   """Control: without ``loss=``, the micro-step's path holds no
   collective."""
   sites = compiled_step_sites(with_loss=False)
-  assert _hlo_collectives.on_micro_step_path(sites) == []
+  assert collectives.on_micro_step_path(sites) == []
   assert_one_reduction_when_closing(sites)
 
 
@@ -829,7 +829,7 @@ def test_micro_step_with_loss_issues_no_collective():
   either (0.3 issued an all-reduce of a float32 scalar on every call, from
   the select that reset the window's loss on unreduced values)."""
   sites = compiled_step_sites(with_loss=True)
-  assert _hlo_collectives.on_micro_step_path(sites) == []
+  assert collectives.on_micro_step_path(sites) == []
   assert_one_reduction_when_closing(sites)
 
 

@@ -65,8 +65,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _hlo
-from optax_tokacc import _hlo_collectives
+from optax_tokacc.testing import hlo
+from optax_tokacc.testing import collectives
 from optax_tokacc import _typed_sharding
 
 NUM_DEVICES = 4
@@ -787,10 +787,10 @@ def check_programs(texts, reduction_shapes=None):
   ``reduction_shapes``, exactly one collective, in the entry computation
   (beside the backward pass): an all-reduce of those shapes."""
   for close, text in texts.items():
-    ops = _hlo.compiled_opcodes(text)
+    ops = hlo.compiled_opcodes(text)
     assert ops['conditional'] == 0, close
     square_roots = ops['sqrt'] + ops['rsqrt']
-    sites = _hlo_collectives.compiled_collectives(text)
+    sites = collectives.compiled_collectives(text)
     if not close:
       assert square_roots == 0
       assert sites == []
@@ -821,10 +821,10 @@ def test_single_device_programs():
   state = tx.init(params)
   batch = helpers.make_windows((1,), NUM_DEVICES)[0][0]
   texts = {
-    close: _hlo.compiled_text(step, params, state, batch, close=close)
+    close: hlo.compiled_text(step, params, state, batch, close=close)
     for close in (False, True, None)
   }
-  device_decided = _hlo.compiled_opcodes(texts.pop(None))
+  device_decided = hlo.compiled_opcodes(texts.pop(None))
   assert device_decided['conditional'] > 0 and device_decided['sqrt'] > 0
   check_programs(texts)
 
@@ -845,7 +845,7 @@ def test_shard_map_programs():
   )
   step = placements.shard_map_step(tx, mesh, 'data', with_emit_now=False)
   texts = {
-    close: _hlo.compiled_text(step, params, state, batch, close=close)
+    close: hlo.compiled_text(step, params, state, batch, close=close)
     for close in (False, True)
   }
   check_programs(texts, WINDOW_REDUCTION)
@@ -870,7 +870,7 @@ def test_explicit_ddp_programs():
     )
     step = placements.explicit_step(tx, 'unreduced')
     texts = {
-      close: _hlo.compiled_text(step, params, state, batch, close=close)
+      close: hlo.compiled_text(step, params, state, batch, close=close)
       for close in (False, True)
     }
   check_programs(texts, WINDOW_REDUCTION)
@@ -881,13 +881,13 @@ def compiled_micro_step(step, params, state, batch):
   donated as in a user's step."""
   micro_step = lambda *args: step(*args, close=False)[0]  # noqa: E731
   jitted = jax.jit(micro_step, donate_argnums=0)
-  return _hlo.compiled_text(jitted, params, state, batch)
+  return hlo.compiled_text(jitted, params, state, batch)
 
 
 def assert_returns_its_parameters(text):
   """The program's entry holds nothing but its parameters and the tuple
   of them it returns: XLA removed the add of the zero updates."""
-  returns, found = _hlo.returns_its_parameters(_hlo.parse_hlo(text))
+  returns, found = hlo.returns_its_parameters(hlo.parse_hlo(text))
   assert returns, found
 
 
@@ -1309,9 +1309,9 @@ def test_the_mean_is_one_reciprocal_in_both_programs(placement):
   with placed(*DATA_PARALLEL[placement]) as (step, params, state, data, _):
     batch = jax.device_put(window_for(make_run)[0], data)
     for close in (True, None):
-      text = _hlo.compiled_text(step, params, state, batch, close=close)
+      text = hlo.compiled_text(step, params, state, batch, close=close)
       divisions = [
-        i.shapes for i in _hlo.instructions_of(_hlo.parse_hlo(text), 'divide')
+        i.shapes for i in hlo.instructions_of(hlo.parse_hlo(text), 'divide')
       ]
       assert divisions, close  # the reader finds them
       assert all(dims == () for s in divisions for _, dims in s), divisions

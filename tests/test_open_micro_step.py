@@ -1,5 +1,5 @@
 """An open micro-step in the ideal's form (issue 46), read from the
-compiled program through ``optax_tokacc._hlo``.
+compiled program through ``optax_tokacc.testing.hlo``.
 
 The ideal's micro-step adds the gradient into its accumulator and does
 nothing else: on a GPU that add sits inside the gradient's GEMM fusions.
@@ -39,7 +39,7 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _hlo
+from optax_tokacc.testing import hlo
 
 K = 3
 # Opcodes of an optimizer's update (AdamW: the square root of the second
@@ -65,9 +65,9 @@ def _program(tx, close, params_dtype=jnp.float32):
     )
     return optax.apply_updates(params, updates), state
 
-  text = _hlo.compiled_text(step, params, tx.init(params), batch, close=close)
+  text = hlo.compiled_text(step, params, tx.init(params), batch, close=close)
   shapes = {tuple(p.shape) for p in jax.tree.leaves(params) if p.ndim}
-  return _hlo.parse_hlo(text), shapes
+  return hlo.parse_hlo(text), shapes
 
 
 def _parameter_sized(instruction, shapes):
@@ -89,7 +89,7 @@ CLOSES = {'device': None, 'host': False}
 def test_the_sums_are_first_read_by_an_add(config, close):
   tx = tokacc.token_weighted_multistep(helpers.adamw(), K, **config)
   module, _ = _program(tx, close)
-  uses = _hlo.first_uses(module, 'state.grad_sums')
+  uses = hlo.first_uses(module, 'state.grad_sums')
   assert all(found == ['add'] for found in uses.values()), uses
 
 
@@ -98,7 +98,7 @@ def test_mixed_precision_sums_are_first_read_by_an_add(close):
   """bfloat16 parameters, a float32 accumulator."""
   tx = tokacc.token_weighted_multistep(helpers.adamw(), K)
   module, _ = _program(tx, close, params_dtype=jnp.bfloat16)
-  uses = _hlo.first_uses(module, 'state.grad_sums')
+  uses = hlo.first_uses(module, 'state.grad_sums')
   assert all(found == ['add'] for found in uses.values()), uses
 
 
@@ -111,7 +111,7 @@ def test_compensated_sums_are_not_restarted_on_a_micro_step(close):
   )
   module, _ = _program(tx, close)
   for prefix in ('state.grad_sums', 'state.acc_compensation'):
-    uses = _hlo.first_uses(module, prefix)
+    uses = hlo.first_uses(module, prefix)
     for found in uses.values():
       assert not {'select', 'tuple', 'conditional'} & set(found), uses
 
@@ -125,7 +125,7 @@ SELECT_FREE = {k: v for k, v in CONFIGS.items() if k != 'skip_not_finite'}
 def test_the_hosts_open_micro_step_holds_no_select_and_no_optimizer(config):
   tx = tokacc.token_weighted_multistep(helpers.adamw(), K, **config)
   module, shapes = _program(tx, close=False)
-  found = _hlo.reachable_instructions(module)
+  found = hlo.reachable_instructions(module)
   assert not [i.name for i in found if i.opcode == 'conditional']
   extra = [
     (i.name, i.opcode)
@@ -140,14 +140,14 @@ def test_the_hosts_open_micro_step_holds_no_select_and_no_optimizer(config):
 def test_the_device_step_runs_the_optimizer_only_in_its_branches(config):
   tx = tokacc.token_weighted_multistep(helpers.adamw(), K, **config)
   module, shapes = _program(tx, close=None)
-  every_call = _hlo.reachable_instructions(module, into_branches=False)
+  every_call = hlo.reachable_instructions(module, into_branches=False)
   optimizer = [
     (i.name, i.opcode)
     for i in every_call
     if _parameter_sized(i, shapes) and i.opcode in OPTIMIZER_OPCODES
   ]
   assert not optimizer, optimizer
-  everything = _hlo.reachable_instructions(module)
+  everything = hlo.reachable_instructions(module)
   assert any(i.opcode == 'sqrt' for i in everything)  # AdamW is there
 
 
@@ -256,8 +256,8 @@ def test_shard_map_sums_are_first_read_by_an_add(close):
   data = NamedSharding(mesh, P('data'))
   batch = jax.tree.map(lambda x: helpers.put(x, data), batch)
   step = placements.shard_map_step(tx, mesh, 'data', with_emit_now=False)
-  text = _hlo.compiled_text(step, params, state, batch, close=close)
-  uses = _hlo.first_uses(_hlo.parse_hlo(text), 'state.grad_sums')
+  text = hlo.compiled_text(step, params, state, batch, close=close)
+  uses = hlo.first_uses(hlo.parse_hlo(text), 'state.grad_sums')
   assert all(found == ['add'] for found in uses.values()), uses
 
 
@@ -269,5 +269,5 @@ def test_explicit_sums_are_first_read_by_an_add(layout):
   """The device-decided step (``emit_now`` traced) of the explicit
   layouts whose sums are typed unreduced."""
   text = placements.explicit_compiled_text(layout, 'replicated')
-  uses = _hlo.first_uses(_hlo.parse_hlo(text), 'state.grad_sums')
+  uses = hlo.first_uses(hlo.parse_hlo(text), 'state.grad_sums')
   assert all(found == ['add'] for found in uses.values()), uses

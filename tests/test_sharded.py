@@ -34,8 +34,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _hlo
-from optax_tokacc import _hlo_collectives
+from optax_tokacc.testing import hlo
+from optax_tokacc.testing import collectives
 
 K = 3
 WINDOW_SIZES = (3, 3, 2)  # the last window is closed early by emit_now
@@ -452,7 +452,7 @@ def test_device_groups_of_every_spelling():
   cannot read."""
 
   def groups(text):
-    return _hlo_collectives.group_sets(_Site('all-reduce', text), 4)
+    return collectives.group_sets(_Site('all-reduce', text), 4)
 
   assert groups('{{0,2},{1,3}}') == REPLICA_GROUPS
   assert groups('[2,2]<=[4]') == FSDP_GROUPS
@@ -491,7 +491,7 @@ def compiled_hsdp_step(layout, with_emit_now):
     flags = (
       helpers.put(np.zeros(count, bool), NamedSharding(mesh, P(flag_axes))),
     )
-  return _hlo.compiled_text(step, global_params, state, batch, *flags), mesh
+  return hlo.compiled_text(step, global_params, state, batch, *flags), mesh
 
 
 @pytest.mark.parametrize(
@@ -514,10 +514,10 @@ def test_hsdp_reduces_across_replicas_once_per_window(layout, with_emit_now):
   """
   text, mesh = compiled_hsdp_step(layout, with_emit_now)
   assert [d.id for d in mesh.devices.flat] == [0, 1, 2, 3]
-  sites = _hlo_collectives.compiled_collectives(text)
-  groups = {s.name: _hlo_collectives.group_sets(s, mesh.size) for s, _ in sites}
+  sites = collectives.compiled_collectives(text)
+  groups = {s.name: collectives.group_sets(s, mesh.size) for s, _ in sites}
 
-  every_step = _hlo_collectives.on_every_call(sites)
+  every_step = collectives.on_every_call(sites)
   across = [s for s in every_step if groups[s.name] != FSDP_GROUPS]
   within = [s for s in every_step if groups[s.name] == FSDP_GROUPS]
   if with_emit_now:

@@ -47,8 +47,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _hlo
-from optax_tokacc import _hlo_collectives
+from optax_tokacc.testing import hlo
+from optax_tokacc.testing import collectives
 
 # Explicit sharding (parameters typed reduced) and ZeRO-1 need jax >= 0.10.
 
@@ -534,13 +534,13 @@ def test_micro_step_gains_no_work():
   def step(state, grads, close=None):
     return tx.update(grads, state, params, num_tokens=2, close=close)
 
-  device = _hlo.compiled_text(step, state, params)
-  opcodes = _hlo.compiled_opcodes(device)
+  device = hlo.compiled_text(step, state, params)
+  opcodes = hlo.compiled_opcodes(device)
   assert opcodes['sqrt'] + opcodes['rsqrt'] > 0  # in the closing branch
-  every_call = _hlo.compiled_opcodes(device, into_branches=False)
+  every_call = hlo.compiled_opcodes(device, into_branches=False)
   assert every_call['sqrt'] == every_call['rsqrt'] == 0
-  host_micro = _hlo.compiled_text(step, state, params, close=False)
-  opcodes = _hlo.compiled_opcodes(host_micro)
+  host_micro = hlo.compiled_text(step, state, params, close=False)
+  opcodes = hlo.compiled_opcodes(host_micro)
   assert opcodes['sqrt'] == opcodes['rsqrt'] == 0
 
 
@@ -557,17 +557,17 @@ def test_closing_collectives():
   do not say what is split, two: the compiler all-reduces the gradient's
   squares where they are summed, before inner runs; test_sharded's
   partial-manual HSDP.)"""
-  sites = _hlo_collectives.compiled_collectives(
+  sites = collectives.compiled_collectives(
     placements.explicit_compiled_text('ddp', 'unreduced', sgd())
   )
   assert (
-    _hlo_collectives.on_every_call(sites) == []
-    and len(_hlo_collectives.in_branches(sites)) == 1
+    collectives.on_every_call(sites) == []
+    and len(collectives.in_branches(sites)) == 1
   )
-  sites = _hlo_collectives.compiled_collectives(
+  sites = collectives.compiled_collectives(
     placements.explicit_compiled_text('fsdp', 'replicated', sgd())
   )
-  window = _hlo_collectives.in_branches(sites)
+  window = collectives.in_branches(sites)
   assert [site.shapes for site in window] == [(('f32', (2,)),)]
 
 
@@ -584,8 +584,8 @@ def _closing_sites(layout, window_norms):
     text = placements.explicit_compiled_text(
       layout, spelling, sgd(), window_norms=window_norms
     )
-    return _hlo_collectives.in_branches(
-      _hlo_collectives.compiled_collectives(text)
+    return collectives.in_branches(
+      collectives.compiled_collectives(text)
     )
   layout = layout.removeprefix('zero1_')
   mesh, tx, step = placements.zero1_run(layout, window_norms=window_norms)
@@ -593,9 +593,9 @@ def _closing_sites(layout, window_norms):
     params, place = placements.zero1_placed(mesh, layout)
     state = placements.zero1_init(tx, params, mesh, layout)
     batch = place(helpers.zero1_windows()[0][0])
-    text = _hlo.compiled_text(step, params, state, batch)
-  return _hlo_collectives.in_branches(
-    _hlo_collectives.compiled_collectives(text)
+    text = hlo.compiled_text(step, params, state, batch)
+  return collectives.in_branches(
+    collectives.compiled_collectives(text)
   )
 
 
@@ -659,15 +659,15 @@ def test_without_window_norms_they_stay_nan_and_cost_nothing():
     assert int(metrics.tokens) == 4 and float(metrics.loss) == 1.0  # 4 / 4
     assert np.isnan(metrics.grad_norm) and np.isnan(metrics.update_norm)
     assert int(state.gradient_step) == 1
-    text = _hlo.compiled_text(step, state, grads, 1, close=close)
-    opcodes = _hlo.compiled_opcodes(text)
+    text = hlo.compiled_text(step, state, grads, 1, close=close)
+    opcodes = hlo.compiled_opcodes(text)
     assert opcodes['sqrt'] == opcodes['rsqrt'] == 0
   if jax.__version_info__ >= (0, 10):  # explicit types (test_explicit)
     text = placements.explicit_compiled_text(
       'fsdp', 'replicated', sgd(), window_norms=False
     )
     assert (
-      _hlo_collectives.in_branches(_hlo_collectives.compiled_collectives(text))
+      collectives.in_branches(collectives.compiled_collectives(text))
       == []
     )
 

@@ -41,8 +41,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _hlo
-from optax_tokacc import _hlo_collectives
+from optax_tokacc.testing import hlo
+from optax_tokacc.testing import collectives
 
 K = 3
 NUM_DEVICES = 4
@@ -339,8 +339,8 @@ def test_budget_costs_one_scalar_all_reduce_per_micro_step():
     )
     state = placements.shard_map_state(tx, params, mesh, 'data')
     step = placements.shard_map_step(tx, mesh, 'data', False)
-    text = _hlo.compiled_text(step, params, state, batch)
-    sites = _hlo_collectives.compiled_collectives(text)
+    text = hlo.compiled_text(step, params, state, batch)
+    sites = collectives.compiled_collectives(text)
     every_step = [site.shapes for site, path in sites if not path]
     assert every_step == expected
 

@@ -37,17 +37,17 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from optax_tokacc import _hlo
+from optax_tokacc.testing import hlo
 
 # The conditional branches from the entry computation to a collective:
 # (conditional's name, branch index) pairs, empty on the unconditional path.
 Path = tuple[tuple[str, int], ...]
-Site = tuple[_hlo.Instruction, Path]
+Site = tuple[hlo.Instruction, Path]
 MeshAxes = tuple[tuple[str, int], ...]  # ((name, size), ...)
 Record = dict[str, Any]  # kind, where, axes, group_size, bytes
 
 
-def collective_sites(module: _hlo.HloModule) -> list[Site]:
+def collective_sites(module: hlo.HloModule) -> list[Site]:
   """Every collective with the conditional branches that lead to it.
 
   Returns ``(instruction, path)`` pairs, where ``path`` is a tuple of
@@ -74,26 +74,26 @@ def collective_sites(module: _hlo.HloModule) -> list[Site]:
 
 def compiled_collectives(hlo_text: str) -> list[Site]:
   """:func:`collective_sites` of compiled HLO text."""
-  return collective_sites(_hlo.parse_hlo(hlo_text))
+  return collective_sites(hlo.parse_hlo(hlo_text))
 
 
-def on_every_call(sites: list[Site]) -> list[_hlo.Instruction]:
+def on_every_call(sites: list[Site]) -> list[hlo.Instruction]:
   """The collectives of ``sites`` outside every conditional's branches."""
   return [site for site, path in sites if not path]
 
 
-def in_branches(sites: list[Site]) -> list[_hlo.Instruction]:
+def in_branches(sites: list[Site]) -> list[hlo.Instruction]:
   """The collectives of ``sites`` inside a conditional's branch."""
   return [site for site, path in sites if path]
 
 
-def on_micro_step_path(sites: list[Site]) -> list[_hlo.Instruction]:
+def on_micro_step_path(sites: list[Site]) -> list[hlo.Instruction]:
   """The collectives of ``sites`` a micro-step runs: on every call, or in
   a branch other than the closing one (:func:`closing_only`)."""
   return [site for site, path in sites if not closing_only(path)]
 
 
-def on_closing_step_only(sites: list[Site]) -> list[_hlo.Instruction]:
+def on_closing_step_only(sites: list[Site]) -> list[hlo.Instruction]:
   """The collectives of ``sites`` that only the closing step runs."""
   return [site for site, path in sites if closing_only(path)]
 
@@ -118,7 +118,7 @@ def closing_only(path: Path) -> bool:
 
 
 def group_sets(
-  instruction: _hlo.Instruction, num_devices: int
+  instruction: hlo.Instruction, num_devices: int
 ) -> frozenset[frozenset[int]]:
   """The device groups of a collective as a frozenset of frozensets of
   device ids; an error naming the instruction and its ``replica_groups``

@@ -24,7 +24,7 @@ error names what it cannot read); :func:`reachable_opcodes` counts what a
 computation runs, inside the conditionals' branches or outside them;
 :func:`returns_its_parameters` says whether a program computes nothing;
 :func:`first_uses` what first computes with an argument. The collectives
-and the branches that lead to them are :mod:`._hlo_collectives`'.
+and the branches that lead to them are :mod:`.collectives`'.
 
 Not part of the public API: no promise is made about it between releases.
 """
@@ -74,6 +74,9 @@ _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRUE_FALSE = re.compile(r'\b(true|false)_computation=%?([\w.\-]+)')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _ROUNDS_TO = re.compile(r'exponent_bits=(\d+), mantissa_bits=(\d+)')
+# XLA:TPU's transfer between slices: a host-transfer send/recv pair that
+# the data-center network's runtime reduces, not a collective opcode.
+_TRANSFER = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
 _GROUPS = re.compile(
   r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\]'
   r'(?:T\([\d,]+\))?|mesh\[[^\]]*\]'
@@ -105,10 +108,15 @@ class Instruction:
   # A reduce-precision's format: (exponent_bits, mantissa_bits).
   rounds_to: Optional[tuple[int, ...]] = None
   op_name: str = ''  # its metadata's op_name: a parameter's argument path
+  # A send between TPU slices: the collective it carries ('ALL_REDUCE').
+  transfer: str = ''
 
   @property
   def collective(self) -> Optional[str]:
-    """The collective's kind (``'all-reduce'`` for its async start too)."""
+    """The collective's kind (``'all-reduce'`` for its async start too,
+    and for the ``send`` that carries it between TPU slices)."""
+    if self.transfer:
+      return self.transfer.lower().replace('_', '-')
     opcode = self.opcode
     if opcode.endswith(_ASYNC_SUFFIX):
       opcode = opcode[: -len(_ASYNC_SUFFIX)]
@@ -116,8 +124,11 @@ class Instruction:
 
   @property
   def num_bytes(self) -> int:
-    """Bytes of the result (of its second half for an async start)."""
+    """Bytes of the result (of its second half for an async start, of the
+    buffer a transfer between slices sends)."""
     shapes = self.shapes
+    if self.transfer:  # (buffer, context, token)
+      shapes = shapes[:1]
     if self.opcode.endswith(_ASYNC_SUFFIX) and len(shapes) > 1:
       shapes = shapes[len(shapes) // 2 :]
     return sum(
@@ -178,9 +189,10 @@ def _parse_instruction(
     rounds_to = tuple(int(bits) for bits in found.groups())
   op_name = _OP_NAME.search(rest)
   op_name = op_name.group(1).replace('\\', '') if op_name else ''
+  transfer = _TRANSFER.search(rest) if opcode == 'send' else None
   return Instruction(
     name, opcode, shapes, callees, branches, groups, operands, bool(root),
-    rounds_to, op_name,
+    rounds_to, op_name, transfer.group(1) if transfer else '',
   )  # fmt: skip
 
 
