@@ -110,11 +110,13 @@ def _trainer(case, layout, window_update, init_state, reference):
   )
 
 
-def _two_programs(case, layout, reference):
-  adamw = case.adamw
+def window_update(adamw: optax.GradientTransformation, layout):
+  """The ideal's jitted window update on ``layout``: ``(params,
+  opt_state, acc, acc_tokens) -> the same``, AdamW on the token mean,
+  the sums restarted (all donated)."""
 
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
-  def window_update(params, opt_state, acc, acc_tokens):
+  def update(params, opt_state, acc, acc_tokens):
     mean = jax.tree.map(
       lambda a, p: _mean(layout, a, acc_tokens, p), acc, params
     )
@@ -125,10 +127,15 @@ def _two_programs(case, layout, reference):
     zeros = _sum_zeros(layout, params)
     return params, opt_state, zeros, jnp.zeros_like(acc_tokens)
 
-  def init_state(params):
-    return adamw.init(jax.tree.map(layout.whole, params))
+  return update
 
-  return _trainer(case, layout, window_update, init_state, reference)
+
+def _two_programs(case, layout, reference):
+  def init_state(params):
+    return case.adamw.init(jax.tree.map(layout.whole, params))
+
+  update = window_update(case.adamw, layout)
+  return _trainer(case, layout, update, init_state, reference)
 
 
 def ideal(case: trainers.Case) -> trainers.Trainer:

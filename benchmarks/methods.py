@@ -47,7 +47,7 @@ def _gradients(model, loss, params, batch):
   return grads, {'num_tokens': num_tokens}
 
 
-def _user_step(model, tx, loss='sum'):
+def user_step(model, tx, loss='sum'):
   """A user's jitted step: gradient, ``tx.update``, ``apply_updates``
   (``close`` static, given to ``tx.update`` unless None)."""
 
@@ -66,7 +66,7 @@ def _optax(case, tx, loss='sum'):
   """``tx`` in a user's step; its compiled memory also for the optimizer
   part alone (``update``: the gradients given)."""
   model = case.model
-  step = _user_step(model, tx, loss)
+  step = user_step(model, tx, loss)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def update(params, opt_state, grads, num_tokens):
@@ -140,7 +140,7 @@ def _programs(
   ``init(tx, params, layout)`` lays its state out (default ``tx.init``);
   ``patch`` is entered while tracing (:data:`ABLATIONS`)."""
   tx = tokacc.token_weighted_multistep(case.adamw, case.k, **options)
-  step = _user_step(case.model, tx)
+  step = user_step(case.model, tx)
   with layout.context():
     params, windows = layout.place(case.model)
     opt_state = tx.init(params) if init is None else init(tx, params, layout)
