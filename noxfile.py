@@ -12,6 +12,11 @@
 - ``floors``: every declared floor (``pyproject.toml``'s ``name>=X``)
   installed exactly, by ``uv pip install --resolution lowest-direct``; the
   installed versions checked against the declared ones; the fast tests.
+- ``accelerators``: the accelerator tier (``tests/accelerators/``): the
+  training steps compiled on this CPU for H100, H200 and TPU v5e/v6e/v5p
+  targets by XLA:GPU and XLA:TPU (the ``accelerators`` extra), and what
+  their programs must hold; it fails if a test is skipped or fewer than
+  :data:`ACCELERATOR_TESTS` ran.
 - ``lint``: ruff, the version pinned here.
 - ``docs``: the site built with ``sphinx-build -W`` (its examples run in
   the tests sessions: ``tests/test_docs.py``).
@@ -28,6 +33,7 @@ import re
 import shutil
 import subprocess
 import tarfile
+from xml.etree import ElementTree
 
 import nox
 
@@ -82,6 +88,42 @@ def slow(session: nox.Session) -> None:
   session.install('-e', '.[test]')
   session.run(*PYTEST, '-m', 'slow')
   _report_versions(session)
+
+
+ACCELERATOR_TESTS = 30  # at least: the tier never passes by running nothing
+
+
+@nox.session(python=NEWEST)
+def accelerators(session: nox.Session) -> None:
+  session.install('--upgrade', 'pip')
+  session.install('-e', '.[test,accelerators]')
+  report = pathlib.Path(session.create_tmp()).resolve() / 'accelerators.xml'
+  session.run(
+    *PYTEST, 'tests/accelerators', '--dist', 'loadgroup',
+    f'--junitxml={report}',
+    env={'OPTAX_TOKACC_ACCELERATORS': '1', 'JAX_PLATFORMS': 'cpu'},
+  )  # fmt: skip
+  ran, skipped = _junit_counts(report)
+  session.log(f'accelerator tier: {ran} tests ran, {len(skipped)} skipped')
+  if skipped or ran < ACCELERATOR_TESTS:
+    session.error(
+      f'the accelerator tier ran {ran} tests (at least {ACCELERATOR_TESTS}) '
+      f'and skipped {skipped}: it must compile for every target'
+    )
+
+
+def _junit_counts(path: pathlib.Path) -> tuple[int, list[str]]:
+  """Tests that ran, and the names of those skipped (an expected failure,
+  ``xfail``, ran: it is not skipped)."""
+  root = ElementTree.parse(path).getroot()
+  cases = list(root.iter('testcase'))
+  skipped = [
+    case.get('name')
+    for case in cases
+    for mark in case.findall('skipped')
+    if mark.get('type') != 'pytest.xfail'
+  ]
+  return len(cases) - len(skipped), skipped
 
 
 @nox.session(python=NEWEST)

@@ -1,7 +1,8 @@
 """The installed versions are the floors that pyproject.toml declares.
 
 Every requirement of the dependencies and of the extras but ``docs`` (the
-site's tools, built at their newest) must read ``name>=floor``; each must be
+site's tools, built at their newest) and ``accelerators`` (the compilers,
+pinned exactly with the vendored GPU specs) must read ``name>=floor``; each must be
 installed at exactly its floor. The ``floors`` session of ``noxfile.py``
 installs them with ``uv pip install --resolution lowest-direct`` and runs
 this before the tests, so that a floor that is not the lowest version that
@@ -26,7 +27,7 @@ def main():
     project = tomllib.load(f)['project']
   requirements = list(project['dependencies'])
   for name, extra in project.get('optional-dependencies', {}).items():
-    if name != 'docs':
+    if name not in ('docs', 'accelerators'):
       requirements += extra
   problems = []
   for requirement in requirements:

@@ -33,6 +33,12 @@ import pytest
 
 NUM_DEVICES = 8
 PLATFORM = os.environ.get('OPTAX_TOKACC_TEST_PLATFORM', 'cpu')
+# The accelerator tier (tests/accelerators/: programs compiled for GPUs and
+# TPUs on this CPU) needs the compilers of the ``accelerators`` extra, and
+# runs in its own session (``nox -s accelerators``), which sets this: there
+# a missing compiler fails its tests; elsewhere the tier is not collected.
+ACCELERATORS = os.environ.get('OPTAX_TOKACC_ACCELERATORS') == '1'
+collect_ignore = [] if ACCELERATORS else ['accelerators']
 
 jax.config.update('jax_platforms', PLATFORM)
 if PLATFORM == 'cpu':
@@ -46,9 +52,11 @@ if ASSUMED_MATMUL_PRECISION is not None:
 
 def pytest_report_header():
   assumed = ASSUMED_MATMUL_PRECISION or "the platform's default (float32)"
+  tier = 'collected' if ACCELERATORS else 'not collected (nox -s accelerators)'
   return (
     f'optax_tokacc tests on {PLATFORM}, matmul precision: {assumed}; '
-    "tests marked platform_precision: the platform's default"
+    "tests marked platform_precision: the platform's default; "
+    f'accelerator tier: {tier}'
   )
 
 

@@ -58,8 +58,8 @@ import pytest
 
 import optax_tokacc as tokacc
 from optax_tokacc import _compat
-from optax_tokacc.testing import hlo
 from optax_tokacc import _typed_sharding
+from optax_tokacc.testing import hlo
 
 AUTO = jax.sharding.AxisType.Auto
 EXPLICIT_AXES = jax.sharding.AxisType.Explicit

@@ -26,8 +26,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc.testing import hlo
 from optax_tokacc.testing import collectives
+from optax_tokacc.testing import hlo
 
 K = 3
 WINDOW_SIZES = (3, 3, 2)  # the last window is closed early by emit_now

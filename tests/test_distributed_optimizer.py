@@ -24,9 +24,9 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc.testing import hlo
-from optax_tokacc.testing import collectives
 from optax_tokacc import _typed_sharding
+from optax_tokacc.testing import collectives
+from optax_tokacc.testing import hlo
 
 pytestmark = pytest.mark.skipif(
   not _typed_sharding.SUPPORTED, reason='explicit sharding needs jax >= 0.10'

@@ -23,8 +23,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc.testing import hlo
 from optax_tokacc.testing import collectives
+from optax_tokacc.testing import hlo
 
 pytestmark = placements.needs_typed_sharding
 
@@ -297,9 +297,7 @@ def test_hsdp_reduces_across_replicas_once_per_window():
         sorted(map(sorted, collectives.group_sets(site, 4))) == fsdp_groups
       ), site
     (norms,) = [s for s in window if sorted(s.shapes) == [('f32', (2,))]]
-    assert (
-      sorted(map(sorted, collectives.group_sets(norms, 4))) == fsdp_groups
-    )
+    assert sorted(map(sorted, collectives.group_sets(norms, 4))) == fsdp_groups
     (reduction,) = [s for s in window if s is not norms]
     assert (
       sorted(map(sorted, collectives.group_sets(reduction, 4)))

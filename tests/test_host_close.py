@@ -65,9 +65,9 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc.testing import hlo
-from optax_tokacc.testing import collectives
 from optax_tokacc import _typed_sharding
+from optax_tokacc.testing import collectives
+from optax_tokacc.testing import hlo
 
 NUM_DEVICES = 4
 SIZES = (2, 3, 1)  # micro-batches of each window, as the host closes them

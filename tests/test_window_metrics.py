@@ -47,8 +47,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc.testing import hlo
 from optax_tokacc.testing import collectives
+from optax_tokacc.testing import hlo
 
 # Explicit sharding (parameters typed reduced) and ZeRO-1 need jax >= 0.10.
 
@@ -584,9 +584,7 @@ def _closing_sites(layout, window_norms):
     text = placements.explicit_compiled_text(
       layout, spelling, sgd(), window_norms=window_norms
     )
-    return collectives.in_branches(
-      collectives.compiled_collectives(text)
-    )
+    return collectives.in_branches(collectives.compiled_collectives(text))
   layout = layout.removeprefix('zero1_')
   mesh, tx, step = placements.zero1_run(layout, window_norms=window_norms)
   with jax.set_mesh(mesh):
@@ -594,9 +592,7 @@ def _closing_sites(layout, window_norms):
     state = placements.zero1_init(tx, params, mesh, layout)
     batch = place(helpers.zero1_windows()[0][0])
     text = hlo.compiled_text(step, params, state, batch)
-  return collectives.in_branches(
-    collectives.compiled_collectives(text)
-  )
+  return collectives.in_branches(collectives.compiled_collectives(text))
 
 
 @placements.needs_typed_sharding
@@ -666,10 +662,7 @@ def test_without_window_norms_they_stay_nan_and_cost_nothing():
     text = placements.explicit_compiled_text(
       'fsdp', 'replicated', sgd(), window_norms=False
     )
-    assert (
-      collectives.in_branches(collectives.compiled_collectives(text))
-      == []
-    )
+    assert collectives.in_branches(collectives.compiled_collectives(text)) == []
 
 
 @pytest.mark.skipif(

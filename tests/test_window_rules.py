@@ -41,8 +41,8 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc.testing import hlo
 from optax_tokacc.testing import collectives
+from optax_tokacc.testing import hlo
 
 K = 3
 NUM_DEVICES = 4

@@ -91,6 +91,8 @@ class StepReport:
     optimizer_on_open_step: opcodes of the inner optimizer's work
       (``token_weighted_multistep``'s ``inner.update``) that an open
       micro-step runs: empty in every form the library promises.
+    optimizer_on_closing_step: the same for the closing step (where the
+      optimizer runs: empty only where ``inner`` does nothing).
     open_step: modelled cost of an open micro-step.
     closing_step: modelled cost of the step that closes a window.
     temp_bytes: the compiled temporaries (``memory_analysis()``).
@@ -101,6 +103,7 @@ class StepReport:
   collectives: tuple[Collective, ...]
   conditionals: int
   optimizer_on_open_step: tuple[str, ...]
+  optimizer_on_closing_step: tuple[str, ...]
   open_step: Cost
   closing_step: Cost
   temp_bytes: int
@@ -264,6 +267,7 @@ def check(step: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> StepReport:
     collectives=_collectives(module, mesh, devices),
     conditionals=len(hlo.instructions_of(module, 'conditional')),
     optimizer_on_open_step=optimizer_work(module, OPEN),
+    optimizer_on_closing_step=optimizer_work(module, CLOSING),
     open_step=step_cost(module, OPEN),
     closing_step=step_cost(module, CLOSING),
     temp_bytes=int(getattr(memory, 'temp_size_in_bytes', 0) or 0),

@@ -199,7 +199,7 @@ def spec_text(file_name: str) -> str:
   if jaxlib != SPEC_JAXLIB:
     raise RuntimeError(
       f'The vendored GPU spec {file_name} is for jaxlib {SPEC_JAXLIB}, whose '
-      f'parser it was taken with; this is jaxlib {jaxlib}. Install '
+      f'parser it was taken with; this is jaxlib {jaxlib}. Run '
       f'{INSTALL}, which pins both.'
     )
   return (
@@ -225,9 +225,12 @@ def _gpu_devices(kind: _Kind) -> list[jax.Device]:
 
 def _tpu_devices(kind: _Kind, num_slices: int) -> list[jax.Device]:
   # libtpu asks the metadata server where it runs unless told; told, it
-  # makes no network connection.
+  # makes no network connection. It also locks the TPU for one process
+  # (/tmp/libtpu_lockfile): none is here to lock, and processes that only
+  # compile (pytest's workers) must not wait on each other.
   os.environ.setdefault('TPU_ACCELERATOR_TYPE', kind.accelerator_type)
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   try:
     topology = topologies.get_topology_desc(
       topology_name=kind.topology, platform='tpu', num_slices=num_slices
