@@ -26,7 +26,9 @@ float32 and mixed, with each program's compiled conditionals, one open
 micro-step of each method profiled, and the dispatch check
 (:func:`run_benchmarks`); issue 46's targets judged on an accelerator
 (:func:`targets`), printed first (after the tests' verdict where they
-failed). ``results.json``, ``results.md`` and ``tests.log`` are written
+failed); last, the figures compiled here for the device's kind
+(``compiled.py``, not timed: an H100's, an H200's, a TPU v5e's or v6e's)
+or a line that says why there are none. ``results.json``, ``results.md`` and ``tests.log`` are written
 to ``--out`` after each part, so a run cut short keeps what it measured.
 A missing package or no accelerator: one line on stderr and exit status
 2. ``--cpu`` runs on the CPU (no tests: CI runs them there); ``--quick``
@@ -106,6 +108,9 @@ QUICK_TESTS = (
   'test_mean_reduction_equals_full_batch_with_unequal_tokens',
 )
 PACKAGES = ('numpy', 'jax', 'optax', 'flax', 'optax_tokacc')
+# Seconds kept, of the budget, for the figures compiled here for the
+# device's kind (benchmarks.compiled, in a process of its own on the CPU).
+COMPILED_S = 90.0
 
 
 def fail(message):
@@ -366,6 +371,18 @@ def write(folder, results):
     if 'targets' in results:
       f.write('\n'.join(results['targets']['lines']) + '\n\n')
     f.write(report.markdown(results, DISPATCH_METHODS))
+    f.write(compiled_here(results))
+
+
+def compiled_here(results):
+  """The figures compiled here for the device's kind (not timed), or
+  the line that says why there are none ('' before they are asked for)."""
+  here = results.get('compiled_here')
+  if here is None:
+    return ''
+  if 'not_compiled' in here:
+    return f'\nnot compiled: {here["not_compiled"]}\n'
+  return f'\n{here["markdown"]}'
 
 
 def print_summary(results, verdict):
@@ -382,6 +399,7 @@ def print_summary(results, verdict):
     print('\n'.join(report.markdown_tables(results, DISPATCH_METHODS)))
   for error in results['errors']:
     print(f'Error: {error}')
+  print(compiled_here(results), end='')
   sys.stdout.flush()
 
 
@@ -544,7 +562,14 @@ def main(argv=None):
       print(results['tests']['summary'], flush=True, file=sys.stderr)
   write(args.out, results)
   if not args.skip_benchmarks:
-    run_benchmarks(args, results, deadline)
+    from benchmarks import compiled  # noqa: PLC0415 - after preflight
+
+    kind = device.device_kind
+    reserve = COMPILED_S if compiled.target_for(kind) else 0.0
+    run_benchmarks(args, results, deadline - reserve)
+    left = max(deadline - time.perf_counter(), 30.0)
+    folder = os.path.join(args.out, 'compiled')
+    results['compiled_here'] = compiled.compile_apart(kind, folder, left)
   results['wall_s'] = time.perf_counter() - start
   write(args.out, results)
   print_summary(results, tests_verdict(results['tests']))

@@ -558,6 +558,16 @@ def test_device_check_summarizes_the_targets_first(device_check_results):
   assert 'no device plane' in profile or ' worst ' in profile, profile
 
 
+def test_device_check_says_why_nothing_was_compiled_here(device_check_results):
+  """The figures compiled for the device's kind (benchmarks.compiled):
+  a CPU has no such target, which one line says, last."""
+  results, markdown, stdout = device_check_results
+  why = "no compiled-here target of kind 'cpu'"
+  assert results['compiled_here'] == {'not_compiled': why}
+  assert markdown.rstrip().endswith(f'not compiled: {why}'), markdown
+  assert f'not compiled: {why}' in stdout
+
+
 def _profile(ratio, sized=0):
   return {
     'device_us': 100.0 * ratio,
@@ -770,3 +780,102 @@ def test_checkpoint_times_save_and_restore_on_any_devices(checkpoint_results):
     seconds = [*row['save_s'].values(), *row['restore_s'].values()]
     assert all(s > 0 for each in seconds for s in each), row
   assert results['machine']['commit'] and results['load_average']
+
+
+# benchmarks.compiled at smoke-test sizes: an H100 and a TPU v5e, the MLP
+# in float32 and mixed, k = 2 (4 sections, 24 programs: 44-47 CPU s, 80 s
+# to 2 min wall on 2 loaded cores).
+COMPILED_TARGETS = ('h100', 'tpu v5e 1x1')
+COMPILED_METHODS = ('ideal', 'tokacc_host', 'tokacc_device', 'multisteps')
+COMPILED_LIMIT_S = 900
+
+
+@pytest.fixture(scope='module')
+def compilers_missing():
+  """Why this Python cannot compile for an H100 and a TPU v5e (None: it
+  can): a process that asks ``optax_tokacc.testing`` for their devices
+  (the ``accelerators`` extra installs the compilers)."""
+  code = (
+    'from optax_tokacc import testing\n'
+    f'for name in {COMPILED_TARGETS!r}:\n'
+    '  testing.target(name)\n'
+  )
+  result = subprocess.run(
+    [sys.executable, '-c', code],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    cwd=REPO,
+    timeout=300,
+  )
+  if result.returncode == 0:
+    return None
+  lines = result.stderr.strip().splitlines() or ['no output']
+  return lines[-1]
+
+
+def run_compiled(out):
+  return run_script(
+    'compiled',
+    '--quick',
+    '--targets',
+    ','.join(COMPILED_TARGETS),
+    '--models',
+    'mlp,mlp_bf16',
+    '--k',
+    2,
+    '--out',
+    out,
+    limit_s=COMPILED_LIMIT_S,
+  )
+
+
+def test_compiled_figures_per_target(compilers_missing, tmp_path):
+  """Every method's open, closing and window figures on each target,
+  against the ideal of the same target; no collective on one device;
+  the files carry the commit and the command (issue 52, item 4)."""
+  if compilers_missing:
+    pytest.skip(f'no compilers for the accelerators: {compilers_missing}')
+  result = run_compiled(tmp_path)
+  assert result.returncode == 0, result.stdout + result.stderr
+  (found,) = tmp_path.glob('compiled_*.json')
+  results = json.loads(found.read_text())
+  markdown = found.with_suffix('.md').read_text()
+  head = results['header']
+  assert head['commit'] and head['commit'] in markdown
+  assert 'benchmarks.compiled --quick' in head['command']
+  assert head['command'] in markdown
+  assert head['versions']['libtpu'] and head['versions']['jax-cuda12-plugin']
+  sections = results['sections']
+  assert [(s['target'], s['model']) for s in sections] == [
+    (t, m) for t in COMPILED_TARGETS for m in ('mlp', 'mlp_bf16')
+  ]
+  for section in sections:
+    assert not section['device_kind'].lower().startswith('cpu'), section
+    rows = {(r['method'], r['step']): r for r in section['rows']}
+    assert {method for method, _ in rows} == set(COMPILED_METHODS)
+    for (method, step), row in rows.items():
+      assert row['collectives'] == 0, row
+      if method == 'ideal':
+        assert row['bytes_vs_ideal'] == 1 and row['temp_vs_ideal_bytes'] == 0
+      if step == 'window':  # k = 2: one open step, then the closing one
+        steps = (rows[method, 'open'], rows[method, 'closing'])
+        assert row['kernels'] == sum(s['kernels'] for s in steps), row
+        assert row['bytes'] == sum(s['bytes'] for s in steps), row
+    assert not any(section['optimizer_on_open_step'].values()), section
+    assert section['programs']['tokacc_host close=False']['conditionals'] == 0
+  assert '| h100 | mlp | tokacc_host |' in result.stdout
+
+
+def test_compiled_fails_loudly_without_the_compilers(
+  compilers_missing, tmp_path
+):
+  """Without the compilers: one line on stderr that names the target,
+  exit status 2, nothing compiled for the CPU instead."""
+  if not compilers_missing:
+    pytest.skip('the compilers for the accelerators are installed')
+  result = run_compiled(tmp_path)
+  assert result.returncode == 2, result.stdout + result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert lines[-1].startswith("compiled: not compiled for 'h100': "), lines
+  assert 'Traceback' not in result.stderr and not list(tmp_path.iterdir())
