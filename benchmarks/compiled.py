@@ -33,6 +33,7 @@ import argparse
 import importlib.metadata
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -160,7 +161,8 @@ def header(argv) -> dict:
       versions[name] = None
   return {
     **common.machine(),  # the machine that compiled, commit, date
-    'command': 'JAX_PLATFORMS=cpu ' + common.command('compiled', argv),
+    'command': 'JAX_PLATFORMS=cpu python -m benchmarks.compiled '
+    + shlex.join(sys.argv[1:] if argv is None else argv),
     'versions': versions,
   }
 
