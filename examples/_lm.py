@@ -17,14 +17,15 @@
 A byte-level causal transformer (Flax linen) and a corpus cut into
 variable-length sequences: each paragraph of the text is split into chunks
 of whole sentences of at most ``seq_len + 1`` bytes, then padded. Sequence
-lengths, and so the counted tokens of each micro-batch, vary a lot. Also a
-small reader of the collectives in a compiled step's HLO.
+lengths, and so the counted tokens of each micro-batch, vary a lot. Also
+the line that the examples print of a compiled step's collectives, read by
+``optax_tokacc.testing.check``.
 """
 
 import argparse
 import collections
+from collections.abc import Sequence
 import dataclasses
-import math
 import os
 import pathlib
 import re
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import optax_tokacc as tokacc
+from optax_tokacc import testing
 
 DEFAULT_CORPUS = pathlib.Path(__file__).parent / 'data' / 'persuasion.txt'
 VOCAB_SIZE = 256  # bytes
@@ -286,151 +288,32 @@ def count_params(params) -> int:
 
 # ----------------------------------------------------------- collectives
 
-_COLLECTIVES = (
-  'all-reduce',
-  'all-gather',
-  'reduce-scatter',
-  'all-to-all',
-  'ragged-all-to-all',
-  'collective-permute',
-  'collective-broadcast',
-)
-_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$')
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?[\w.\-]+ = (.*)$')
-_OPCODE = re.compile(r'(?:^|[\s)}\]])([a-z][a-z0-9\-]*)\(')
-_CALLEE = re.compile(r'\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)')
-_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
-_TRUE_FALSE = re.compile(r'\b(false|true)_computation=%?([\w.\-]+)')
-_IOTA = r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?'
-_DEVICE_IDS = r'\[[\d,]+\](?:T\([\d,]+\))?'
-_NAMED = (
-  r'mesh\[([^\]]*)\](?:, device_ids=\((' + _DEVICE_IDS + r')\))? \{([^}]*)\}'
-)
-_GROUPS = re.compile(
-  r'replica_groups=(\{\{[\d,{}]*\}\}|\{\}|' + _IOTA + '|' + _NAMED + ')'
-)
+
+def _counted(found: Sequence[testing.Collective]) -> collections.Counter:
+  """Collectives counted by (kind, the mesh axes they span, joined by +)."""
+  return collections.Counter((c.kind, c.axes.replace(',', '+')) for c in found)
 
 
-def _parse_hlo(text: str) -> tuple[dict[str, list[str]], str]:
-  """``({computation: [instruction text]}, entry)`` of compiled HLO text."""
-  computations, entry, current = {}, None, None
-  for line in text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header:
-      current = header.group(1)
-      computations[current] = []
-      entry = current if line.startswith('ENTRY') else entry
-    elif line.startswith('}'):
-      current = None
-    elif current is not None and _INSTRUCTION.match(line):
-      computations[current].append(_INSTRUCTION.match(line).group(1))
-  return computations, entry
+def describe_collectives(
+  report: testing.StepReport,
+  k: int,
+  closing_program: Optional[testing.StepReport] = None,
+) -> str:
+  """One line: the collectives per micro-step and per window of ``k``.
 
-
-def _branches(instruction: str) -> list[str]:
-  """A conditional's branch computations, in branch-index order."""
-  found = _BRANCHES.search(instruction)
-  if found:
-    return [b.strip().lstrip('%') for b in found.group(1).split(',')]
-  named = dict(_TRUE_FALSE.findall(instruction))
-  return [named['false'], named['true']] if named else []
-
-
-def _first_group(text: str, num_devices: int) -> Optional[np.ndarray]:
-  """The device ids of the first group of a ``replica_groups`` text.
-
-  Knows the explicit (``{{0,2},{1,3}}``), iota (``[2,2]<=[4]``, with an
-  optional transpose ``T(1,0)``) and named (``mesh['axis_0'=2,'axis_1'=2]
-  {'axis_1'}``, optionally with ``device_ids=([2,2]T(1,0))`` placing the
-  devices in the mesh) forms; ``{}`` is all devices. None for another form.
+  ``report`` is ``optax_tokacc.testing.check`` of the compiled micro-step:
+  an open micro-step runs its collectives outside the closing branch, and
+  the window adds those of the branch that closes it. Where the host
+  closes the window with a program of its own, ``closing_program`` is that
+  program's report: the window adds what it runs beyond an open step.
   """
-  ids = np.arange(num_devices)
-  if text == '{}':
-    return ids
-  if text.startswith('{{'):
-    return np.array(re.match(r'\{\{([\d,]*)\}', text).group(1).split(','), int)
-  if re.fullmatch(_IOTA, text):
-    shape, dims, perm = re.fullmatch(_IOTA, text).groups()
-    ids = ids.reshape([int(d) for d in dims.split(',')])
-    if perm:
-      ids = ids.transpose([int(p) for p in perm.split(',')])
-    return ids.reshape(int(shape.split(',')[0]), -1)[0]
-  named = re.fullmatch(_NAMED, text)
-  if not named:
-    return None
-  axes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", named[1])]
-  grouped = set(re.findall(r"'(\w+)'", named[3]))
-  if named[2]:  # device_ids=([dims]T(perm)): the devices in mesh order
-    dims, perm = re.fullmatch(
-      r'\[([\d,]+)\](?:T\(([\d,]+)\))?', named[2]
-    ).groups()
-    ids = ids.reshape([int(d) for d in dims.split(',')])
-    if perm:
-      ids = ids.transpose([int(p) for p in perm.split(',')])
-  ids = ids.reshape([n for _, n in axes])
-  order = sorted(range(len(axes)), key=lambda i: axes[i][0] in grouped)
-  size = math.prod(n for a, n in axes if a in grouped)
-  return ids.transpose(order).reshape(-1, size)[0]
-
-
-def _group_axes(instruction: str, mesh: jax.sharding.Mesh) -> str:
-  """The mesh axes a collective spans: those along which the devices of its
-  first replica group differ (device ``i`` is the mesh's ``i``-th); ``?``
-  for groups written in a form this reader does not know."""
-  found = _GROUPS.search(instruction)
-  if found:
-    group = _first_group(found.group(1), mesh.size)
-  elif (
-    'replica_groups=' in instruction or 'source_target_pairs=' in instruction
-  ):
-    group = None
-  else:  # all devices
-    group = np.arange(mesh.size)
-  if group is None:
-    return '?'
-  coordinates = np.unravel_index(group, mesh.devices.shape)
-  varying = [
-    name
-    for name, row in zip(mesh.axis_names, coordinates)
-    if len(set(row.tolist())) > 1
-  ]
-  return '+'.join(varying) or 'one device'
-
-
-def collectives(hlo_text: str, mesh: jax.sharding.Mesh):
-  """The collectives of a compiled micro-step, counted by (kind, axes).
-
-  Returns ``(every_call, emitting)``: the collectives outside any
-  conditional, which run on every micro-step, and those only in the taken
-  branch (branch 1) of conditionals, which run when the window closes
-  (``token_weighted_multistep`` closes it in one ``lax.cond``). A
-  collective in another branch is counted as run on every micro-step.
-  """
-  computations, entry = _parse_hlo(hlo_text)
-  every_call, emitting = collections.Counter(), collections.Counter()
-
-  def visit(name, emit, seen):
-    if name in seen or name not in computations:
-      return
-    for instruction in computations[name]:
-      opcode = _OPCODE.search(instruction)
-      kind = opcode.group(1).removesuffix('-start') if opcode else ''
-      if kind in _COLLECTIVES:
-        counter = emitting if emit else every_call
-        counter[kind, _group_axes(instruction, mesh)] += 1
-      for callee in _CALLEE.findall(instruction):
-        visit(callee, emit, seen | {name})
-      for index, branch in enumerate(_branches(instruction)):
-        visit(branch, (emit is not False) and index == 1, seen | {name})
-
-  visit(entry, None, frozenset())
-  return every_call, emitting
-
-
-def describe_collectives(every_call, emitting, k: int) -> str:
-  """One line: the collectives per micro-step and per window of ``k``."""
+  every_call = _counted(report.on_open_step())
+  if closing_program is None:
+    closing = _counted(report.on_closing_step_only())
+  else:
+    closing = _counted(closing_program.collectives) - every_call
   window = collections.Counter({key: k * n for key, n in every_call.items()})
-  window.update(emitting)
+  window.update(closing)
 
   def listed(counter):
     total = sum(counter.values())

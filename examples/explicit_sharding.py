@@ -72,6 +72,7 @@ import numpy as np
 import optax
 
 import optax_tokacc as tokacc
+from optax_tokacc import testing
 
 VOCAB = 256
 LEARNING_RATES = {'adamw': 3e-3, 'momentum': 0.3, 'sgd': 1.0}
@@ -324,14 +325,15 @@ def train(args, mesh, tx, params, opt_state, sequences):
 
 
 def print_collectives(args, step, params, opt_state, tokens, lengths, batch):
-  compiled = step.lower(
+  report = testing.check(
+    step,
     params,
     opt_state,
     jax.device_put(tokens, batch),
     jax.device_put(lengths, batch),
-  ).compile()
-  every_call, emitting = _lm.collectives(compiled.as_text(), batch.mesh)
-  print(_lm.describe_collectives(every_call, emitting, args.k))
+    mesh=batch.mesh,
+  )
+  print(_lm.describe_collectives(report, args.k))
 
 
 def per_device_bytes(tree) -> tuple[int, int]:

@@ -36,7 +36,7 @@ the number of devices):
   only, and one all-reduce across the replicas closes the window.
 
 Before training it prints the collectives of the compiled micro-step (read
-from its HLO) with the mesh axes they span: those run on every micro-step,
+by ``optax_tokacc.testing.check``) with the mesh axes they span: those run on every micro-step,
 and per window ``k`` times those plus the ones of the step that closes the
 window. On the default mesh, on one line::
 
@@ -81,6 +81,7 @@ import orbax.checkpoint as ocp
 from rich import progress
 
 import optax_tokacc as tokacc
+from optax_tokacc import testing
 from optax_tokacc.flax import TrainState
 
 AXES = ('data', 'replica', 'fsdp')
@@ -474,15 +475,16 @@ def compile_step(args, state, train_step, batch_sharding, seq_len):
   mesh = batch_sharding.mesh
   if not isinstance(train_step, HostClosed):
     compiled = train_step.lower(state, tokens, lengths).compile()
-    every_call, emitting = _lm.collectives(compiled.as_text(), mesh)
-    print(_lm.describe_collectives(every_call, emitting, args.k))
+    report = testing.check(compiled, mesh=mesh)
+    print(_lm.describe_collectives(report, args.k))
     return compiled
   keep_open, close = (
     step.lower(state, tokens, lengths).compile() for step in train_step
   )
-  every_call, _ = _lm.collectives(keep_open.as_text(), mesh)
-  closing, _ = _lm.collectives(close.as_text(), mesh)
-  print(_lm.describe_collectives(every_call, closing - every_call, args.k))
+  open_step, closing_step = (
+    testing.check(program, mesh=mesh) for program in (keep_open, close)
+  )
+  print(_lm.describe_collectives(open_step, args.k, closing_step))
   return HostClosed(keep_open, close)
 
 
