@@ -1,0 +1,279 @@
+# Copyright 2026 The optax_tokacc Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The accelerator tier's steps, compiled for targets that are not here.
+
+A placement of ``tests/placements.py`` is built on 8 fake CPU devices, as
+the other tests build it; its arguments become abstract values laid out
+the same way on a mesh of the target's devices (:func:`abstract_on`), and
+its step is lowered there (``Run.lower``). One-device steps are written
+here as a user writes them (:func:`one_device_programs`): the ideal's
+micro-step and window update, the step closed by the device, the host's
+two programs, and ``optax.MultiSteps``.
+"""
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import optax
+import placements
+
+import optax_tokacc as tokacc
+from optax_tokacc import testing
+
+K = 4  # micro-steps per window
+GPU_TARGETS = ('h100', 'h200')
+TPU_TARGETS = ('tpu v5e 1x1', 'tpu v6e 1x1')
+EIGHT_DEVICES = ('h100 x8', 'tpu v5e 2x4')
+CLOSE_MODES = {'device': None, 'host_open': False, 'host_closing': True}
+
+
+def _spec(x: Any) -> P:
+  """``x``'s spec, reduced and unreduced axes included where typed."""
+  sharding = x.sharding
+  mesh = sharding.mesh
+  explicit = any(
+    t == jax.sharding.AxisType.Explicit for t in getattr(mesh, 'axis_types', ())
+  )
+  return jax.typeof(x).sharding.spec if explicit else sharding.spec
+
+
+def mesh_of(tree: Any) -> Any:
+  """The mesh of the first leaf laid out on one (None: no leaf is, or
+  only on the mesh JAX makes for ``pmap``, whose axis is its own)."""
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, 'sharding', None)
+    if isinstance(sharding, NamedSharding):
+      internal = all(str(a).startswith('_') for a in sharding.mesh.axis_names)
+      return None if internal else sharding.mesh
+  return None
+
+
+def target_mesh(target: testing.Target, mesh: Any) -> jax.sharding.Mesh:
+  """A mesh of ``target``'s devices shaped, named and typed as ``mesh``."""
+  return target.mesh(
+    tuple(mesh.shape.values()), tuple(mesh.axis_names), mesh.axis_types
+  )
+
+
+def abstract_on(tree: Any, mesh: Any) -> Any:
+  """``tree``'s arrays as abstract values laid out on ``mesh`` as they are
+  on their own mesh (replicated there where they are on one device; no
+  sharding for ``pmap``'s stacked arrays, or with no ``mesh``)."""
+
+  def leaf(x):
+    sharding = getattr(x, 'sharding', None)
+    if mesh is None:
+      return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    spec = _spec(x) if isinstance(sharding, NamedSharding) else P()
+    return jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
+    )
+
+  return jax.tree.map(leaf, tree)
+
+
+def adamw_tx(axis_name: Any) -> optax.GradientTransformationExtraArgs:
+  return tokacc.token_weighted_multistep(
+    optax.adamw(1e-3), K, axis_name=axis_name
+  )
+
+
+def placement_report(
+  name: str, target: testing.Target, close: Any
+) -> testing.StepReport:
+  """``placements.PLACEMENTS[name]`` on 8 devices, compiled for ``target``
+  with ``close`` (None: the device decides)."""
+  import helpers  # noqa: PLC0415 - the tests' module, beside placements
+
+  run = placements.PLACEMENTS[name](8, adamw_tx)
+  batch = run.place(helpers.make_windows([K], 8)[0][0])
+  emit_now = run.emit(False)
+  cpu_mesh = run.mesh or mesh_of((run.params, run.state, batch))
+  if cpu_mesh is None:  # pmap: all 8 devices along its axis
+    mesh, on = target.mesh((8,), ('data',)), None
+  else:
+    mesh = on = target_mesh(target, cpu_mesh)
+  args = abstract_on((run.params, run.state, batch, emit_now), on)
+  lower = run.lower or placements.lower_jit(run.step)
+  return testing.check(lower(mesh, close, *args), mesh=mesh)
+
+
+class Model(NamedTuple):
+  """A memory-bound MLP: what an open micro-step's traffic is about."""
+
+  params: Any
+  batch: Any
+
+  @staticmethod
+  def loss_sum(params, batch):
+    hidden = batch['x'].astype(jax.tree.leaves(params)[0].dtype)
+    for i in range(len(params)):
+      hidden = hidden @ params[f'layer_{i}']['w'] + params[f'layer_{i}']['b']
+      if i < len(params) - 1:
+        hidden = jax.nn.relu(hidden)
+    return tokacc.token_cross_entropy(
+      hidden, batch['y'], where=batch['mask'] > 0
+    )
+
+  def loss_mean(self, params, batch):
+    loss, count = self.loss_sum(params, batch)
+    return loss / jnp.maximum(count, 1).astype(loss.dtype)
+
+
+def mlp(target: testing.Target, dtype: Any, width=1024, depth=4, rows=64):
+  """Abstract parameters and micro-batch of :class:`Model` on ``target``'s
+  first device: ``depth`` layers of ``width`` x ``width`` in ``dtype``."""
+
+  def on(shape, dt):
+    return jax.ShapeDtypeStruct(shape, dt, sharding=target.sharding())
+
+  params = {
+    f'layer_{i}': {'w': on((width, width), dtype), 'b': on((width,), dtype)}
+    for i in range(depth)
+  }
+  batch = {
+    'x': on((rows, width), jnp.float32),
+    'y': on((rows,), jnp.int32),
+    'mask': on((rows,), jnp.float32),
+  }
+  return Model(params, batch)
+
+
+def adamw_for(dtype: Any) -> optax.GradientTransformation:
+  """AdamW as mixed precision trains: its first moment in float32."""
+  mixed = jnp.dtype(dtype) != jnp.float32
+  return optax.adamw(1e-4, mu_dtype=jnp.float32 if mixed else None)
+
+
+def _ideal(model: Model, adamw: optax.GradientTransformation):
+  """The two-program ideal: ``acc + grad``, then one window update."""
+
+  @functools.partial(jax.jit, donate_argnums=(1, 2))
+  def micro_step(params, acc, acc_tokens, batch):
+    grads, count = jax.grad(model.loss_sum, has_aux=True)(params, batch)
+    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
+    return acc, acc_tokens + count
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+  def window_update(params, opt_state, acc, acc_tokens):
+    mean = jax.tree.map(
+      lambda a, p: (a / acc_tokens.astype(a.dtype)).astype(p.dtype),
+      acc,
+      params,
+    )
+    updates, opt_state = adamw.update(mean, opt_state, params)
+    zeros = jax.tree.map(jnp.zeros_like, acc)
+    return (
+      optax.apply_updates(params, updates),
+      opt_state,
+      zeros,
+      jnp.zeros_like(acc_tokens),
+    )
+
+  return micro_step, window_update
+
+
+def on_device(tree: Any, target: testing.Target) -> Any:
+  """Abstract values of ``tree``'s shapes on ``target``'s first device."""
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=target.sharding()
+    ),
+    tree,
+  )
+
+
+def _user_step(model: Model, tx: Any):
+  """A user's step: gradient, ``tx.update``, ``optax.apply_updates``."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames='close')
+  def step(params, opt_state, batch, close=None):
+    grads, count = jax.grad(model.loss_sum, has_aux=True)(params, batch)
+    updates, opt_state = tx.update(
+      grads, opt_state, params, num_tokens=count, close=close
+    )
+    return optax.apply_updates(params, updates), opt_state
+
+  return step
+
+
+def _multisteps_step(model: Model, tx: Any):
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch):
+    grads = jax.grad(model.loss_mean)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step
+
+
+@functools.cache
+def one_device_reports(
+  name: str, dtype_name: str, compensated: bool = False
+) -> dict[str, testing.StepReport]:
+  """Every program of the MLP on target ``name``'s first device: the
+  ideal's (``ideal_micro``, ``ideal_update``), ours by close mode
+  (:data:`CLOSE_MODES`) and ``multisteps``; with ``compensated`` a
+  bfloat16 accumulator with compensation, ours only."""
+  target = testing.target(name)
+  dtype = jnp.dtype(dtype_name)
+  model = mlp(target, dtype)
+  params, batch = model.params, model.batch
+  adamw = adamw_for(dtype)
+  reports = {}
+  options = {}
+  if compensated:
+    options = {'accumulator_dtype': jnp.bfloat16, 'compensated': True}
+  else:
+    micro_step, window_update = _ideal(model, adamw)
+    acc = on_device(
+      jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params
+      ),
+      target,
+    )
+    tokens = on_device(jax.ShapeDtypeStruct((), jnp.int32), target)
+    opt_state = on_device(jax.eval_shape(adamw.init, params), target)
+    reports['ideal_micro'] = testing.check(
+      micro_step, params, acc, tokens, batch
+    )
+    reports['ideal_update'] = testing.check(
+      window_update, params, opt_state, acc, tokens
+    )
+    multisteps = optax.MultiSteps(adamw, K)
+    reports['multisteps'] = testing.check(
+      _multisteps_step(model, multisteps),
+      params,
+      on_device(jax.eval_shape(multisteps.init, params), target),
+      batch,
+    )
+  tx = tokacc.token_weighted_multistep(adamw, K, **options)
+  step = _user_step(model, tx)
+  state = on_device(jax.eval_shape(tx.init, params), target)
+  for mode, close in CLOSE_MODES.items():
+    reports[mode] = testing.check(step, params, state, batch, close=close)
+  return reports
+
+
+def param_bytes(name: str, dtype_name: str) -> int:
+  """Bytes of the MLP's parameters (what 'parameter-sized' means)."""
+  model = mlp(testing.target(name), jnp.dtype(dtype_name))
+  return sum(
+    x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(model.params)
+  )
