@@ -31,7 +31,9 @@ not render it):
   fragment (PyTorch code, say); it is reported as skipped with REASON. Keep
   these few (``MAX_FRAGMENTS``).
 - ``<!-- docs-test: requires NAME>=VERSION -->``: the block runs only with
-  that version of the distribution NAME (e.g. ``jax>=0.9``) installed.
+  that version of the distribution NAME (e.g. ``jax>=0.9``) installed;
+  several, separated by commas, must all be (the compilers of the
+  ``accelerators`` extra: ``jax-cuda12-plugin>=0.12.0.1, libtpu>=0.0.51``).
 
 A block that imports a module that is not installed (``equinox``, which only
 the ``docs`` extra installs) is skipped, naming it.
@@ -150,16 +152,23 @@ def missing_requirement(block: Block) -> Optional[str]:
   for module in dict.fromkeys(imported):
     if importlib.util.find_spec(module) is None:
       return f"needs {module}: pip install -e '.[docs]'"
-  if block.requires:
-    name, floor = re.fullmatch(
-      r'([\w.-]+)\s*>=\s*(\S+)', block.requires
-    ).groups()
-    try:
-      installed = importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-      return f'needs {name}>={floor}: not installed'
-    if _version(installed) < _version(floor):
-      return f'needs {name}>={floor}: {installed} is installed'
+  for requirement in (block.requires or '').split(','):
+    if requirement.strip():
+      reason = _missing_distribution(requirement.strip())
+      if reason:
+        return reason
+  return None
+
+
+def _missing_distribution(requirement: str) -> Optional[str]:
+  """Why ``requirement`` (``name>=version``) is not met here, or None."""
+  name, floor = re.fullmatch(r'([\w.-]+)\s*>=\s*(\S+)', requirement).groups()
+  try:
+    installed = importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return f'needs {name}>={floor}: not installed'
+  if _version(installed) < _version(floor):
+    return f'needs {name}>={floor}: {installed} is installed'
   return None
 
 

@@ -152,3 +152,25 @@ def test_markers():
     doc_blocks.python_blocks(
       '<!-- docs-test: output -->\ntext\n```text\na\n```'
     )
+
+
+@pytest.mark.parametrize(
+  'requires, reason',
+  [
+    ('pytest>=1', None),
+    ('pytest>=1, not-a-distribution>=1', 'needs not-a-distribution>=1'),
+    ('not-a-distribution>=1, pytest>=1', 'needs not-a-distribution>=1'),
+    ('pytest>=1, pytest>=999', 'needs pytest>=999'),
+  ],
+)
+def test_requires_every_distribution(requires, reason):
+  """A block that requires several distributions (the accelerator compilers
+  of docs/checking_steps.md) runs only where every one is installed."""
+  (block,) = doc_blocks.python_blocks(
+    f'<!-- docs-test: requires {requires} -->\n```python\nprint(1)\n```'
+  )
+  missing = doc_blocks.missing_requirement(block)
+  if reason is None:
+    assert missing is None, missing
+  else:
+    assert missing is not None and missing.startswith(reason), missing
