@@ -85,13 +85,17 @@ def documented_names() -> set[str]:
       elif directive in ('autofunction', 'autoclass', 'autodata'):
         full = name if name.startswith('optax_tokacc') else f'{module}.{name}'
         names.add(full)
+      elif directive == 'automodule':  # a public submodule, with its members
+        names.add(name)
   return names
 
 
 def public_names() -> set[str]:
   import optax_tokacc
+  from optax_tokacc import testing
 
   names = {f'optax_tokacc.{name}' for name in optax_tokacc.__all__}
+  names.update(f'optax_tokacc.testing.{name}' for name in testing.__all__)
   if importlib.util.find_spec('flax') is not None:
     from optax_tokacc import flax as tokacc_flax
 
