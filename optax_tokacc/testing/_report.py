@@ -65,7 +65,8 @@ class Collective:
       closes), or ``'other branch'`` (counted as every call).
     axes: the mesh axes its device groups span (``'-'``: none, ``'?'``:
       unknown, ``'slices'``: the network between TPU slices).
-    group_size: devices per group (None where unknown).
+    group_size: devices per group (None where unknown, as between TPU
+      slices: XLA:TPU's transfer names no replica groups).
     bytes: the payload: the buffer reduced or gathered, on one device.
   """
 
@@ -77,6 +78,7 @@ class Collective:
 
   @property
   def across_slices(self) -> bool:
+    """Whether it crosses the data-center network between TPU slices."""
     return self.axes == 'slices'
 
 
@@ -193,7 +195,7 @@ def _collectives(module: hlo.HloModule, mesh: Any, num_devices: int):
     if instruction.collective == 'reduce-scatter' and size:
       payload *= size  # its operand: the result times the group
     if instruction.transfer:
-      axes = 'slices'
+      axes, size = 'slices', None
     elif axes_of:
       axes = collectives.group_axes(groups, axes_of)
     else:
@@ -219,7 +221,7 @@ def _compiled(step: Any, args: tuple, kwargs: dict) -> Any:
   try:
     return step.lower(*args, **kwargs).compile()
   except Exception as error:
-    if not _compile_only(args, kwargs):
+    if not (_compile_only(args, kwargs) and _ran_eagerly(error)):
       raise
     raise RuntimeError(
       f'The step could not be compiled for devices that only compile '
@@ -228,6 +230,13 @@ def _compiled(step: Any, args: tuple, kwargs: dict) -> Any:
       'give the step abstract arguments instead: jax.ShapeDtypeStruct with '
       'a sharding on the target, e.g. from jax.eval_shape.'
     ) from error
+
+
+def _ran_eagerly(error: Exception) -> bool:
+  """Whether ``error`` is of the kinds a compile-only client gives an
+  operation that would run: XLA's (no host buffers there) or a missing
+  attribute (its executables have no local devices)."""
+  return isinstance(error, (jax.errors.JaxRuntimeError, AttributeError))
 
 
 def _compile_only(args: tuple, kwargs: dict) -> bool:

@@ -105,6 +105,7 @@ class Target:
 
   @property
   def device_kind(self) -> str:
+    """What its devices call themselves (``'NVIDIA H100 80GB HBM3'``)."""
     return self.devices[0].device_kind
 
   def sharding(self) -> jax.sharding.Sharding:

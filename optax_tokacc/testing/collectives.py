@@ -27,7 +27,8 @@ that closes the window. Payload: the bytes of the unsharded buffer on one
 device (all-reduce: its operand; all-gather: its result; reduce-scatter: its
 operand).
 
-Not part of the public API: no promise is made about it between releases.
+Public, as :mod:`optax_tokacc.testing`'s reader underneath, for checks of
+your own; :func:`optax_tokacc.testing.check` is the summary most need.
 """
 
 import collections

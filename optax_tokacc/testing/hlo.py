@@ -26,7 +26,8 @@ computation runs, inside the conditionals' branches or outside them;
 :func:`first_uses` what first computes with an argument. The collectives
 and the branches that lead to them are :mod:`.collectives`'.
 
-Not part of the public API: no promise is made about it between releases.
+Public, as :mod:`optax_tokacc.testing`'s reader underneath, for checks of
+your own; :func:`optax_tokacc.testing.check` is the summary most need.
 """
 
 import collections
