@@ -271,8 +271,9 @@ def compile_apart(device_kind: str, folder: str, limit_s: float) -> dict:
   except subprocess.TimeoutExpired:
     return {'not_compiled': f'{target}: not done in {limit_s:.0f} s'}
   if done.returncode != 0:
-    lines = done.stderr.strip().splitlines() or ['no output']
-    return {'not_compiled': f'{target}: {lines[-1]}'}
+    line = (done.stderr.strip().splitlines() or ['no output'])[-1]
+    line = line.removeprefix(f'compiled: not compiled for {target!r}: ')
+    return {'not_compiled': f'{target}: {line}'}
   markdown = re.sub('^#', '##', done.stdout, flags=re.MULTILINE)
   return {'target': target, 'markdown': markdown, 'folder': folder}
 
