@@ -93,7 +93,20 @@ def _state_specs_like_params(
   args = dict(
     transform_non_params=lambda _: jax.P(), is_leaf=_optimizer_shards.is_masked
   )
-  return optax.tree_map_params(tx, param_spec, abstract, specs, params, **args)
+  return _traced(
+    optax.tree_map_params, tx, param_spec, abstract, specs, params, **args
+  )
+
+
+def _traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+  """``fn(*args, **kwargs)``, a tree of Python values (specs), computed
+  inside a ``jax.eval_shape`` trace: ``optax.tree_map_params`` runs
+  ``tx.init``, whose arrays are then abstract. Made eagerly, they would be
+  placed on the mesh set around the call, whose devices may only compile
+  (ahead of time, for an accelerator that is not here)."""
+  found = []
+  jax.eval_shape(lambda: found.append(fn(*args, **kwargs)))
+  return found[0]
 
 
 def state_partition_specs(
