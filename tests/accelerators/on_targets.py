@@ -94,14 +94,25 @@ def adamw_tx(axis_name: Any) -> optax.GradientTransformationExtraArgs:
   )
 
 
+def compensated_tx(axis_name: Any) -> optax.GradientTransformationExtraArgs:
+  """A bfloat16 accumulator with compensation (TwoSum)."""
+  return tokacc.token_weighted_multistep(
+    optax.adamw(1e-3),
+    K,
+    axis_name=axis_name,
+    accumulator_dtype=jnp.bfloat16,
+    compensated=True,
+  )
+
+
 def placement_report(
-  name: str, target: testing.Target, close: Any
+  name: str, target: testing.Target, close: Any, make_tx: Any = adamw_tx
 ) -> testing.StepReport:
-  """``placements.PLACEMENTS[name]`` on 8 devices, compiled for ``target``
-  with ``close`` (None: the device decides)."""
+  """``placements.PLACEMENTS[name]`` on 8 devices with ``make_tx(axis)``,
+  compiled for ``target`` with ``close`` (None: the device decides)."""
   import helpers  # noqa: PLC0415 - the tests' module, beside placements
 
-  run = placements.PLACEMENTS[name](8, adamw_tx)
+  run = placements.PLACEMENTS[name](8, make_tx)
   batch = run.place(helpers.make_windows([K], 8)[0][0])
   emit_now = run.emit(False)
   cpu_mesh = run.mesh or mesh_of((run.params, run.state, batch))

@@ -46,6 +46,7 @@ import functools
 
 import helpers
 import jax
+import jax.numpy as jnp
 import on_targets
 import placements
 import pytest
@@ -196,6 +197,31 @@ def test_no_optimizer_work_on_an_open_micro_step(name, target, mode):
   assert found.optimizer_on_open_step == (), _listed(found)
   assert 'sqrt' in found.optimizer_on_closing_step, _listed(found)
   assert found.conditionals >= 1
+
+
+@pytest.mark.parametrize(
+  ('name', 'target', 'mode'), _cases(tuple(placements.PLACEMENTS), ('device',))
+)
+def test_compensated_accumulation_keeps_its_rounding_on_every_device(
+  name, target, mode
+):
+  """A bfloat16 accumulator with compensation, in every placement: TwoSum's
+  rounding forced on the path every micro-step runs (one per leaf at
+  least), no optimizer work there, and the deferral as in float32."""
+  found = on_targets.placement_report(
+    name, testing.target(target), None, on_targets.compensated_tx
+  )
+  module = testing.hlo.parse_hlo(found.text)
+  info = jnp.finfo(jnp.bfloat16)
+  roundings = [
+    i
+    for i in testing.hlo.reachable_instructions(module, into_branches=False)
+    if i.rounds_to == (info.nexp, info.nmant)
+  ]
+  assert len(roundings) >= len(helpers.init_params()), found.summary()
+  assert found.optimizer_on_open_step == (), found.summary()
+  if name in DEFERRED:
+    assert not gradient_sized(found.on_open_step(), P // 2), found.summary()
 
 
 @functools.cache
