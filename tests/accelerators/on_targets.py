@@ -39,7 +39,7 @@ from optax_tokacc import testing
 K = 4  # micro-steps per window
 GPU_TARGETS = ('h100', 'h200')
 TPU_TARGETS = ('tpu v5e 1x1', 'tpu v6e 1x1')
-EIGHT_DEVICES = ('h100 x8', 'tpu v5e 2x4')
+EIGHT_DEVICES = ('h100 x8', 'h200 x8', 'tpu v5e 2x4', 'tpu v6e 2x4')
 CLOSE_MODES = {'device': None, 'host_open': False, 'host_closing': True}
 
 

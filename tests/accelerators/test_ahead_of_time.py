@@ -16,8 +16,8 @@
 abstract values laid out on devices that only compile, as a trainer that
 compiles its step before it rents the accelerators calls them.
 
-Each helper is called under ``jax.set_mesh`` with a mesh of 8 H100s or of
-a TPU v5e 2x4, on ``jax.ShapeDtypeStruct`` parameters, and inside
+Each helper is called under ``jax.set_mesh`` with a mesh of 8 H100s, 8
+H200s, or a TPU v5e or v6e 2x4, on ``jax.ShapeDtypeStruct`` parameters, and inside
 ``jax.eval_shape``; what it gives must be what it gives for the same
 layout on 8 fake CPU devices (the tests' ``jax.devices()``), where it
 runs: the same specs, and the same shardings up to the mesh's devices.
