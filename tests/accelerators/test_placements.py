@@ -17,10 +17,9 @@ each one promises (issue 52).
 
 Each entry of ``placements.PLACEMENTS`` is built on 8 fake CPU devices and
 compiled for 8 x H100, 8 x H200, and 8-chip TPU v5e and v6e slices, in
-each close mode (the
-device decides; the host's open and closing programs). The model is the
-tests' (``helpers.init_params``: :data:`P` bytes of parameters), AdamW,
-k = 4. A scalar collective (at most :data:`SCALAR` bytes) is the step's
+each close mode (the device decides; the host's open and closing
+programs). The model is the tests' (``helpers.init_params``: :data:`P`
+bytes of parameters), AdamW, k = 4. A scalar collective (at most :data:`SCALAR` bytes) is the step's
 own (the user's token count and loss summed over the batch) or the
 library's agreement on ``emit_now`` over devices; the window's gradients
 are what the promises are about:
