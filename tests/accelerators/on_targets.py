@@ -24,6 +24,7 @@ two programs, and ``optax.MultiSteps``.
 """
 
 import functools
+import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -32,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import optax
 import placements
+import pytest
 
 import optax_tokacc as tokacc
 from optax_tokacc import testing
@@ -41,6 +43,23 @@ GPU_TARGETS = ('h100', 'h200')
 TPU_TARGETS = ('tpu v5e 1x1', 'tpu v6e 1x1')
 EIGHT_DEVICES = ('h100 x8', 'h200 x8', 'tpu v5e 2x4', 'tpu v6e 2x4')
 CLOSE_MODES = {'device': None, 'host_open': False, 'host_closing': True}
+
+
+def on_target(target: str, *values: Any, marks: tuple = ()) -> Any:
+  """A test case on ``target`` (its first value): the tests of one target
+  share an ``xdist_group``, so that its programs compile once per worker
+  (``one_device_reports`` caches them) and TPU compiles stay together."""
+  return pytest.param(
+    target,
+    *values,
+    marks=(pytest.mark.xdist_group(target), *marks),
+    id='-'.join(map(str, (target, *values))),
+  )
+
+
+def grid(targets: tuple, *axes: tuple) -> list:
+  """:func:`on_target` cases for every target and combination of ``axes``."""
+  return [on_target(t, *v) for t in targets for v in itertools.product(*axes)]
 
 
 def _spec(x: Any) -> P:

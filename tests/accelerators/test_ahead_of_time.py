@@ -86,18 +86,7 @@ def _specs(shardings):
   return jax.tree.map(lambda s: s.spec, shardings)
 
 
-def _cases():
-  for target in on_targets.EIGHT_DEVICES:
-    for layout in LAYOUTS:
-      yield pytest.param(
-        target,
-        layout,
-        marks=pytest.mark.xdist_group(target),
-        id=f'{target}-{layout}',
-      )
-
-
-CASES = list(_cases())
+CASES = on_targets.grid(on_targets.EIGHT_DEVICES, tuple(LAYOUTS))
 
 
 @functools.cache

@@ -110,18 +110,7 @@ def figures(target, dtype, mode):
   )
 
 
-def _cases():
-  for target in TARGETS:
-    for dtype in DTYPES:
-      yield pytest.param(
-        target,
-        dtype,
-        marks=pytest.mark.xdist_group(target),
-        id=f'{target}-{dtype}',
-      )
-
-
-CASES = list(_cases())
+CASES = on_targets.grid(TARGETS, DTYPES)
 
 
 @pytest.mark.parametrize(('target', 'dtype'), CASES)
@@ -174,9 +163,7 @@ def test_no_worse_than_today_against_the_ideal(target, dtype, mode):
 
 
 @pytest.mark.parametrize('mode', ('device', 'host_open'))
-@pytest.mark.parametrize(
-  'target', [pytest.param(t, marks=pytest.mark.xdist_group(t)) for t in TARGETS]
-)
+@pytest.mark.parametrize('target', [on_targets.on_target(t) for t in TARGETS])
 def test_compensated_accumulation_keeps_its_rounding(target, mode):
   """TwoSum's rounding to the bfloat16 accumulator, a ``reduce-precision``
   on the path every micro-step runs, one per leaf at least, after the

@@ -74,23 +74,9 @@ def report(name, target, mode):
   return on_targets.placement_report(name, testing.target(target), close)
 
 
-def _case_params(names, modes):
-  for target in on_targets.EIGHT_DEVICES:
-    for name in names:
-      if not placements.supported(name):
-        continue
-      for mode in modes:
-        yield pytest.param(
-          name,
-          target,
-          mode,
-          marks=pytest.mark.xdist_group(target),
-          id=f'{target}-{name}-{mode}',
-        )
-
-
 def _cases(names, modes=tuple(on_targets.CLOSE_MODES)):
-  return list(_case_params(names, modes))
+  supported = tuple(n for n in names if placements.supported(n))
+  return on_targets.grid(on_targets.EIGHT_DEVICES, supported, modes)
 
 
 def gradient_sized(collectives, at_least=P):
@@ -101,7 +87,7 @@ def _listed(report_):
   return report_.summary()
 
 
-@pytest.mark.parametrize(('name', 'target', 'mode'), _cases(DEFERRED))
+@pytest.mark.parametrize(('target', 'name', 'mode'), _cases(DEFERRED))
 def test_deferred_placements_reduce_once_per_window(name, target, mode):
   found = report(name, target, mode)
   if mode == 'host_closing':  # every call closes a window
@@ -117,25 +103,21 @@ def test_deferred_placements_reduce_once_per_window(name, target, mode):
 
 
 def _zero1_cases():
-  for case in _cases(('zero1',), ('device', 'host_closing')):
-    _, target, _ = case.values
+  for target in on_targets.EIGHT_DEVICES:
+    marks = ()
     if target.startswith('tpu'):
-      case = pytest.param(
-        *case.values,
-        marks=[
-          *case.marks,
-          pytest.mark.xfail(
-            strict=True,
-            reason='issue 54: XLA:TPU turns the reduce-scatter of a small '
-            "leaf into an all-reduce of the whole window's gradients",
-          ),
-        ],
-        id=case.id,
+      marks = (
+        pytest.mark.xfail(
+          strict=True,
+          reason='issue 54: XLA:TPU turns the reduce-scatter of a small '
+          "leaf into an all-reduce of the whole window's gradients",
+        ),
       )
-    yield case
+    for mode in ('device', 'host_closing'):
+      yield on_targets.on_target(target, 'zero1', mode, marks=marks)
 
 
-@pytest.mark.parametrize(('name', 'target', 'mode'), list(_zero1_cases()))
+@pytest.mark.parametrize(('target', 'name', 'mode'), list(_zero1_cases()))
 def test_zero1_reduce_scatters_the_window_into_the_optimizer_shards(
   name, target, mode
 ):
@@ -146,7 +128,7 @@ def test_zero1_reduce_scatters_the_window_into_the_optimizer_shards(
   assert [c.kind for c in reductions] == ['reduce-scatter'], _listed(found)
 
 
-@pytest.mark.parametrize(('name', 'target', 'mode'), _cases(SUMMED_BY_AUTODIFF))
+@pytest.mark.parametrize(('target', 'name', 'mode'), _cases(SUMMED_BY_AUTODIFF))
 def test_gradients_summed_by_autodiff_are_reduced_every_micro_step(
   name, target, mode
 ):
@@ -158,7 +140,7 @@ def test_gradients_summed_by_autodiff_are_reduced_every_micro_step(
   assert every_call[0].bytes == P, _listed(found)
 
 
-@pytest.mark.parametrize(('name', 'target', 'mode'), _cases(FSDP))
+@pytest.mark.parametrize(('target', 'name', 'mode'), _cases(FSDP))
 def test_fsdp_reduces_every_micro_step_and_adds_nothing_of_gradient_size(
   name, target, mode
 ):
@@ -170,7 +152,7 @@ def test_fsdp_reduces_every_micro_step_and_adds_nothing_of_gradient_size(
   assert found.on_open_step(), _listed(found)
 
 
-@pytest.mark.parametrize(('name', 'target', 'mode'), _cases(HSDP))
+@pytest.mark.parametrize(('target', 'name', 'mode'), _cases(HSDP))
 def test_hsdp_reduces_across_replicas_once_per_window(name, target, mode):
   found = report(name, target, mode)
   shard = P // 4  # the parameters over fsdp (2 x 4 devices: fsdp = 4)
@@ -190,7 +172,7 @@ def test_hsdp_reduces_across_replicas_once_per_window(name, target, mode):
 
 
 @pytest.mark.parametrize(
-  ('name', 'target', 'mode'), _cases(tuple(placements.PLACEMENTS), ('device',))
+  ('target', 'name', 'mode'), _cases(tuple(placements.PLACEMENTS), ('device',))
 )
 def test_no_optimizer_work_on_an_open_micro_step(name, target, mode):
   found = report(name, target, mode)
@@ -200,7 +182,7 @@ def test_no_optimizer_work_on_an_open_micro_step(name, target, mode):
 
 
 @pytest.mark.parametrize(
-  ('name', 'target', 'mode'), _cases(tuple(placements.PLACEMENTS), ('device',))
+  ('target', 'name', 'mode'), _cases(tuple(placements.PLACEMENTS), ('device',))
 )
 def test_compensated_accumulation_keeps_its_rounding_on_every_device(
   name, target, mode
