@@ -188,7 +188,9 @@ class TokenWeightedMultiStepState(NamedTuple):
       error of ``grad_sums`` (Kahan summation), a tree like ``grad_sums``;
       zeros between windows, like ``grad_sums``; ``()`` otherwise.
     dropped_windows: windows dropped because their token count was invalid
-      (int32, saturating). A dropped window emits zero updates and no step.
+      (a total beyond the counter, or outside the range a floating one
+      honours, included; int32, saturating). A dropped window emits zero
+      updates and no step.
     last_grad_norm: global L2 norm of the last emitted window's token-mean
       gradient (what ``inner`` received), float32; NaN before the first.
     last_update_norm: global L2 norm of its emitted update, likewise.

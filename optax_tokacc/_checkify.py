@@ -44,8 +44,9 @@ def with_input_checks(
   - ``num_tokens`` is negative (or NaN);
   - ``loss`` is not finite;
   - the window that closes at this call was dropped (its token count, summed
-    over the window and the devices, does not fit ``token_dtype``, or a
-    count was fractional under the int32 counter).
+    over the window and the devices, does not fit ``token_dtype`` or the
+    range a floating one honours, or a count was fractional under the
+    int32 counter, or infinite or below that range under a floating one).
 
   Updates and state are exactly those of ``tx``. As with any
   ``checkify.check``, the train step must be functionalized with
@@ -103,8 +104,10 @@ def with_input_checks(
     check(
       find_state(new_state).dropped_windows == before.dropped_windows,
       'the window closed at mini_step={mini_step}, gradient_step='
-      '{gradient_step} was dropped: its token count overflows token_dtype, or '
-      'a num_tokens was negative, NaN or fractional under an integer counter.',
+      '{gradient_step} was dropped: its token count overflows token_dtype (or '
+      'the range a floating one honours), or a num_tokens was negative, NaN '
+      'or fractional under an integer counter (infinite or below that range '
+      'under a floating one).',
     )
     return new_updates, new_state
 

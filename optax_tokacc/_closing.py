@@ -72,12 +72,14 @@ class _Sums(NamedTuple):
   """The window summed over the devices: what ``inner``'s step reads."""
 
   sums: optax.Updates
-  divisor: jax.Array  # its count, at least 1
+  divisor: jax.Array  # its count, or 1 where it has none (``_tokens``)
   mean_loss: jax.Array
-  # The sums' squares (``place.squares``), taken before ``inner`` runs:
-  # a norm of the mean taken beside ``inner`` kept the sums alive, and the
-  # buffer that holds the updates was copied (a parameter-sized temporary).
+  # The squares (``place.squares``) of the sums or of their mean
+  # (:func:`_squares`), taken before ``inner`` runs: a norm of the mean
+  # taken beside ``inner`` kept the sums alive, and the buffer that holds
+  # the updates was copied (a parameter-sized temporary).
   squares: dict
+  squares_divisor: jax.Array  # what their norms are divided by
 
 
 class _Inner(NamedTuple):
@@ -108,7 +110,7 @@ def _reduce(ctx: Context, window: _base.Window) -> tuple[_Sums, _base.Closed]:
     sums, window.acc_tokens, window.acc_loss
   )
   total, valid = _tokens.from_parts(parts, config.token_dtype)
-  divisor = jnp.maximum(total, 1)
+  divisor = _tokens.divisor(total)
   mean_loss = loss_sum / divisor.astype(loss_sum.dtype)
   closed = _base.Closed(
     emitted=jnp.logical_and(valid, total > 0),
@@ -117,10 +119,36 @@ def _reduce(ctx: Context, window: _base.Window) -> tuple[_Sums, _base.Closed]:
     mean_loss=mean_loss,
     norms=_norms.nan(config, sums),
   )
-  squares = {}
+  squares, squares_divisor = {}, divisor
   if config.norms:
-    squares = ctx.place.squares(sums, config.leaf_norms)
-  return _Sums(sums, divisor, mean_loss, squares), closed
+    squares, squares_divisor = _squares(ctx, sums, divisor)
+  return _Sums(sums, divisor, mean_loss, squares, squares_divisor), closed
+
+
+def _mean(s: jax.Array, divisor: jax.Array) -> jax.Array:
+  """A sum over its count: one reciprocal, multiplied, in the sum's
+  dtype, at least float32, or the count's if wider (float64 weights)."""
+  # One reciprocal: the same arithmetic in every program (XLA turns a
+  # division by a broadcast scalar into this in some programs only: host-
+  # and device-closed windows differed by a rounding).
+  wide = jnp.promote_types(
+    jnp.promote_types(s.dtype, jnp.float32), divisor.dtype
+  )
+  return s.astype(wide) * (1 / divisor.astype(wide))
+
+
+def _squares(
+  ctx: Context, sums: optax.Updates, divisor: jax.Array
+) -> tuple[dict, jax.Array]:
+  """The squares that the window's norms are taken from, and what those
+  norms are divided by: of the sums, divided by an integer count; of the
+  mean under a floating one, whose sums of small weights have squares
+  below float32's range (and of large ones above it)."""
+  if jnp.issubdtype(divisor.dtype, jnp.integer):
+    return ctx.place.squares(sums, ctx.config.leaf_norms), divisor
+  means = jax.tree.map(lambda s: _mean(s, divisor), sums)
+  squares = ctx.place.squares(means, ctx.config.leaf_norms)
+  return squares, jnp.ones_like(divisor)
 
 
 def _step(
@@ -138,16 +166,9 @@ def _step(
   updates are -0.0 and the state is kept unless ``emitted``: selects,
   where the device uses a ``cond``."""
   config, place = ctx.config, ctx.place
-
-  def mean(s):
-    # One reciprocal, multiplied: the same arithmetic in every program (XLA
-    # turns a division by a broadcast scalar into this in some programs
-    # only: host- and device-closed windows differed by a rounding).
-    wide = jnp.promote_types(s.dtype, jnp.float32)
-    return s.astype(wide) * (1 / summed.divisor.astype(wide))
-
   value = {'value': summed.mean_loss} if ctx.extra.with_loss else {}
-  mean_grads = optax.tree.cast_like(jax.tree.map(mean, summed.sums), ctx.grads)
+  means = jax.tree.map(lambda s: _mean(s, summed.divisor), summed.sums)
+  mean_grads = optax.tree.cast_like(means, ctx.grads)
   plain_inner = place.inner_types(opt_state)
   with jax.named_scope(_base.INNER_UPDATE_SCOPE):
     updates, new_inner = config.inner.update(
@@ -162,7 +183,7 @@ def _step(
   if config.norms:
     found = place.norms(summed.sums, summed.squares, updates, config.leaf_norms)
     norms = _norms.of_window(
-      found, summed.divisor, ctx.grads, config.leaf_norms
+      found, summed.squares_divisor, ctx.grads, config.leaf_norms
     )
   if emitted is not None:
     updates = jax.tree.map(
@@ -300,11 +321,14 @@ def _traced(ctx: Context, inner_state: optax.OptState) -> _Inner:
   step = functools.partial(_step, ctx)
   try:
     sums = place.reduced_types(ctx.grads)  # unused values: for their types
-    scalars = (
-      jax.ShapeDtypeStruct([], config.token_dtype),
-      jax.ShapeDtypeStruct([], config.loss_dtype),
+    count = jax.ShapeDtypeStruct([], config.token_dtype)
+    summed = _Sums(
+      sums,
+      divisor=count,
+      mean_loss=jax.ShapeDtypeStruct([], config.loss_dtype),
+      squares=place.squares(sums, config.leaf_norms),
+      squares_divisor=count,
     )
-    summed = _Sums(sums, *scalars, place.squares(sums, config.leaf_norms))
     shapes = jax.eval_shape(step, summed, inner_state, ctx.params)[0]
   except Exception as e:
     _raise(e, place.refusal_of(e))

@@ -125,12 +125,14 @@ def schedule(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
 def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
   """``accumulator_dtype`` (a floating dtype; None stays None: the
   gradient's, at least float32) or ``token_dtype`` (int32, the default for
-  exact counts, or a floating dtype), checked and canonicalized."""
+  exact counts, or float32 or float64 for fractional weights: float64 is
+  float32 without ``jax_enable_x64``, as everywhere in JAX), checked and
+  canonicalized."""
   counts = name == 'token_dtype'
   if value is None:
     return jnp.dtype(jnp.int32) if counts else None
   if counts:
-    kinds = 'int32 or a floating dtype'
+    kinds = 'int32, float32 or float64'
   else:
     kinds = (
       'a floating dtype, or None for the gradient dtype (at least float32)'
@@ -143,7 +145,20 @@ def dtype(value: Any, name: str) -> Optional[jnp.dtype]:
     ) from e
   if not (jnp.issubdtype(found, jnp.floating) or counts and found == jnp.int32):
     raise _errors.refuse(name, kinds, found)
+  if counts and found.itemsize < 4:
+    raise _errors.refuse(name, kinds, found, _narrow_count_fix(found))
   return jax.dtypes.canonicalize_dtype(found)
+
+
+def _narrow_count_fix(found: jnp.dtype) -> str:
+  """Why a floating ``token_dtype`` narrower than float32 is refused, and
+  what to pass instead."""
+  bits = jnp.finfo(found).nmant + 1
+  return (
+    f' A sum of {found} weights keeps {bits} significant bits (whole counts'
+    f' above {2**bits} are rounded): set token_dtype=jnp.float32'
+    f' (num_tokens may stay {found}).'
+  )
 
 
 def check_axis_name(value: Any) -> None:

@@ -30,6 +30,7 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _errors
+from optax_tokacc import _tokens
 
 _REAL = (jnp.integer, jnp.floating)  # The dtypes of a real scalar.
 
@@ -55,6 +56,19 @@ def num_tokens(value: Any, dtype: jnp.dtype) -> None:
   if integer and (count != int(count) or count > jnp.iinfo(dtype).max):
     kinds = f'a whole number that fits the {dtype} token counter'
     fix = ' For fractional counts, set token_dtype=jnp.float32.'
+    raise _errors.refuse('num_tokens', kinds, got, fix, ValueError)
+  if not integer:
+    _honoured_weight(count, got, dtype)
+
+
+def _honoured_weight(count: float, got: str, dtype: jnp.dtype) -> None:
+  """A concrete weight under a floating counter: 0, or in the range it
+  honours (``_tokens.honoured_range``; a traced one: ``_tokens.as_count``)."""
+  smallest, largest = _tokens.honoured_range(dtype)
+  if count != 0 and not smallest <= count <= largest:
+    exponent = int(np.log2(largest))
+    kinds = f'0 or a {dtype} number from 2**-{exponent} to 2**{exponent}'
+    fix = ' Scale every weight by one factor: the weighted mean is the same.'
     raise _errors.refuse('num_tokens', kinds, got, fix, ValueError)
 
 

@@ -111,9 +111,14 @@ def token_weighted_multistep(
       advance the window (as in ``optax.MultiSteps``); with ``axis_name`` the
       window still closes on schedule on every device, without a collective.
     token_dtype: int32 (None, the default: exact counts up to 2**31 - 1 per
-      window over all devices) or a floating dtype for fractional token
-      weights. An invalid count (negative, NaN, fractional under int32, or a
-      total beyond int32) drops its window: zero updates, no optimizer step,
+      window over all devices), or float32 or float64 (under
+      ``jax_enable_x64``) for fractional token weights: each window is
+      divided by its own total, in that dtype, from its smallest normal
+      number to that number's reciprocal (2**-126 to 2**126 in float32).
+      float16 and bfloat16 are refused (their sums keep too few bits). An
+      invalid count (negative, NaN, fractional under int32, a weight that
+      is infinite or below that range, or a total beyond the counter or
+      the range) drops its window: zero updates, no optimizer step,
       ``state.dropped_windows`` + 1; :func:`with_input_checks` reports it.
     tokens_per_update: close a window at the first micro-step at which its
       counted tokens, over its micro-steps and all devices, reach this

@@ -14,10 +14,10 @@
 # ==============================================================================
 """Exact token counting: valid counts, sums that never wrap, and carriers.
 
-A count is held in ``token_dtype``: int32 (the default) or a floating dtype
-for fractional weights. Every invalid count
-becomes -1, and a window holding -1 is dropped when it closes: nothing is
-rounded, wrapped or clipped silently.
+A count is held in ``token_dtype``: int32 (the default) or float32 or
+float64 for fractional weights (:func:`honoured_range`). Every invalid
+count becomes -1, and a window holding -1 is dropped when it closes:
+nothing is rounded, wrapped or clipped silently.
 """
 
 import jax
@@ -32,6 +32,17 @@ _PART_BITS = 11
 _MASK = (1 << _PART_BITS) - 1
 
 
+def honoured_range(token_dtype: jax.typing.DTypeLike) -> tuple[float, float]:
+  """The weights and window totals a floating ``token_dtype`` honours,
+  besides 0: from its smallest normal number to that number's reciprocal
+  (2**-126 to 2**126 in float32, 2**-1022 to 2**1022 in float64), where a
+  total and the reciprocal the window's sums are multiplied by are both
+  normal: XLA flushes subnormal numbers to zero on a CPU (a TPU has
+  none), and the reciprocal of a total above the range is subnormal."""
+  smallest = float(jnp.finfo(token_dtype).tiny)
+  return smallest, 1 / smallest  # powers of two: both exact
+
+
 def as_count(
   num_tokens: jax.typing.ArrayLike, token_dtype: jax.typing.DTypeLike
 ) -> jax.Array:
@@ -39,14 +50,21 @@ def as_count(
 
   Under an integer ``token_dtype`` a valid count is a whole number in
   ``[0, max]``, given as an integer or as a float holding a whole number
-  (``mask.sum()`` of a float 0/1 mask). Under a floating one it is a finite
-  number >= 0.
+  (``mask.sum()`` of a float 0/1 mask). Under a floating one it is 0 or,
+  once in ``token_dtype``, at least the start of :func:`honoured_range`:
+  not negative, NaN, nor a weight that underflows in ``token_dtype`` (one
+  above the range drops its window when it closes, and an infinite one
+  when it is added). A subnormal ``num_tokens`` is below the range, or 0
+  where a comparison reads it so: XLA on a CPU flushes subnormal numbers
+  to zero, and whether a comparison sees one as 0 is its compiler's
+  choice (it rewrites tests of a float's bits into comparisons, and back).
   """
   value = jnp.asarray(num_tokens)
-  valid = value >= 0
   if not jnp.issubdtype(token_dtype, jnp.integer):
-    valid = jnp.logical_and(valid, jnp.isfinite(value))
-    return jnp.where(valid, value.astype(token_dtype), INVALID)
+    count = value.astype(token_dtype)
+    valid = (count >= honoured_range(token_dtype)[0]) | (value == 0)
+    return jnp.where(valid, count, INVALID)
+  valid = value >= 0
   top = jnp.iinfo(token_dtype).max
   if not jnp.issubdtype(value.dtype, jnp.integer):
     # 2**31 is exact in float32, 2**31 - 1 is not.
@@ -68,15 +86,17 @@ def add(total: jax.Array, count: jax.Array) -> jax.Array:
 
 
 def to_parts(count: jax.Array) -> jax.Array:
-  """A count as float32 parts whose sum over devices is exact.
+  """A count as parts whose sum over devices is exact.
 
   The last part counts invalid devices. Integers are split into 11-bit
-  parts (exact for up to 2**13 devices); floats are carried as they are.
+  float32 parts (exact for up to 2**13 devices); floats are carried as
+  they are, in their own dtype (float64 stays float64).
   """
-  parts = [jnp.maximum(count, 0)]
+  parts, dtype = [jnp.maximum(count, 0)], count.dtype
   if jnp.issubdtype(count.dtype, jnp.integer):
     parts = [(parts[0] >> (_PART_BITS * i)) & _MASK for i in range(3)]
-  return jnp.stack([p.astype(jnp.float32) for p in [*parts, count < 0]])
+    dtype = jnp.float32
+  return jnp.stack([p.astype(dtype) for p in [*parts, count < 0]])
 
 
 def from_parts(
@@ -86,7 +106,10 @@ def from_parts(
   no_invalid = parts[-1] == 0
   if not jnp.issubdtype(token_dtype, jnp.integer):
     total = parts[0].astype(token_dtype)
-    return total, jnp.logical_and(no_invalid, jnp.isfinite(total))
+    # A sum of valid weights is 0 or at least the range's start; above its
+    # end (an overflow to inf included) it is not honoured.
+    honoured = total <= honoured_range(token_dtype)[1]
+    return total, jnp.logical_and(no_invalid, honoured)
   # Carry each part's excess bits into the next (sums stay below 2**25).
   low, mid, high = (parts[i].astype(jnp.int32) for i in range(3))
   mid = mid + (low >> _PART_BITS)
@@ -95,3 +118,11 @@ def from_parts(
   high = jnp.where(fits, high, 0)
   total = (low & _MASK) | (mid & _MASK) << _PART_BITS | high << 2 * _PART_BITS
   return total.astype(token_dtype), jnp.logical_and(no_invalid, fits)
+
+
+def divisor(total: jax.Array) -> jax.Array:
+  """What a window's sums are divided by: its total count, or 1 where it
+  has none (and emits nothing)."""
+  if jnp.issubdtype(total.dtype, jnp.integer):
+    return jnp.maximum(total, 1)  # an integer total > 0 is at least 1
+  return jnp.where(total > 0, total, jnp.ones_like(total))

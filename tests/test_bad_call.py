@@ -54,6 +54,21 @@ UPDATE_CASES = [
   # A string that names a dtype: jnp.result_type reads it as one.
   ('num_tokens_dtype_name', {'num_tokens': 'f4'}, TypeError, r'num_tokens'),
   ('num_tokens_inf', {'num_tokens': np.inf}, ValueError, r'num_tokens=inf'),
+  # Regression (issue 53): a weight the floating counter cannot honour,
+  # known at trace time (traced, it drops its window: test_boundaries).
+  (
+    'num_tokens_subnormal',
+    {'tx_kwargs': {'token_dtype': jnp.float32}, 'num_tokens': 1e-40},
+    ValueError,
+    r'num_tokens must be 0 or a float32 number from 2\*\*-126 to 2\*\*126'
+    r'; got num_tokens=1e-40\. Scale every weight by one factor',
+  ),
+  (
+    'num_tokens_above_the_range',
+    {'tx_kwargs': {'token_dtype': jnp.float32}, 'num_tokens': 2.0**127},
+    ValueError,
+    r'from 2\*\*-126 to 2\*\*126; got num_tokens=1\.7',
+  ),
   ('num_tokens_complex', {'num_tokens': 3j}, TypeError, r'num_tokens must'),
   ('loss_complex', {'loss': 1j}, TypeError, r'loss must be a real scalar'),
   ('loss_dtype_name', {'loss': 'float32'}, TypeError, r'loss must be a real'),

@@ -62,13 +62,29 @@ CONSTRUCTOR_CASES = [
     'token_dtype_bool',
     {'token_dtype': jnp.bool_},
     TypeError,
-    r'token_dtype must be int32 or a floating dtype; got bool',
+    r'token_dtype must be int32, float32 or float64; got bool',
   ),
   (
     'token_dtype_garbage',
     {'token_dtype': 'not-a-dtype'},
     TypeError,
-    r"token_dtype must be int32 or a floating dtype; got 'not-a-dtype'",
+    r"token_dtype must be int32, float32 or float64; got 'not-a-dtype'",
+  ),
+  # Regression (issue 53): accepted, and silently inexact (a bfloat16 sum
+  # keeps 8 significant bits).
+  (
+    'token_dtype_bfloat16',
+    {'token_dtype': jnp.bfloat16},
+    TypeError,
+    r'token_dtype must be int32, float32 or float64; got bfloat16\. A sum '
+    r'of bfloat16 weights keeps 8 significant bits.*token_dtype=jnp\.float32'
+    r' \(num_tokens may stay bfloat16\)',
+  ),
+  (
+    'token_dtype_float16',
+    {'token_dtype': jnp.float16},
+    TypeError,
+    r'got float16\. A sum of float16 weights keeps 11 significant bits',
   ),
   (
     'tokens_per_update_zero',

@@ -9,6 +9,11 @@
   inner state.
 - The int32 counter: a window of exactly 2**31 - 1 tokens is valid and
   exact; 2**31 is not, and the window is dropped.
+- A floating counter (issue 53): a window of total weight below 1 is
+  divided by its total, not by 1; the totals it honours, on both sides
+  (the smallest normal number of ``token_dtype`` and its reciprocal), in
+  float32 and in float64; a subnormal weight, a total above the
+  reciprocal or one that overflows drops the window and is counted.
 
 The budget and the counter are also tested over devices (``shard_map``,
 ``pmap`` and explicit sharding, of ``placements.PLACEMENTS``), where the
@@ -51,14 +56,15 @@ def reference_update(counts, start, stop):
   return -grads / total
 
 
-def run(tx, counts, params=PARAMS):
-  """Feeds micro-batch ``i`` (``grads_of(i)``, ``counts[i]`` traced) to
-  ``tx``; returns the updates and states after every call."""
+def run(tx, counts, params=PARAMS, grads=grads_of, count_dtype=jnp.int32):
+  """Feeds micro-batch ``i`` (``grads(i)``, ``counts[i]`` traced, in
+  ``count_dtype``) to ``tx``; returns the updates and states after every
+  call."""
   step = jax.jit(lambda g, s, n: tx.update(g, s, params, num_tokens=n))
   state = tx.init(params)
   history = []
   for i, count in enumerate(counts):
-    updates, state = step(grads_of(i), state, jnp.asarray(count, jnp.int32))
+    updates, state = step(grads(i), state, jnp.asarray(count, count_dtype))
     history.append((updates, state))
   return history
 
@@ -295,6 +301,141 @@ def test_float_count_of_2_31_drops_the_window():
   _, state = step(tx.init(PARAMS), jnp.float32(2.0**30))
   assert int(state.dropped_windows) == 0
   assert int(state.last_tokens) == 2**30
+
+
+# A floating counter (issue 53): a window is divided by its own total.
+
+
+def test_float_window_below_one_is_divided_by_its_total():
+  """Regression (issue 53): a window of total weight 0.375 was divided by
+  1 (``jnp.maximum(total, 1)``, a guard against a zero count), its update
+  -0.75 instead of the weighted mean -(0.25 + 0.5) / 0.375 = -2.0 (exact
+  in float32)."""
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(1.0), 2, token_dtype=jnp.float32
+  )
+  sums = [0.25, 0.5]  # token-summed gradients: weight times gradient
+  history = run(
+    tx,
+    [0.25, 0.125],
+    {'w': jnp.zeros(1)},
+    lambda i: {'w': jnp.array([sums[i]])},
+    jnp.float32,
+  )
+  updates, state = history[-1]
+  assert bool(tokacc.has_updated(state))
+  chex.assert_trees_all_equal(updates, {'w': jnp.array([-2.0])})
+  metrics = tokacc.window_metrics(state)
+  assert float(metrics.tokens) == 0.375
+  assert float(metrics.grad_norm) == 2.0
+
+
+def total_cases(dtype):
+  """Weights of two micro-batches, per case, for a floating ``dtype``:
+  (counts, honoured). The totals on both sides of the range a window is
+  divided by: [tiny, 1 / tiny], tiny the smallest normal number, the
+  largest whose reciprocal is normal. A subnormal weight is below the
+  range, or 0 where a comparison reads it so (XLA on a CPU flushes
+  subnormal numbers to zero; whether a comparison sees one as 0 is its
+  compiler's choice): honoured None, either."""
+  tiny = float(jnp.finfo(dtype).tiny)
+  largest = 1 / tiny  # a power of two: 2**126 in float32
+  return {
+    'smallest': ([tiny, 0.0], True),
+    'largest': ([largest / 2, largest / 2], True),
+    'subnormal_weight': ([tiny / 2, 1.0], None),
+    'above_largest': ([largest, largest], False),
+    'overflows': ([float(jnp.finfo(dtype).max)] * 2, False),
+  }
+
+
+TOTAL_CASES = sorted(total_cases(jnp.float32))
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'float64'])
+@pytest.mark.parametrize('case', TOTAL_CASES)
+def test_float_totals_on_both_sides_of_the_range(case, dtype):
+  """A window whose total lies in [tiny, 1 / tiny] is divided by it, its
+  norms those of its weighted mean; outside, it is dropped (no update, no
+  step) and counted in ``dropped_windows``; the next window is clean. The
+  gradients are the weights times small integers, so that every sum and
+  quotient is exact, the norms within a float32 rounding (float64 under
+  ``jax.enable_x64``)."""
+  with jax.enable_x64(dtype == 'float64'):
+    counts, honoured = total_cases(dtype)[case]
+    counts = counts + [1.0, 3.0]  # the next window
+    tx = tokacc.token_weighted_multistep(optax.sgd(1.0), 2, token_dtype=dtype)
+
+    def grads(i):  # weight times a small integer; the NaN of 0 * inf aside
+      return {'w': jnp.asarray(counts[i], dtype) * grads_of(i)['w']}
+
+    history = run(tx, counts, {'w': jnp.zeros(2, dtype)}, grads, dtype)
+    (updates, state), (next_updates, after) = history[1], history[3]
+    if honoured is None:  # a subnormal weight: 0, or the window dropped
+      honoured = bool(tokacc.has_updated(state))
+      counts[0] = 0.0 if honoured else counts[0]
+    assert bool(tokacc.has_updated(state)) == honoured
+    assert int(state.dropped_windows) == (not honoured)
+    assert int(after.gradient_step) == 1 + honoured
+    for stop, found in ((2, updates), (4, next_updates)):
+      if stop == 2 and not honoured:
+        chex.assert_trees_all_equal(found, {'w': -jnp.zeros(2, dtype)})
+        continue
+      start = stop - 2
+      weights = np.asarray(counts[start:stop], np.float64)
+      sums = [
+        np.asarray(grads_of(i)['w'], np.float64) for i in (start, stop - 1)
+      ]
+      expected = -(weights[0] * sums[0] + weights[1] * sums[1]) / weights.sum()
+      chex.assert_trees_all_equal(found['w'], expected.astype(dtype))
+    if honoured:
+      metrics = tokacc.window_metrics(state)
+      assert float(metrics.tokens) == sum(counts[:2])
+      np.testing.assert_allclose(
+        metrics.grad_norm, np.linalg.norm(updates['w']), rtol=2.0**-22
+      )
+
+
+def test_float64_weight_below_float32_drops_the_window():
+  """A float64 weight that underflows in a float32 counter (1e-300: 0
+  once in float32) is not counted as 0: the window is dropped and
+  counted, as is one that overflows there (1e300: inf). Under
+  ``jax.enable_x64``, so that the weight reaches the transform in
+  float64."""
+  with jax.enable_x64(True):
+    tx = tokacc.token_weighted_multistep(
+      optax.sgd(1.0), 2, token_dtype=jnp.float32
+    )
+
+    def grads(i):  # float32, as the parameters
+      return jax.tree.map(lambda g: g.astype(jnp.float32), grads_of(i))
+
+    for weight in (1e-300, 1e300):
+      counts = [weight, 1.0, 2.0, 1.0]
+      history = run(tx, counts, PARAMS, grads, count_dtype=jnp.float64)
+      (_, dropped), (_, after) = history[1], history[3]
+      assert not bool(tokacc.has_updated(dropped))
+      assert int(dropped.dropped_windows) == 1
+      assert int(after.gradient_step) == 1
+      np.testing.assert_allclose(
+        history[3][0]['w'],
+        reference_update(counts, 2, 4),
+        rtol=helpers.DIVISION_RTOL,
+      )
+
+
+def test_infinite_weight_counts_0_toward_the_budget():
+  """An infinite weight makes the window's count invalid when it is added,
+  and an invalid count counts 0 toward the budget (rule 2 of "Rules of
+  the window", issue 22): the window closes at k (4), not at once, and is
+  dropped and counted."""
+  tx = tokacc.token_weighted_multistep(
+    optax.sgd(1.0), 4, token_dtype=jnp.float32, tokens_per_update=10
+  )
+  history = run(tx, [1.0, np.inf, 1.0, 1.0], count_dtype=jnp.float32)
+  assert [int(s.mini_step) for _, s in history] == [1, 2, 3, 0]
+  assert [int(s.dropped_windows) for _, s in history] == [0, 0, 0, 1]
+  assert int(history[-1][1].gradient_step) == 0
 
 
 # Over devices: the budget counts every device's tokens, and so does the

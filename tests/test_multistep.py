@@ -583,7 +583,7 @@ class TestErrors:
 
   def test_non_numeric_token_dtype(self):
     with pytest.raises(
-      TypeError, match=r'token_dtype must be int32 or a floating'
+      TypeError, match=r'token_dtype must be int32, float32 or float64'
     ):
       tokacc.token_weighted_multistep(optax.sgd(0.1), 2, token_dtype=jnp.bool_)
 
@@ -875,6 +875,28 @@ def test_float_token_dtype_accumulates_fractional_weights():
     tx, helpers.init_params(), flatten(windows), count_fn=float_count
   )
   helpers.assert_within_round_off(params, full_batch(windows))
+
+
+def test_float64_counts_are_carried_in_float64():
+  """Regression (issue 53): under ``jax_enable_x64`` a float64 count was
+  carried in float32, so that a weight of 3.1 was 3.0999999046 in
+  ``last_tokens`` and in the division. Now the window's count, its parts
+  and its division stay float64."""
+  with jax.enable_x64(True):
+    tx = tokacc.token_weighted_multistep(
+      optax.sgd(1.0), 2, token_dtype=jnp.float64
+    )
+    params = {'w': jnp.zeros(2, jnp.float64)}
+    step = jax.jit(lambda g, s, n: tx.update(g, s, params, num_tokens=n))
+    state = tx.init(params)
+    weights, grads = [3.1, 0.7], [[3.1, -6.2], [0.7, 0.0]]
+    for weight, grad in zip(weights, grads):
+      updates, state = step({'w': jnp.asarray(grad)}, state, weight)
+    assert state.last_tokens.dtype == jnp.float64
+    assert float(state.last_tokens) == 3.1 + 0.7
+    expected = -(np.sum(grads, axis=0)) / (3.1 + 0.7)
+    # One float64 rounding of the reciprocal and one of the product.
+    np.testing.assert_allclose(updates['w'], expected, rtol=2 * 2.0**-53)
 
 
 micro_grads = jax.jit(jax.grad(helpers.loss_sum))
