@@ -25,7 +25,9 @@ device, with the round-off bound of ``helpers.full_batch``.
 
 Also, on the explicit DDP and HSDP layouts (moved from ``test_explicit``,
 issue 47): a checkpoint taken mid-window resumes bit for bit on as many
-devices, in this process and in new ones.
+devices, in this process and in new ones. And (issue 53) the count's rows
+merged near the top of int32 and of float32: exact where they fit, never
+wrapped.
 """
 
 import contextlib
@@ -335,6 +337,91 @@ def test_skip_states_merge_as_explicit_sharding_keeps_them(tmp_path):
   assert merged['should_skip'].tolist() == [True, True]
   total = int(np.sum(skipped['num_not_finite']))
   assert total >= 1 and merged['num_not_finite'].tolist() == [total] * 2
+
+
+# The merge of a window's count near the top of its dtype (issue 53): the
+# rows of 4 devices summed onto one device never wrap.
+
+MERGE_GRADS = np.array([[1.0, -2.0], [3.0, 0.5], [-1.0, 4.0], [2.0, 2.0]])
+# name: (token_dtype, each device's count, the merged count; None: invalid)
+MERGE_CASES = {
+  'int32_max': ('int32', [2**31 - 4, 1, 1, 1], 2**31 - 1),
+  # 2**32: a plain int32 sum wraps to 0, an empty window
+  'int32_beyond': ('int32', [2**31 - 1, 2**31 - 1, 1, 1], None),
+  'float32_range_end': ('float32', [2.0**124] * 4, 2.0**126),
+  # finite when merged, above the range: dropped when the window closes
+  'float32_above': ('float32', [2.0**126, 2.0**126, 0.0, 0.0], 2.0**127),
+  'float32_overflows': ('float32', [2.0**126] * 4, None),  # 2**128: inf
+}
+
+
+def counted_on_4_devices(tx, counts):
+  """``tx``'s state after one micro-step on 4 devices under ``shard_map``,
+  device ``d`` giving ``MERGE_GRADS[d]`` and the count ``counts[d]`` (an
+  array in the transform's ``token_dtype``)."""
+  mesh = placements.data_mesh(4)
+  params = {'w': np.zeros(2, np.float32)}
+  state = placements.shard_map_state(tx, params, mesh, 'data')
+  specs = tokacc.state_partition_specs(tx, params, axis_name='data')
+
+  def local(state, grads, counts):
+    return tx.update({'w': grads[0]}, state, params, num_tokens=counts[0])[1]
+
+  step = jax.jit(
+    jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(specs, P('data'), P('data')),
+      out_specs=specs,
+    )
+  )
+  data = NamedSharding(mesh, P('data'))
+  return step(
+    state,
+    helpers.put(MERGE_GRADS.astype(np.float32), data),
+    helpers.put(counts, data),
+  )
+
+
+@pytest.mark.parametrize('case', list(MERGE_CASES))
+def test_counts_near_the_top_merge_without_wrapping(case):
+  """The count's rows of 4 devices merged onto one (``from_checkpoint``):
+  a total that fits is exact, and the window closed on one device is SGD(1)
+  on it; one beyond int32 or overflowing float32 is invalid (-1), never
+  wrapped to a small count; one above the range (2**126) stays, and
+  the window is dropped when it closes. A dropped window is counted."""
+  token_dtype, counts, merged = MERGE_CASES[case]
+
+  def make(axis_name):
+    return tokacc.token_weighted_multistep(
+      optax.sgd(1.0), 2, axis_name=axis_name, token_dtype=token_dtype
+    )
+
+  rows = np.asarray(counts, token_dtype)
+  saved = jax.device_get(
+    tokacc.to_checkpoint(counted_on_4_devices(make('data'), rows))
+  )
+  one = make(None)
+  params = {'w': jnp.zeros(2)}
+  state = tokacc.from_checkpoint(saved, one.init(params))
+  assert state.acc_tokens.item() == (-1 if merged is None else merged)
+  zero = jnp.zeros([], token_dtype)
+  updates, state = one.update(
+    {'w': jnp.zeros(2)}, state, params, num_tokens=zero
+  )
+  honoured = merged is not None and merged <= 2.0**126
+  assert int(state.gradient_step) == honoured
+  assert int(state.dropped_windows) == (not honoured)
+  if honoured:
+    weights = np.asarray(counts, np.float64)
+    assert state.last_tokens.item() == merged
+    np.testing.assert_allclose(
+      updates['w'],
+      -MERGE_GRADS.sum(axis=0) / weights.sum(),
+      rtol=helpers.DIVISION_RTOL,
+    )
+  else:
+    assert not np.any(updates['w'])
 
 
 def finish_on_one_device(path, out):

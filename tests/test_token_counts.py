@@ -9,8 +9,9 @@ carry: dropping the middle-to-high carry survived the suite, and a window of
 run over 8 devices (``shard_map`` and ``pmap`` with ``axis_name``, and
 explicit sharding, whose count is typed unreduced over the data axis: the
 placements that sum ``to_parts`` over devices; GSPMD's count is one global
-scalar and is never split) with per-device counts that carry out of the low
-part, out of the middle one, and out of both, and check:
+scalar and is never split; and both over HSDP's two axes, issue 53) with
+per-device counts that carry out of the low part, out of the middle one,
+and out of both, and check:
 
 - the window's counted tokens (``window_metrics(state).tokens``) against the
   exact total of plain Python ints, and the SGD(1) update and the gradient's
@@ -23,7 +24,9 @@ part, out of the middle one, and out of both, and check:
   and a total beyond int32 reaches any budget (the window closes at once,
   and is dropped);
 - ``token_dtype=jnp.float32`` over devices: fractional weights and large
-  whole ones summed exactly.
+  whole ones summed exactly; a total above the range a window is divided
+  by (2**126), finite or overflowing to inf over the devices though every
+  device's count is in it, drops the window (issue 53).
 
 The counts are given as ``num_tokens`` directly, with small integer
 gradients (as in ``test_boundaries.py``): a count need not be the size of a
@@ -32,6 +35,7 @@ gradients are exact, so an update differs from its float64 reference only
 by the rounding of the division (``helpers.DIVISION_RTOL``).
 """
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import helpers
@@ -77,14 +81,22 @@ class Feed(NamedTuple):
   mesh: Any = None
 
 
-def shard_map_feed(make_tx):
-  tx = make_tx('data')
-  mesh = placements.data_mesh(NUM_DEVICES)
+# HSDP's mesh: 2 replicas of 4 devices; a count is summed over both axes
+# (the parameters' layout does not enter the count).
+HSDP = {'names': placements.HSDP_AXES, 'shape': (2, NUM_DEVICES // 2)}
+
+
+def shard_map_feed(make_tx, names=('data',), shape=None):
+  """``shard_map`` over every axis of a mesh of ``names`` (``axis_name``
+  all of them)."""
+  axes = names if len(names) > 1 else names[0]
+  tx = make_tx(axes)
+  mesh = placements.data_mesh(NUM_DEVICES, names, shape)
   params = jax.tree.map(
     lambda x: helpers.put(x, NamedSharding(mesh, P())), PARAMS
   )
-  state = tokacc.init_sharded(tx, params, mesh, axis_name='data')
-  specs = tokacc.state_partition_specs(tx, PARAMS, axis_name='data')
+  state = tokacc.init_sharded(tx, params, mesh, axis_name=axes)
+  specs = tokacc.state_partition_specs(tx, PARAMS, axis_name=axes)
 
   def local(state, grads, counts):
     return tx.update({'w': grads[0]}, state, params, num_tokens=counts[0])
@@ -93,11 +105,11 @@ def shard_map_feed(make_tx):
     jax.shard_map(
       local,
       mesh=mesh,
-      in_specs=(specs, P('data'), P('data')),
+      in_specs=(specs, P(names), P(names)),
       out_specs=(P(), specs),
     )
   )
-  data = NamedSharding(mesh, P('data'))
+  data = NamedSharding(mesh, P(names))
   return Feed(
     state,
     lambda state, grads, counts: step(
@@ -123,20 +135,23 @@ def pmap_feed(make_tx):
   )
 
 
-def explicit_feed(make_tx):
-  """Explicit DDP under plain ``jax.jit``: the parameters typed reduced over
-  ``'data'``, each device's gradient and count summed by an ``einsum`` into
-  partial sums typed unreduced (no collective: each device holds its own)."""
+def explicit_feed(make_tx, names=('data',), shape=None):
+  """Explicit DDP under plain ``jax.jit`` over every axis of a mesh of
+  ``names``: the parameters typed reduced over them, each device's gradient
+  and count summed by an ``einsum`` into partial sums typed unreduced (no
+  collective: each device holds its own)."""
   tx = make_tx(None)
-  mesh = placements.data_mesh(NUM_DEVICES, axis_type=placements.EXPLICIT_AXES)
+  mesh = placements.data_mesh(
+    NUM_DEVICES, names, shape, axis_type=placements.EXPLICIT_AXES
+  )
+  unreduced = set(names)
   with jax.set_mesh(mesh):
-    params = placements.place_params(PARAMS, mesh, {'w': P(reduced={'data'})})
+    params = placements.place_params(PARAMS, mesh, {'w': P(reduced=unreduced)})
     state = tx.init(params)
-  data = NamedSharding(mesh, P('data'))
+  data = NamedSharding(mesh, P(names))
 
   @jax.jit
   def step(state, grads, counts):
-    unreduced = {'data'}
     partial = jnp.einsum(
       'dk->k', grads, out_sharding=P(None, unreduced=unreduced)
     )
@@ -156,7 +171,11 @@ FEEDS = {
   'shard_map': shard_map_feed,
   'pmap': pmap_feed,
   'explicit_ddp': explicit_feed,
+  # issue 53: the count's parts summed over two axes (Manual, PartialSums)
+  'hsdp_shard_map': functools.partial(shard_map_feed, **HSDP),
+  'hsdp_explicit': functools.partial(explicit_feed, **HSDP),
 }
+TYPED_FEEDS = ('explicit_ddp', 'hsdp_explicit')  # jax >= 0.10
 
 
 class Seen(NamedTuple):
@@ -183,7 +202,7 @@ def feed(placement, make_tx, counts_per_step, count_dtype=np.int32):
   """Feeds micro-step ``s`` (``step_grads(s)``, ``counts_per_step[s]``, one
   count per device) to ``make_tx`` on ``placement``; what each micro-step
   left (:class:`Seen`)."""
-  if not placements.supported(placement):
+  if placement in TYPED_FEEDS and not placements.supported('explicit_ddp'):
     pytest.skip(placements.NEEDS_TYPED_SHARDING)
   run = FEEDS[placement](make_tx)
   # arrays typed reduced (explicit) are read under their mesh
@@ -421,3 +440,25 @@ def test_float_token_dtype_over_devices(placement):
   assert not first.emitted
   assert isinstance(second.tokens, float)
   assert_window(second, counts_per_step, 0, 2)
+
+
+@pytest.mark.parametrize('placement', list(FEEDS))
+def test_float_total_above_the_range_over_devices_drops_the_window(placement):
+  """Every device's weight is in the range of float32 (2**-126 to 2**126),
+  their sum is not: 2**127 (finite), then 2**129 (inf in float32). Each
+  window is dropped and counted on every device; the next is exact."""
+  above = [2.0**125] * (NUM_DEVICES // 2) + [0.0] * (NUM_DEVICES // 2)
+  overflows = [2.0**126] * NUM_DEVICES
+  assert sum(above) == 2.0**127 and sum(overflows) == 2.0**129
+  counts_per_step = [above, overflows, FLOAT_COUNTS[0]]
+  first, second, last = feed(
+    placement,
+    sgd_tx(1, token_dtype=jnp.float32),
+    counts_per_step,
+    count_dtype=np.float32,
+  )
+  for seen, dropped in ((first, 1), (second, 2)):
+    assert not seen.emitted and not np.any(seen.updates)
+    assert seen.dropped_windows == dropped and seen.gradient_step == 0
+  assert last.gradient_step == 1 and last.dropped_windows == 2
+  assert_window(last, counts_per_step, 2, 3)
