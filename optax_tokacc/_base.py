@@ -58,7 +58,7 @@ class Config:
   should_skip_update_fn: Optional[Callable]
   token_dtype: jnp.dtype
   # Close a window once it holds this many counted tokens (all devices).
-  tokens_per_update: Optional[int] = None
+  tokens_per_update: Optional[Union[int, float]] = None
   # Whether the closing step computes the window's two norms, and (then)
   # each leaf's (window_norms='per_leaf').
   norms: bool = True

@@ -41,7 +41,7 @@ def make(
   compensated: bool,
   should_skip_update_fn: Optional[optax.ShouldSkipUpdateFunction],
   token_dtype: Optional[jax.typing.DTypeLike],
-  tokens_per_update: Optional[int],
+  tokens_per_update: Optional[Union[int, float]],
   window_norms: Union[bool, str],
 ) -> _base.Config:
   """The configuration of ``token_weighted_multistep``'s arguments, each
@@ -50,6 +50,7 @@ def make(
   check_options(inner, should_skip_update_fn, loss_reduction)
   check_axis_name(axis_name)
   norms, leaf_norms = _norms.parse(window_norms)
+  counts = dtype(token_dtype, 'token_dtype')
   return _base.Config(
     inner=optax.with_extra_args_support(inner),
     schedule=schedule(every_k_schedule),
@@ -58,8 +59,8 @@ def make(
     accumulator_dtype=dtype(accumulator_dtype, 'accumulator_dtype'),
     compensated=flag(compensated, 'compensated'),
     should_skip_update_fn=should_skip_update_fn,
-    token_dtype=dtype(token_dtype, 'token_dtype'),
-    tokens_per_update=check_tokens_per_update(tokens_per_update),
+    token_dtype=counts,
+    tokens_per_update=check_tokens_per_update(tokens_per_update, counts),
     norms=norms,
     leaf_norms=leaf_norms,
   )
@@ -169,8 +170,22 @@ def check_axis_name(value: Any) -> None:
     raise _errors.refuse('axis_name', 'a str or a tuple of str', repr(value))
 
 
-def check_tokens_per_update(value: Any) -> Optional[int]:
-  """``tokens_per_update``: None, or a Python int >= 1."""
+def check_tokens_per_update(
+  value: Any, token_dtype: jnp.dtype
+) -> Optional[Union[int, float]]:
+  """``tokens_per_update``: None, or a Python int >= 1; with a floating
+  ``token_dtype``, a budget in the weights' units: any finite real > 0."""
+  name = 'tokens_per_update'
   if value is None:
     return None
-  return positive_int(value, 'tokens_per_update', 'None or an int >= 1')
+  if not jnp.issubdtype(token_dtype, jnp.floating):
+    return positive_int(value, name, 'None or an int >= 1')
+  real = isinstance(value, (int, float, np.integer, np.floating))
+  if isinstance(value, bool) or not real:
+    kinds = f'None or a real number > 0 (token_dtype={token_dtype.name})'
+    raise _errors.refuse(name, kinds, _errors.typed(value))
+  if not 0 < value < float('inf'):
+    raise _errors.refuse(
+      name, 'a finite number > 0', f'{name}={value}', error=ValueError
+    )
+  return float(value)

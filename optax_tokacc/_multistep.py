@@ -52,7 +52,7 @@ def token_weighted_multistep(
   compensated: bool = False,
   should_skip_update_fn: Optional[optax.ShouldSkipUpdateFunction] = None,
   token_dtype: Optional[jax.typing.DTypeLike] = None,
-  tokens_per_update: Optional[int] = None,
+  tokens_per_update: Optional[Union[int, float]] = None,
   window_norms: Union[bool, str] = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Accumulates token-summed gradients; one exact update every k steps.
@@ -122,9 +122,10 @@ def token_weighted_multistep(
       ``state.dropped_windows`` + 1; :func:`with_input_checks` reports it.
     tokens_per_update: close a window at the first micro-step at which its
       counted tokens, over its micro-steps and all devices, reach this
-      number (a Python int >= 1), or after ``every_k_schedule`` micro-steps,
-      whichever comes first; the micro-batch that reaches it belongs to the
-      window. With data parallelism this costs a scalar all-reduce per
+      number (a Python int >= 1; with a floating ``token_dtype``, a weight
+      in its units: any finite number > 0), or after ``every_k_schedule``
+      micro-steps, whichever comes first; the micro-batch that reaches it
+      belongs to the window. With data parallelism this costs a scalar all-reduce per
       micro-step. None (the default): windows of ``every_k_schedule``.
     window_norms: whether the closing step computes the window's gradient
       and update norms (:func:`window_metrics`). False leaves them NaN and

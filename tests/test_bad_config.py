@@ -116,6 +116,31 @@ CONSTRUCTOR_CASES = [
     TypeError,
     r"tokens_per_update must be None or an int.*'2048'",
   ),
+  # Under a floating token_dtype: a budget in the weights' units.
+  (
+    'tokens_per_update_zero_weight',
+    {'tokens_per_update': 0.0, 'token_dtype': jnp.float32},
+    ValueError,
+    r'tokens_per_update must be a finite number > 0; got tokens_per_update=0',
+  ),
+  (
+    'tokens_per_update_inf_weight',
+    {'tokens_per_update': float('inf'), 'token_dtype': jnp.float32},
+    ValueError,
+    r'tokens_per_update must be a finite number > 0; got .*=inf',
+  ),
+  (
+    'tokens_per_update_nan_weight',
+    {'tokens_per_update': float('nan'), 'token_dtype': jnp.float32},
+    ValueError,
+    r'tokens_per_update must be a finite number > 0; got .*=nan',
+  ),
+  (
+    'tokens_per_update_bool_weight',
+    {'tokens_per_update': True, 'token_dtype': jnp.float32},
+    TypeError,
+    r'tokens_per_update must be None or a real number > 0 \(token_dtype=f',
+  ),
   ('axis_name_int', {'axis_name': 3}, TypeError, r'axis_name must be a str'),
   ('axis_name_empty', {'axis_name': ()}, TypeError, r'axis_name must be a'),
   (

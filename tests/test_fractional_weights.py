@@ -466,11 +466,13 @@ def test_host_closed_windows_equal_the_weighted_mean(name, dtype):
 # Budgets in the weights' units: tokens_per_update closes a window at the
 # first micro-step whose weights, over the window and the devices, reach it.
 
-BUDGET = 20  # about 1.5 micro-batches of weights below 1
+# About 1.5 micro-batches of weights below 1: a whole number and a
+# fractional one.
+BUDGETS = (20, 19.75)
 BUDGET_K = 8
 
 
-def budget_windows(dtype, seed):
+def budget_windows(dtype, seed, budget):
   """Micro-batches of weights below 1 and of mixed magnitudes, split into
   the windows the budget makes (reference: ``helpers.closing_steps`` of
   the float64 totals, none of which is within 1e-3 of the budget, so that
@@ -483,26 +485,29 @@ def budget_windows(dtype, seed):
     for batch in make_windows([kind], dtype, int(rng.integers(1 << 30)), [1])[0]
   ]
   totals = [float(np.sum(np.asarray(b['mask'], np.float64))) for b in batches]
-  closes = helpers.closing_steps(totals, lambda _: BUDGET_K, BUDGET)
+  closes = helpers.closing_steps(totals, lambda _: BUDGET_K, budget)
   for stop in closes:
     start = max([0] + [s for s in closes if s < stop])
     window = sum(totals[start:stop])
-    assert abs(window - BUDGET) > 1e-3 * BUDGET or stop - start == BUDGET_K
+    assert abs(window - budget) > 1e-3 * budget or stop - start == BUDGET_K
   ends = closes + [len(batches)] * (closes[-1:] != [len(batches)])
   starts = [0] + ends[:-1]
   return [batches[a:b] for a, b in zip(starts, ends)]
 
 
+@pytest.mark.parametrize('budget', BUDGETS)
 @pytest.mark.parametrize('name, dtype', cases(RUNS))
-def test_budgets_in_fractional_units(name, dtype):
+def test_budgets_in_fractional_units(name, dtype, budget):
   """The windows close where the float64 reference's totals reach the
-  budget (some in one micro-step: a mixed-magnitude micro-batch holds far
-  more), and each equals the weighted mean."""
+  budget, a whole or a fractional number of weight units (some in one
+  micro-step: a mixed-magnitude micro-batch holds far more), and each
+  equals the weighted mean."""
   with dtype_context(dtype):
-    windows = budget_windows(dtype, seed=20 + sorted(RUNS).index(name))
+    seed = 20 + sorted(RUNS).index(name)
+    windows = budget_windows(dtype, seed, budget)
     assert len(windows) >= 3
     run = build(
-      name, dtype, every_k_schedule=BUDGET_K, tokens_per_update=BUDGET
+      name, dtype, every_k_schedule=BUDGET_K, tokens_per_update=budget
     )
     seen = run_windows(name, run, windows, host_closes=False)
     assert_windows(seen, windows, dtype)
