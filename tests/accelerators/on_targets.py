@@ -129,9 +129,16 @@ def placement_report(
 ) -> testing.StepReport:
   """``placements.PLACEMENTS[name]`` on 8 devices with ``make_tx(axis)``,
   compiled for ``target`` with ``close`` (None: the device decides)."""
+  return run_report(placements.PLACEMENTS[name](8, make_tx), target, close)
+
+
+def run_report(
+  run: placements.Run, target: testing.Target, close: Any
+) -> testing.StepReport:
+  """A :class:`placements.Run` on 8 CPU devices, compiled for ``target``
+  with ``close``."""
   import helpers  # noqa: PLC0415 - the tests' module, beside placements
 
-  run = placements.PLACEMENTS[name](8, make_tx)
   batch = run.place(helpers.make_windows([K], 8)[0][0])
   emit_now = run.emit(False)
   cpu_mesh = run.mesh or mesh_of((run.params, run.state, batch))

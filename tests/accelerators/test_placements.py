@@ -206,6 +206,39 @@ def test_compensated_accumulation_keeps_its_rounding_on_every_device(
     assert not gradient_sized(found.on_open_step(), P // 2), found.summary()
 
 
+@pytest.mark.parametrize(
+  ('target', 'mode'),
+  on_targets.grid(on_targets.EIGHT_DEVICES, tuple(on_targets.CLOSE_MODES)),
+)
+def test_gspmd_with_replicated_parameters_reduces_every_micro_step(
+  target, mode
+):
+  """``jax.jit`` over global arrays, parameters replicated on an Auto mesh
+  (no ``axis_name``): the partitioner all-reduces each micro-step's
+  gradients over ``data`` (docs/sharded_training.md says so: exact, one
+  reduction per micro-step; DDP deferred is shard_map's or explicit
+  sharding's), and the window adds nothing of gradient size."""
+
+  def build(n, make_tx):
+    mesh = placements.data_mesh(n)
+    specs = {'w': jax.P(), 'v': jax.P()}
+    return placements.jit_run(
+      make_tx(None), helpers.init_params(), mesh, specs, 'data',
+      step=placements.global_step(make_tx(None)),
+    )  # fmt: skip
+
+  run = build(8, on_targets.adamw_tx)
+  close = on_targets.CLOSE_MODES[mode]
+  found = on_targets.run_report(run, testing.target(target), close)
+  every_call = gradient_sized(
+    [c for c in found.collectives if c.where == 'every call']
+  )
+  assert every_call and {c.axes for c in every_call} == {'data'}, (
+    found.summary()
+  )
+  assert not gradient_sized(found.on_closing_step_only()), found.summary()
+
+
 @functools.cache
 def two_slices_report(mode):
   """Explicit HSDP on 2 x 8 TPU v5e chips: ``replica`` across the slices,
