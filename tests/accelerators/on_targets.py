@@ -133,10 +133,15 @@ def placement_report(
 
 
 def run_report(
-  run: placements.Run, target: testing.Target, close: Any
+  run: placements.Run,
+  target: testing.Target,
+  close: Any,
+  params_dtype: Any = None,
 ) -> testing.StepReport:
   """A :class:`placements.Run` on 8 CPU devices, compiled for ``target``
-  with ``close``."""
+  with ``close``; with ``params_dtype`` (mixed precision: bfloat16), its
+  parameters in that dtype and its state as built (float32 moments and
+  accumulator)."""
   import helpers  # noqa: PLC0415 - the tests' module, beside placements
 
   batch = run.place(helpers.make_windows([K], 8)[0][0])
@@ -146,7 +151,17 @@ def run_report(
     mesh, on = target.mesh((8,), ('data',)), None
   else:
     mesh = on = target_mesh(target, cpu_mesh)
-  args = abstract_on((run.params, run.state, batch, emit_now), on)
+  params, state, batch, emit_now = abstract_on(
+    (run.params, run.state, batch, emit_now), on
+  )
+  if params_dtype is not None:
+    params = jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct(
+        p.shape, params_dtype, sharding=p.sharding
+      ),
+      params,
+    )
+  args = (params, state, batch, emit_now)
   lower = run.lower or placements.lower_jit(run.step)
   return testing.check(lower(mesh, close, *args), mesh=mesh)
 

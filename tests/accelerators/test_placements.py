@@ -239,6 +239,26 @@ def test_gspmd_with_replicated_parameters_reduces_every_micro_step(
   assert not gradient_sized(found.on_closing_step_only()), found.summary()
 
 
+@pytest.mark.parametrize(
+  ('target', 'name', 'mode'), _cases(DEFERRED + HSDP, ('device', 'host_open'))
+)
+def test_mixed_precision_keeps_the_window_on_the_devices(target, name, mode):
+  """bfloat16 parameters (float32 accumulator and moments): no optimizer
+  work and nothing of the gradients' size (P / 2 in bfloat16) crosses
+  devices on an open micro-step, other than FSDP's own reduction within
+  ``fsdp`` (HSDP)."""
+  run = placements.PLACEMENTS[name](8, on_targets.adamw_tx)
+  close = on_targets.CLOSE_MODES[mode]
+  found = on_targets.run_report(
+    run, testing.target(target), close, jnp.bfloat16
+  )
+  assert found.optimizer_on_open_step == (), found.summary()
+  crossing = [c for c in found.on_open_step() if c.axes != 'fsdp']
+  assert not gradient_sized(crossing, P // 2), found.summary()
+  if mode == 'device':
+    assert gradient_sized(found.on_closing_step_only(), P // 4), found.summary()
+
+
 @functools.cache
 def two_slices_report(mode):
   """Explicit HSDP on 2 x 8 TPU v5e chips: ``replica`` across the slices,
