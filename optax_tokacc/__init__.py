@@ -30,9 +30,9 @@ from optax_tokacc._base import SavedState
 from optax_tokacc._base import TokenWeightedMultiStepState
 from optax_tokacc._base import WindowMetrics
 from optax_tokacc._checkify import with_input_checks
-from optax_tokacc._checkpoint import checkpoint_target
 from optax_tokacc._checkpoint import from_checkpoint
 from optax_tokacc._checkpoint import to_checkpoint
+from optax_tokacc._checkpoint_target import checkpoint_target
 from optax_tokacc._losses import token_cross_entropy
 from optax_tokacc._microbatch import microbatched_value_and_grad
 from optax_tokacc._multistep import token_weighted_multistep

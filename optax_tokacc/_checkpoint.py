@@ -25,7 +25,6 @@ exact, in another order of summation), on the first device of the new
 layout.
 """
 
-import contextlib
 from typing import Any, Optional
 
 import chex
@@ -34,23 +33,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_tokacc import _base
+from optax_tokacc import _checkpoint_target
+from optax_tokacc import _errors
 from optax_tokacc import _shares
 from optax_tokacc import _state
-from optax_tokacc import _typed_sharding
 
 
-def _on_its_mesh(tree: chex.ArrayTree) -> contextlib.AbstractContextManager:
-  """``jax.set_mesh`` of the mesh in ``tree``'s types, where none is set
-  (typed arrays are retyped with specs, which need it)."""
-  if not jax.sharding.get_abstract_mesh().empty:
-    return contextlib.nullcontext()
+def _abstract_leaf(tree: Any, traced: bool = False) -> Optional[str]:
+  """The kind of the first leaf of ``tree`` that is a
+  ``jax.ShapeDtypeStruct`` (with ``traced``, or a tracer of ``jax.jit`` or
+  ``jax.eval_shape``), None where there is none."""
   for leaf in jax.tree.leaves(tree):
-    sharding = getattr(leaf, 'sharding', None)
-    mesh = getattr(sharding, 'mesh', None)
-    explicit = jax.sharding.AxisType.Explicit in getattr(mesh, 'axis_types', ())
-    if explicit and isinstance(mesh, jax.sharding.Mesh):
-      return jax.set_mesh(mesh)
-  return contextlib.nullcontext()
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      return 'a jax.ShapeDtypeStruct'
+    if traced and isinstance(leaf, jax.core.Tracer):
+      return 'a traced value (inside jax.jit or jax.eval_shape)'
+  return None
 
 
 def _is_saved(x: Any) -> bool:
@@ -104,7 +102,15 @@ def to_checkpoint(tree: Any) -> Any:
       params, opt_state = tokacc.from_checkpoint(
           ckptr.restore(path, target), like)
   """
-  with _on_its_mesh(tree):
+  abstract = _abstract_leaf(tree)
+  if abstract is not None:
+    raise _errors.refuse(
+      'tree',
+      'arrays',
+      f'{abstract} (abstract)',
+      ' Ahead of time, call jax.eval_shape(tokacc.to_checkpoint, tree).',
+    )
+  with _checkpoint_target.on_its_mesh(tree):
     return jax.tree.map(
       lambda x: (
         _shares.save_state(x) if _state.is_state(x) else _shares.leaf_rows(x)
@@ -112,144 +118,6 @@ def to_checkpoint(tree: Any) -> Any:
       tree,
       is_leaf=_state.is_state,
     )
-
-
-def _path_key(entry: Any) -> str:
-  """A key of a pytree path as a string: orbax's metadata spells a
-  NamedTuple's fields as a dict's keys and a tuple as a list."""
-  for attribute in ('name', 'key', 'idx'):
-    if hasattr(entry, attribute):
-      return str(getattr(entry, attribute))
-  return str(entry)
-
-
-def _paths(tree: Any) -> dict[tuple[str, ...], Any]:
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {tuple(map(_path_key, path)): leaf for path, leaf in leaves}
-
-
-def _where(path: tuple[str, ...]) -> str:
-  return '/'.join(path) or 'the tree'
-
-
-def _abstract(
-  x: _typed_sharding.ArrayOrShape, shape: Optional[tuple] = None
-) -> jax.ShapeDtypeStruct:
-  """``x`` as a restore target of ``shape`` (``x``'s where None), on its
-  devices: a row axis whose new length its sharding does not divide is
-  replicated."""
-  shape = tuple(jnp.shape(x)) if shape is None else shape
-  sharding = getattr(x, 'sharding', None)
-  if shape != jnp.shape(x) and isinstance(sharding, jax.NamedSharding):
-    spec = _typed_sharding.partitions(sharding.spec)
-    lead = spec[0] if spec else None
-    size = np.prod([sharding.mesh.shape[a] for a in jax.tree.leaves(lead)])
-    if shape[0] % int(size):
-      rest = spec[1:] + (None,) * (len(shape) - len(spec))
-      sharding = jax.NamedSharding(sharding.mesh, jax.P(None, *rest[:-1]))
-  return jax.ShapeDtypeStruct(shape, jnp.result_type(x), sharding=sharding)
-
-
-def checkpoint_target(like: Any, metadata: Any) -> Any:
-  """The target orbax restores a checkpoint of :func:`to_checkpoint` into.
-
-  It is ``to_checkpoint(like)`` as shapes, dtypes and shardings on the
-  devices of ``like``, except that each per-device leaf of a window keeps
-  the number of rows it was saved with, whatever the number of devices
-  then and now: :func:`from_checkpoint` merges them. A checkpoint of
-  another configuration is refused here, before orbax would cast or
-  reshape what it reads.
-
-  Args:
-    like: a tree with the target types: e.g. ``(params, tx.init(params))``
-      for parameters placed on the devices at hand (with ``axis_name``,
-      ``tokacc.init_sharded``), as given to :func:`from_checkpoint`.
-    metadata: the saved tree's shapes and dtypes, as orbax reads them:
-      ``ckptr.metadata(path)`` (or its ``.item_metadata``), or any tree
-      whose leaves have ``shape`` and ``dtype``.
-
-  Returns:
-    A tree of ``jax.ShapeDtypeStruct``, e.g. for
-    ``ckptr.restore(path, target)``.
-
-  Raises:
-    ValueError: if the checkpoint holds other leaves than ``like`` would
-      (another optimizer, other parameters), a leaf of another shape or
-      dtype (another ``accumulator_dtype``, ``token_dtype``), or a window
-      saved by 0.5 on another number of devices.
-  """
-  saved = _paths(getattr(metadata, 'item_metadata', metadata))
-  rows, legacy = set(), {}
-
-  def target_of(path, node):
-    if not _state.is_state(node):
-      return _shares.leaf_rows(node)
-    prefix = tuple(map(_path_key, path))
-    if prefix + ('state', 'mini_step') not in saved:  # written by 0.5
-      legacy[prefix] = node
-      return jax.tree.map(_shares.leaf_rows, node)
-    form = _shares.save_state(node)
-    per_device = _paths(_shares.per_device(form.state))
-    rows.update(prefix + ('state',) + sub for sub in per_device)
-    return form
-
-  with _on_its_mesh(like):
-    target = jax.tree_util.tree_map_with_path(
-      target_of, like, is_leaf=_state.is_state
-    )
-  expected = _paths(target)
-  _check_same_leaves(expected, saved)
-  out = []
-  for path, x in expected.items():
-    found = saved[path]
-    shape, dtype = tuple(found.shape), jnp.dtype(found.dtype)
-    rows_as_saved = path in rows and shape[1:] == jnp.shape(x)[1:]
-    if (
-      dtype != jnp.result_type(x) or shape != jnp.shape(x) and not rows_as_saved
-    ):
-      _refuse_leaf(path, shape, dtype, x, legacy, saved)
-    out.append(_abstract(x, shape if rows_as_saved else None))
-  return jax.tree.unflatten(jax.tree.structure(target), out)
-
-
-def _check_same_leaves(expected: dict, saved: dict) -> None:
-  missing = sorted(set(expected) - set(saved))
-  extra = sorted(set(saved) - set(expected))
-  if missing or extra:
-    raise ValueError(
-      'checkpoint_target: the checkpoint does not hold the leaves like would '
-      f'have: missing {[_where(p) for p in missing[:3]]}, unexpected '
-      f'{[_where(p) for p in extra[:3]]}: another optimizer (inner), other '
-      'parameters, or another transform configuration.'
-    )
-
-
-def _refuse_leaf(
-  path: tuple[str, ...],
-  shape: tuple[int, ...],
-  dtype: jnp.dtype,
-  x: _typed_sharding.ArrayOrShape,
-  legacy: dict,
-  saved: dict,
-) -> None:
-  """The error for a saved leaf that does not fit its target ``x``."""
-  for prefix, node in legacy.items():
-    if path[: len(prefix)] == prefix:
-      before = saved[prefix + ('acc_tokens',)].shape
-      now = jnp.shape(_shares.leaf_rows(node.acc_tokens))
-      raise ValueError(
-        f'checkpoint_target: {_where(prefix)} was saved by optax_tokacc 0.5 '
-        f'with the window of {before[0] if before else 1} device(s), and is '
-        f'restored onto {now[0] if now else 1}: 0.5 did not record how to '
-        'merge its shares. Restore it on the devices it was saved on, then '
-        'save it again with this version: it then moves to any number.'
-      )
-  raise ValueError(
-    f'checkpoint_target: {_where(path)} was saved as {dtype}{list(shape)}, '
-    f'and is {jnp.result_type(x)}{list(jnp.shape(x))} here: the checkpoint '
-    'is of another configuration (accumulator_dtype, token_dtype, inner, or '
-    'the parameters).'
-  )
 
 
 def from_checkpoint(tree: Any, like: Any) -> Any:
@@ -319,6 +187,16 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
     Array([-0.5, -0.5], dtype=float32)
   """
 
+  abstract = _abstract_leaf(tree, traced=True)
+  if abstract is not None:  # it reads the rows recorded in the arrays
+    raise _errors.refuse(
+      'from_checkpoint(tree, like): tree',
+      'the restored arrays (their recorded rows are read)',
+      f'{abstract}',
+      ' Ahead of time, tokacc.checkpoint_target(like, metadata) gives what'
+      ' orbax restores, and the result is laid out as like is.',
+    )
+
   def restore(saved, ref):
     if _state.is_state(ref):
       if _is_saved(saved):
@@ -327,7 +205,7 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
       return _restore_0_5(_without_scratch(saved), ref)
     return _shares.restore_leaf(saved, ref)
 
-  with _on_its_mesh(like):
+  with _checkpoint_target.on_its_mesh(like):
     return jax.tree.map(restore, tree, like, is_leaf=_is_state_form)
 
 
@@ -388,8 +266,8 @@ def _check_like(
   ref: _base.TokenWeightedMultiStepState,
 ) -> None:
   """``state`` must be a saved state of ``ref``'s configuration."""
-  per_device = _paths(_shares.per_device(state))
-  targets = _paths(_shares.per_device(ref))
+  per_device = _checkpoint_target.paths(_shares.per_device(state))
+  targets = _checkpoint_target.paths(_shares.per_device(ref))
   same_tree = jax.tree.structure(state) == jax.tree.structure(ref)
   if not same_tree or set(per_device) != set(targets):
     raise ValueError(
@@ -398,12 +276,12 @@ def _check_like(
       ' another inner optimizer or configuration (compensated, '
       'should_skip_update_fn).'
     )
-  saved_leaves = _paths(state)
-  for path, x in _paths(ref).items():
+  saved_leaves = _checkpoint_target.paths(state)
+  for path, x in _checkpoint_target.paths(ref).items():
     dtype = jnp.result_type(saved_leaves[path])
     if dtype != jnp.result_type(x):
       raise ValueError(
-        f'from_checkpoint: {_where(path)} was saved as {dtype} and is '
+        f'from_checkpoint: {_checkpoint_target.where(path)} was saved as {dtype} and is '
         f'{jnp.result_type(x)} here: another accumulator_dtype or '
         'token_dtype, or another optimizer.'
       )

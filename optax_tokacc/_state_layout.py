@@ -23,6 +23,7 @@ along which the parameter is not sharded.
 """
 
 from collections.abc import Callable
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -292,9 +293,16 @@ def init_sharded(
   the mesh, so each device gets its slot of the per-device fields; without,
   under ``jax.jit`` with the shardings of :func:`state_shardings`.
 
+  Ahead of time (a mesh of devices that only compile), pass the
+  parameters as ``jax.ShapeDtypeStruct``: the state comes back abstract,
+  laid out on ``mesh``. Inside ``jax.eval_shape`` on an explicit mesh its
+  types are the layout; on an Auto mesh types carry no layout, so there
+  the layout is lost: pass abstract parameters instead.
+
   Args:
     tx: :func:`token_weighted_multistep`, or a transformation containing it.
-    params: the parameters, global arrays laid out by ``param_specs``.
+    params: the parameters, global arrays laid out by ``param_specs``, or
+      their ``jax.ShapeDtypeStruct`` (ahead of time).
     mesh: the device mesh.
     param_specs: a tree of ``PartitionSpec`` like ``params``; None means the
       specs in the parameters' types (explicit sharding), else replicated.
@@ -305,7 +313,8 @@ def init_sharded(
 
   Returns:
     The optimizer state, global arrays sharded as
-    :func:`state_partition_specs` says.
+    :func:`state_partition_specs` says (``jax.ShapeDtypeStruct`` with
+    those shardings for abstract parameters).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -323,11 +332,52 @@ def init_sharded(
   specs = _full_layout(
     tx, params, param_specs, axis_name, shard_optimizer_over, mesh
   )
+  shardings = jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs)
   if axis_name is None:
-    shardings = jax.tree.map(lambda s: jax.NamedSharding(mesh, s), specs)
-    return jax.jit(tx.init, out_shardings=shardings)(params)
-  in_specs = (
-    _typed_sharding.type_specs(params) if param_specs is None else param_specs,
-  )
-  init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)
-  return jax.jit(init)(params)
+    init = functools.partial(_typed_init, tx, specs, mesh)
+  else:
+    in_specs = (
+      _typed_sharding.type_specs(params)
+      if param_specs is None
+      else param_specs,
+    )
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)
+  init = jax.jit(init, out_shardings=shardings)
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+    return jax.eval_shape(init, params)  # ahead of time: the layout, no data
+  return init(params)
+
+
+def _typed_init(
+  tx: optax.GradientTransformation,
+  specs: _typed_sharding.Specs,
+  mesh: jax.sharding.Mesh,
+  params: optax.Params,
+) -> optax.OptState:
+  """``tx.init(params)``, on an explicit mesh each leaf typed as ``specs``
+  says. ``jax.jit``'s ``out_shardings`` lay the arrays out, but do not type
+  what a trace around the call sees (``jax.eval_shape`` of a step that
+  calls :func:`init_sharded`): the distributed optimizer's moments would
+  keep the parameters' reduced type."""
+  state = tx.init(params)
+  if jax.sharding.AxisType.Explicit not in getattr(mesh, 'axis_types', ()):
+    return state  # an Auto mesh: types carry no layout
+
+  def typed(x, spec):
+    found = _typed_sharding.mesh_of(x)
+    if (
+      found is not None
+      and not found.empty
+      and _typed_sharding.spec(x) == (_padded(spec, jnp.ndim(x)))
+    ):
+      return x
+    return jax.reshard(x, jax.NamedSharding(mesh, spec))
+
+  return jax.tree.map(typed, state, specs)
+
+
+def _padded(spec: jax.P, rank: int) -> jax.P:
+  """``spec`` with ``None`` entries up to ``rank``."""
+  parts = _typed_sharding.partitions(spec)
+  parts += (None,) * (rank - len(parts))
+  return jax.P(*parts, reduced=spec.reduced, unreduced=spec.unreduced)

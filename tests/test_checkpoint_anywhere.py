@@ -286,6 +286,28 @@ def test_from_checkpoint_refuses_another_dtype():
     tokacc.from_checkpoint(saved, other.init(params))
 
 
+def test_abstract_values_are_refused_naming_what_to_call():
+  """Regression (issue 54, item 4): ``to_checkpoint`` of abstract values
+  names ``jax.eval_shape``, which it works under; ``from_checkpoint``
+  needs the restored arrays (it reads their recorded rows) and names
+  ``checkpoint_target``, for abstract and traced trees alike. They raised
+  a float() TypeError and a TracerArrayConversionError."""
+  tx = make_tx()
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
+  like = (params, tx.init(params))
+  abstract = jax.eval_shape(lambda: like)
+  with pytest.raises(TypeError, match=r'eval_shape\(tokacc.to_checkpoint'):
+    tokacc.to_checkpoint(abstract)
+  saved = jax.eval_shape(tokacc.to_checkpoint, abstract)
+  chex.assert_trees_all_equal_shapes_and_dtypes(
+    saved, tokacc.to_checkpoint(like)
+  )
+  with pytest.raises(TypeError, match='ShapeDtypeStruct.*checkpoint_target'):
+    tokacc.from_checkpoint(saved, like)
+  with pytest.raises(TypeError, match='traced.*checkpoint_target'):
+    jax.jit(tokacc.from_checkpoint)(tokacc.to_checkpoint(like), like)
+
+
 def test_an_invalid_window_stays_invalid(tmp_path):
   """A window whose count is invalid on one device (negative: -1 in its
   slot) is dropped after a resume on 2 devices, as it is on 4: the merged

@@ -12,7 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Every public helper ahead of time (issue 54, item 1, in part): on
+"""Every public helper ahead of time (issue 54, items 1 and 4): on
 abstract values laid out on devices that only compile, as a trainer that
 compiles its step before it rents the accelerators calls them.
 
@@ -91,16 +91,41 @@ CASES = on_targets.grid(on_targets.EIGHT_DEVICES, tuple(LAYOUTS))
 
 @functools.cache
 def _on_cpu(layout, helper):
+  """What ``helper`` gives for ``layout`` on 8 CPU devices, where it runs:
+  the specs and shardings the helpers state, and the types of the arrays
+  that ``init_sharded`` and ``checkpoint_target`` make (the reference)."""
   tx, mesh, params, kwargs = _setup(layout, jax.devices()[:8])
   with jax.set_mesh(mesh):
     if helper == 'specs':
       return tokacc.state_partition_specs(tx, params, **kwargs)
     if helper == 'shardings':
       return _specs(tokacc.state_shardings(tx, params, mesh, **kwargs))
-    state = jax.eval_shape(
-      lambda p: tokacc.init_sharded(tx, p, mesh, **kwargs), params
+    arrays = jax.tree.map(
+      lambda p: jnp.zeros(p.shape, p.dtype, device=p.sharding), params
     )
-    return _specs(jax.tree.map(lambda x: x.sharding, state))
+    state = tokacc.init_sharded(tx, arrays, mesh, **kwargs)
+    if helper == 'init':
+      return _types(state)
+    like = (arrays, state)
+    target = tokacc.checkpoint_target(like, tokacc.to_checkpoint(like))
+    return jax.tree.map(_shape_dtype_spec, target)
+
+
+def _types(tree):
+  """Each leaf's spec as its type states it (explicit meshes: reduced and
+  unreduced axes included), or as it is laid out (Auto meshes)."""
+  return _stripped(jax.tree.map(_type_spec, tree))
+
+
+def _type_spec(x):
+  mesh = x.sharding.mesh
+  if isinstance(x, jax.Array) and EXPLICIT in mesh.axis_types:
+    return jax.typeof(x).sharding.spec
+  return x.sharding.spec
+
+
+def _shape_dtype_spec(x):
+  return x.shape, x.dtype, _stripped(x.sharding.spec)
 
 
 @pytest.mark.parametrize(('target', 'layout'), CASES)
@@ -120,24 +145,49 @@ def test_state_shardings_ahead_of_time(target, layout):
   assert _specs(shardings) == _on_cpu(layout, 'shardings')
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason='issue 54, open: jax.eval_shape of init_sharded gives no sharding '
-  'on an Auto mesh (the types do not carry it) and, on an explicit one, '
-  'types that are not what state_partition_specs says',
-)
 @pytest.mark.parametrize(('target', 'layout'), CASES)
+def test_init_sharded_of_abstract_parameters_keeps_the_layout(target, layout):
+  """Regression (issue 54, item 1): ahead of time, ``init_sharded`` of
+  ``jax.ShapeDtypeStruct`` parameters gives the abstract state laid out on
+  the target's mesh as the arrays it makes on 8 CPU devices are (it
+  failed: ``jax.jit`` takes no ``ShapeDtypeStruct``)."""
+  tx, mesh, params, kwargs = _setup(layout, testing.target(target).devices)
+  with jax.set_mesh(mesh):
+    state = tokacc.init_sharded(tx, params, mesh, **kwargs)
+    shardings = tokacc.state_shardings(tx, params, mesh, **kwargs)
+  assert all(
+    isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)
+  )
+  assert {x.sharding.mesh for x in jax.tree.leaves(state)} == {mesh}
+  assert _types(state) == _on_cpu(layout, 'init')
+  assert _stripped(_specs(shardings)) == _stripped(
+    _specs(jax.tree.map(lambda x: x.sharding, state))
+  )
+
+
+EXPLICIT_CASES = on_targets.grid(
+  on_targets.EIGHT_DEVICES, ('explicit_ddp', 'zero1')
+)
+
+
+@pytest.mark.parametrize(('target', 'layout'), EXPLICIT_CASES)
 def test_init_sharded_inside_eval_shape_keeps_the_layout(target, layout):
+  """Regression (issue 54, item 1): inside ``jax.eval_shape`` (a trace
+  around a step that calls it) on an explicit mesh, the state's types are
+  the layout: the distributed optimizer's moments sharded over ``data``
+  (they kept the parameters' reduced type), the scalars replicated on the
+  mesh (they had no sharding). On an Auto mesh types carry no layout
+  (``init_sharded``'s docstring): pass abstract parameters instead."""
   tx, mesh, params, kwargs = _setup(layout, testing.target(target).devices)
   with jax.set_mesh(mesh):
     state = jax.eval_shape(
       lambda p: tokacc.init_sharded(tx, p, mesh, **kwargs), params
     )
-  found = _specs(jax.tree.map(lambda x: x.sharding, state))
-  assert found == _on_cpu(layout, 'init')
-  with jax.set_mesh(mesh):
     expected = tokacc.state_partition_specs(tx, params, **kwargs)
-  assert _stripped(found) == _stripped(expected)
+  assert _types(state) == _on_cpu(layout, 'init')
+  assert _stripped(_specs(jax.tree.map(lambda x: x.sharding, state))) == (
+    _stripped(expected)
+  )
 
 
 def _stripped(specs):
@@ -165,21 +215,38 @@ def test_window_metrics_of_an_abstract_state(target):
   assert metrics.loss.shape == () and metrics.tokens.shape == ()
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="issue 54, open: checkpoint_target reads like's arrays eagerly "
-  '(_shares.leaf_rows), which abstract values are not',
-)
+@pytest.mark.parametrize(('target', 'layout'), CASES)
+def test_checkpoint_target_of_an_abstract_state(target, layout):
+  """Regression (issue 54, item 1): ``checkpoint_target`` of abstract
+  parameters and state on the target's mesh is what it is for the arrays
+  of 8 CPU devices, laid out on that mesh (it failed: ``_shares`` retyped
+  the leaves eagerly)."""
+  tx, mesh, params, kwargs = _setup(layout, testing.target(target).devices)
+  with jax.set_mesh(mesh):
+    like = (params, tokacc.init_sharded(tx, params, mesh, **kwargs))
+    saved = jax.eval_shape(tokacc.to_checkpoint, like)
+    target_tree = tokacc.checkpoint_target(like, saved)
+  assert jax.tree.structure(target_tree) == jax.tree.structure(saved)
+  assert {x.sharding.mesh for x in jax.tree.leaves(target_tree)} == {mesh}
+  found = jax.tree.map(_shape_dtype_spec, target_tree)
+  assert found == _on_cpu(layout, 'checkpoint_target')
+
+
 @pytest.mark.parametrize('target', on_targets.EIGHT_DEVICES)
-def test_checkpoint_target_of_an_abstract_state(target):
+def test_helpers_that_need_values_say_what_to_call_ahead_of_time(target):
+  """Issue 54, item 4: ``to_checkpoint`` of abstract values names
+  ``jax.eval_shape``; ``from_checkpoint``, which reads the rows recorded
+  in the restored arrays, names ``checkpoint_target``, abstract or traced
+  (it raised a float() TypeError and a TracerArrayConversionError)."""
   tx, mesh, params, kwargs = _setup(
     'explicit_ddp', testing.target(target).devices
   )
   with jax.set_mesh(mesh):
-    state = jax.eval_shape(tx.init, params)
-    like = (params, state)
+    like = (params, tokacc.init_sharded(tx, params, mesh, **kwargs))
+    with pytest.raises(TypeError, match=r'eval_shape\(tokacc.to_checkpoint'):
+      tokacc.to_checkpoint(like)
     saved = jax.eval_shape(tokacc.to_checkpoint, like)
-    target_tree = tokacc.checkpoint_target(like, saved)
-  assert jax.tree.structure(target_tree) == jax.tree.structure(saved)
-  for leaf in jax.tree.leaves(target_tree):
-    assert leaf.sharding.mesh == mesh
+    with pytest.raises(TypeError, match='from_checkpoint.*checkpoint_target'):
+      tokacc.from_checkpoint(saved, like)
+    with pytest.raises(TypeError, match='traced.*checkpoint_target'):
+      jax.eval_shape(tokacc.from_checkpoint, saved, like)
