@@ -27,7 +27,7 @@ moves no data.
 
 from collections.abc import Callable
 import dataclasses
-from typing import Optional, final
+from typing import NamedTuple, Optional, final
 
 import chex
 import jax
@@ -155,8 +155,15 @@ class PartialSums(_placement.Placement):
   ) -> _base.Reduced:
     """On each device's share, each leaf summed over the axes it is
     unreduced over (reduce-scattered into its target, if any: the rest of
-    its axes summed after), and the scalars in one ``psum``: one
-    all-reduce in data parallelism."""
+    its axes summed after), the scalars with them.
+
+    The scalars (the count's parts and the loss) are summed first over
+    the axes no leaf is summed over (HSDP's ``fsdp``), then in the same
+    ``psum`` as the leaves over the others (``replica``), packed into one
+    vector where their dtypes agree: what crosses those axes is one
+    all-reduce, which XLA:TPU left as two (the sums with the count, and
+    the loss alone) when the scalars were summed over every axis at once.
+    """
     leaves, treedef = jax.tree.flatten(sums)
     targets = self.targets or (None,) * len(leaves)
     # the axes to sum over, known from the types here only
@@ -164,15 +171,29 @@ class PartialSums(_placement.Placement):
     axes = tuple(sorted(self.axes))
 
     def reduce(leaves, acc_tokens, acc_loss):
-      out = []
+      out, rest = [], []
       for leaf, target, over in zip(leaves, targets, sum_over):
         if target is not None:
           leaf = lax.psum_scatter(
             leaf, target.axes, scatter_dimension=target.dim, tiled=True
           )
           over = tuple(a for a in over if a not in jax.tree.leaves(target.axes))
-        out.append(lax.psum(leaf, over) if over else leaf)
-      parts, loss = lax.psum((_tokens.to_parts(acc_tokens), acc_loss), axes)
+        out.append(leaf)
+        rest.append(over)
+      shared = _shared_axes(rest, axes)
+      scalars = _Scalars.of(acc_tokens, acc_loss)
+      first = tuple(a for a in axes if a not in shared)
+      packed = lax.psum(scalars.packed, first) if first else scalars.packed
+      summed = [i for i, over in enumerate(rest) if over == shared]
+      sums, packed = _summed_with(
+        [out[i] for i in summed], scalars._replace(packed=packed), shared
+      )
+      for i, leaf in zip(summed, sums):
+        out[i] = leaf
+      for i, over in enumerate(rest):
+        if over and over != shared:
+          out[i] = lax.psum(out[i], over)
+      parts, loss = scalars.unpacked(packed)
       return _base.Reduced(treedef.unflatten(out), parts, loss)
 
     specs = [_reduced_spec(x, t) for x, t in zip(leaves, targets)]
@@ -233,3 +254,62 @@ def _reduced_spec(
   if target is not None:
     return target.spec
   return _typed_sharding.spec(leaf, unreduced=False) or jax.P()
+
+
+def _shared_axes(over: list[tuple], axes: tuple) -> tuple:
+  """The axes over which the most leaves are summed (those the scalars are
+  summed over last, in the same ``psum``): a subset of ``axes``, empty
+  where no leaf is summed (FSDP: the scalars alone, over ``axes``)."""
+  counts = {o: over.count(o) for o in over if o and set(o) <= set(axes)}
+  if not counts:
+    return axes
+  return max(counts, key=lambda o: (counts[o], o))
+
+
+def _summed_with(
+  sums: list, scalars: '_Scalars', axes: tuple
+) -> tuple[list, tuple]:
+  """``sums`` and ``scalars.packed`` summed over ``axes`` in one ``psum``.
+
+  JAX lowers each operand of a ``psum`` to an all-reduce of its own, which
+  XLA may or may not combine (XLA:TPU did not, across two slices, for a
+  1024 x 1024 leaf and the scalars). Where the scalars are one vector of a
+  leaf's dtype they travel inside the smallest such leaf, flattened: what
+  crosses ``axes`` is then the leaves' reduction alone."""
+  packed = scalars.packed
+  fits = [i for i, x in enumerate(sums) if (x.dtype,) == _dtypes(packed)]
+  if not fits:
+    return lax.psum((sums, packed), axes)
+  carrier = min(fits, key=lambda i: sums[i].size)
+  leaf = sums[carrier]
+  flat = jnp.concatenate([jnp.ravel(leaf), packed[0]])
+  sums = [*sums[:carrier], flat, *sums[carrier + 1 :]]
+  sums = lax.psum(sums, axes)
+  flat = sums[carrier]
+  sums[carrier] = jnp.reshape(flat[: leaf.size], leaf.shape)
+  return sums, (flat[leaf.size :],)
+
+
+def _dtypes(packed: tuple) -> tuple:
+  return tuple(x.dtype for x in packed)
+
+
+class _Scalars(NamedTuple):
+  """The window's count parts and loss, one vector where their dtypes
+  agree (the count's parts are float32 for an int32 counter, as the loss):
+  one operand of the reduction instead of two."""
+
+  packed: tuple
+
+  @classmethod
+  def of(cls, acc_tokens: jax.Array, acc_loss: jax.Array) -> '_Scalars':
+    parts = _tokens.to_parts(acc_tokens)
+    if parts.dtype == acc_loss.dtype:
+      return cls((jnp.concatenate([parts, acc_loss[None]]),))
+    return cls((parts, acc_loss))
+
+  @staticmethod
+  def unpacked(packed: tuple) -> tuple[jax.Array, jax.Array]:
+    if len(packed) == 1:
+      return packed[0][:-1], packed[0][-1]
+    return packed
