@@ -266,6 +266,11 @@ def _shared_axes(over: list[tuple], axes: tuple) -> tuple:
   return max(counts, key=lambda o: (counts[o], o))
 
 
+# The largest leaf (bytes on one device) that carries the window's count and
+# loss in its reduction (:func:`_summed_with`): the temporary it costs.
+CARRIER_BYTES = 2**20
+
+
 def _summed_with(
   sums: list, scalars: '_Scalars', axes: tuple
 ) -> tuple[list, tuple]:
@@ -275,9 +280,19 @@ def _summed_with(
   XLA may or may not combine (XLA:TPU did not, across two slices, for a
   1024 x 1024 leaf and the scalars). Where the scalars are one vector of a
   leaf's dtype they travel inside the smallest such leaf, flattened: what
-  crosses ``axes`` is then the leaves' reduction alone."""
+  crosses ``axes`` is then the leaves' reduction alone. The copy that
+  flattening makes is a temporary of that leaf's size, so only a leaf of
+  at most :data:`CARRIER_BYTES` carries them (a bias, a norm's scale, a
+  shard); beside larger leaves only, the scalars rely on XLA's combining
+  (which XLA:GPU and XLA:TPU within a slice did in every program compiled
+  for issue 54)."""
   packed = scalars.packed
-  fits = [i for i, x in enumerate(sums) if (x.dtype,) == _dtypes(packed)]
+  fits = [
+    i
+    for i, x in enumerate(sums)
+    if (x.dtype,) == _dtypes(packed)
+    and x.size * x.dtype.itemsize <= CARRIER_BYTES
+  ]
   if not fits:
     return lax.psum((sums, packed), axes)
   carrier = min(fits, key=lambda i: sums[i].size)

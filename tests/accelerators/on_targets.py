@@ -329,3 +329,102 @@ def param_bytes(name: str, dtype_name: str) -> int:
   return sum(
     x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(model.params)
   )
+
+
+# A 2-layer MLP without biases, P = 557,056 bytes: on a TPU slice, the size
+# at which the window's reduction across replicas went out as two
+# all-reduces (issue 54); the tests' model (288 bytes) shows one.
+MLP_SHAPES = {'w1': (256, 512), 'w2': (512, 16)}
+MLP_BYTES = sum(4 * a * b for a, b in MLP_SHAPES.values())
+MLP_ROWS = 64
+
+
+def _whole(param):
+  """A parameter as the forward pass uses it: split dimensions gathered
+  into a copy reduced over every axis (JAX needs the contracting axes
+  reduced; autodiff then reduce-scatters its gradient)."""
+  spec = jax.typeof(param).sharding.spec
+  split = set(jax.tree.leaves(tuple(e for e in spec.partitions if e)))
+  if not split:
+    return param
+  return jax.reshard(param, P(reduced=set(spec.reduced) | split))
+
+
+def _mlp_loss_sum(params, batch, axes):
+  """The squared error summed over the micro-batch, as partial sums over
+  ``axes`` (no collective of the step's own)."""
+  params = jax.tree.map(_whole, params)
+  error = jax.nn.relu(batch['x'] @ params['w1']) @ params['w2'] - batch['y']
+  return jnp.einsum('bc,bc->', error, error, out_sharding=P(unreduced=axes))
+
+
+def mlp_report(
+  close: Any, mesh: jax.sharding.Mesh, spec: P, **layout: Any
+) -> testing.StepReport:
+  """The MLP of :data:`MLP_SHAPES` under explicit sharding on ``mesh`` (a
+  target's devices, or the CPU's), each parameter typed ``spec`` (the
+  state from ``init_sharded(..., **layout)``), AdamW, compiled with
+  ``close``; the count and the loss spelled unreduced, the batch split
+  over every axis."""
+  tx = adamw_tx(None)
+  axes = set(mesh.axis_names)
+
+  def on(shape, s):
+    return jax.ShapeDtypeStruct(
+      shape, jnp.float32, sharding=NamedSharding(mesh, s)
+    )
+
+  params = {name: on(shape, spec) for name, shape in MLP_SHAPES.items()}
+  rows = P(tuple(mesh.axis_names))
+  batch = {
+    'x': on((MLP_ROWS, MLP_SHAPES['w1'][0]), rows),
+    'y': on((MLP_ROWS, MLP_SHAPES['w2'][1]), rows),
+    'mask': on((MLP_ROWS,), rows),
+  }
+
+  @functools.partial(jax.jit, static_argnames='close')
+  def step(params, state, batch, close=None):
+    loss, grads = jax.value_and_grad(_mlp_loss_sum)(params, batch, axes)
+    count = jnp.einsum('b->', batch['mask'], out_sharding=P(unreduced=axes))
+    updates, state = tx.update(
+      grads, state, params, num_tokens=count, loss=loss, close=close
+    )
+    return optax.apply_updates(params, updates), state
+
+  with jax.set_mesh(mesh):
+    state = tokacc.init_sharded(tx, params, mesh, **layout)
+    return testing.check(step, params, state, batch, close=close, mesh=mesh)
+
+
+def one_leaf_zero1_report(
+  mesh: jax.sharding.Mesh, shape: tuple[int, int]
+) -> testing.StepReport:
+  """ZeRO-1 of one float32 parameter of ``shape`` on ``mesh`` (8 devices
+  over ``data``, explicit), AdamW's moments sharded on its first
+  dimension, the host's closing program: how the window is reduced."""
+  tx = adamw_tx(None)
+  reduced = NamedSharding(mesh, P(None, None, reduced={'data'}))
+  params = {'w': jax.ShapeDtypeStruct(shape, jnp.float32, sharding=reduced)}
+  rows = NamedSharding(mesh, P('data'))
+  x = jax.ShapeDtypeStruct((MLP_ROWS, shape[0]), jnp.float32, sharding=rows)
+  partial = P(unreduced={'data'})
+
+  @jax.jit
+  def step(params, state, x):
+    def loss_sum(params):
+      out = x @ params['w']
+      return jnp.einsum('bc,bc->', out, out, out_sharding=partial)
+
+    loss, grads = jax.value_and_grad(loss_sum)(params)
+    mask = jnp.ones((MLP_ROWS,), out_sharding=P('data'))
+    count = jnp.einsum('b->', mask, out_sharding=partial)
+    updates, state = tx.update(
+      grads, state, params, num_tokens=count, loss=loss, close=True
+    )
+    return optax.apply_updates(params, updates), state
+
+  with jax.set_mesh(mesh):
+    state = tokacc.init_sharded(
+      tx, params, mesh, shard_optimizer_over=('data',)
+    )
+    return testing.check(step, params, state, x, mesh=mesh)

@@ -44,6 +44,7 @@ runtime, not as a collective op; the check reads it as one.
 
 import functools
 
+import collective_tables
 import helpers
 import jax
 import jax.numpy as jnp
@@ -102,30 +103,66 @@ def test_deferred_placements_reduce_once_per_window(name, target, mode):
     assert P <= reduction.bytes <= P + WITH_COUNT_AND_LOSS, _listed(found)
 
 
-def _zero1_cases():
-  for target in on_targets.EIGHT_DEVICES:
-    marks = ()
-    if target.startswith('tpu'):
-      marks = (
-        pytest.mark.xfail(
-          strict=True,
-          reason='issue 54: XLA:TPU turns the reduce-scatter of a small '
-          "leaf into an all-reduce of the whole window's gradients",
-        ),
-      )
-    for mode in ('device', 'host_closing'):
-      yield on_targets.on_target(target, 'zero1', mode, marks=marks)
-
-
-@pytest.mark.parametrize(('target', 'name', 'mode'), list(_zero1_cases()))
+@pytest.mark.parametrize(
+  ('target', 'name', 'mode'),
+  on_targets.grid(
+    on_targets.EIGHT_DEVICES, ('zero1',), ('device', 'host_closing')
+  ),
+)
 def test_zero1_reduce_scatters_the_window_into_the_optimizer_shards(
   name, target, mode
 ):
+  """On a GPU, one reduce-scatter of the window (XLA:GPU combines the
+  leaves'). On a TPU the tests' leaves (8 x 8 and 8: one row per chip)
+  are all-reduced whole, the window's gradients with the count and the
+  loss: XLA:TPU keeps a reduce-scatter only where each chip's shard falls
+  on its tiles (docs/sharded_training.md, ZeRO-1 on a TPU; issue 54)."""
   found = report(name, target, mode)
   reductions = gradient_sized(
     [c for c in found.collectives if c.kind != 'all-gather']
   )
-  assert [c.kind for c in reductions] == ['reduce-scatter'], _listed(found)
+  kind = 'all-reduce' if target.startswith('tpu') else 'reduce-scatter'
+  assert [c.kind for c in reductions] == [kind], _listed(found)
+
+
+# One float32 leaf sharded on its first dimension over 8 chips, and how
+# XLA:TPU reduces its window (measured: `collective_tables.py zero1`):
+# it keeps a reduce-scatter only for some shapes, by the shard's rows, not
+# by size. XLA:GPU reduce-scatters every leaf.
+ZERO1_ON_TPU = {
+  (128, 128): {'tpu v5e 2x4': 'reduce-scatter', 'tpu v6e 2x4': 'all-reduce'},
+  (160, 128): {'tpu v5e 2x4': 'all-reduce', 'tpu v6e 2x4': 'all-reduce'},
+  (8192, 128): {
+    'tpu v5e 2x4': 'reduce-scatter',
+    'tpu v6e 2x4': 'reduce-scatter',
+  },
+}
+
+
+@pytest.mark.parametrize(
+  ('target', 'shape'),
+  on_targets.grid(on_targets.EIGHT_DEVICES, tuple(ZERO1_ON_TPU)),
+)
+def test_zero1_window_reduction_per_target(target, shape):
+  """Issue 54, item 3: what ZeRO-1's window costs per target, stated.
+  XLA:GPU reduce-scatters every leaf. XLA:TPU reduce-scatters a float32
+  leaf of 128 columns only where its shard's rows suit it: on a v5e 16
+  rows per chip (128 x 128) but not 20 (160 x 128), on a v6e neither;
+  1,024 rows per chip (8192 x 128) on both. Where it does not, it
+  all-reduces the whole leaf (docs/sharded_training.md, ZeRO-1 on a
+  TPU)."""
+  mesh = testing.target(target).mesh(
+    (8,), ('data',), (jax.sharding.AxisType.Explicit,)
+  )
+  found = on_targets.one_leaf_zero1_report(mesh, shape)
+  leaf = 4 * shape[0] * shape[1]
+  reductions = [
+    c.kind
+    for c in found.collectives
+    if c.kind != 'all-gather' and c.bytes >= leaf // 8
+  ]
+  expected = ZERO1_ON_TPU[shape].get(target, 'reduce-scatter')
+  assert reductions == [expected], found.summary()
 
 
 @pytest.mark.parametrize(('target', 'name', 'mode'), _cases(SUMMED_BY_AUTODIFF))
@@ -169,6 +206,58 @@ def test_hsdp_reduces_across_replicas_once_per_window(name, target, mode):
   assert len(window) == (0 if mode == 'host_open' else 1), _listed(found)
   for reduction in window:
     assert reduction.kind == 'all-reduce' and reduction.axes == 'replica'
+
+
+@functools.cache
+def hsdp_mlp_report(target, mode, num_slices=1):
+  found = testing.target(target, num_slices=num_slices)
+  shape = (2, 8) if num_slices > 1 else (2, 4)
+  types = (jax.sharding.AxisType.Explicit,) * 2
+  mesh = found.mesh(shape, ('replica', 'fsdp'), types)
+  close = on_targets.CLOSE_MODES[mode]
+  spec = jax.P('fsdp', None, reduced={'replica'})
+  return on_targets.mlp_report(close, mesh, spec)
+
+
+HSDP_MLP_CASES = [
+  *on_targets.grid(on_targets.EIGHT_DEVICES, ('device', 'host_closing'), (1,)),
+  *(
+    on_targets.on_target('tpu v5e 2x4', mode, 2)
+    for mode in ('device', 'host_closing')
+  ),
+]
+
+
+@pytest.mark.skipif(
+  not placements.supported('explicit_hsdp'),
+  reason=placements.NEEDS_TYPED_SHARDING,
+)
+@pytest.mark.parametrize(('target', 'mode', 'num_slices'), HSDP_MLP_CASES)
+def test_hsdp_sends_one_all_reduce_across_replicas_per_window(
+  target, mode, num_slices
+):
+  """Regression (issue 54, item 3): explicit HSDP of a 2-layer MLP (P =
+  557,056 bytes): whoever closes, exactly one all-reduce crosses
+  ``replica`` (or the slices) per window, carrying the window's sums (P /
+  4 over 2 x 4 devices, P / 8 over two slices of 8), the count and the
+  loss; the step's own count and loss are partial sums, so nothing else
+  crosses. Closed by the host on a TPU v5e or v6e slice it sent two: the
+  sums with the count, and the loss alone."""
+  found = hsdp_mlp_report(target, mode, num_slices)
+  mlp = on_targets.MLP_BYTES
+  across = [
+    c
+    for c in found.collectives
+    if c.across_slices or 'replica' in c.axes.split(',')
+  ]
+  if mode == 'device':
+    assert all(c.where == 'closing step' for c in across), found.summary()
+  assert len(across) == 1, found.summary()
+  (reduction,) = across
+  assert reduction.kind == 'all-reduce', found.summary()
+  shard = mlp // (4 * num_slices)
+  count_parts_and_loss = 5 * 4  # float32
+  assert shard + count_parts_and_loss <= reduction.bytes, found.summary()
 
 
 @pytest.mark.parametrize(
@@ -298,3 +387,22 @@ def test_hsdp_across_tpu_slices_sends_one_reduction_per_window(mode):
     assert len(closing) == (0 if mode == 'host_open' else 1), found.summary()
   for transfer in between:
     assert transfer.kind == 'all-reduce' and transfer.bytes >= P // 8
+
+
+@pytest.mark.skipif(
+  not placements.supported('explicit_hsdp'),
+  reason=placements.NEEDS_TYPED_SHARDING,
+)
+@pytest.mark.xdist_group('collective tables')
+def test_the_docs_tables_are_the_compiled_programs():
+  """Issue 54, item 3: the per-target table of docs/sharded_training.md
+  is what ``collective_tables.py`` reads from the programs compiled for
+  8 x H100, a TPU v5e 2x4 slice and 8 CPU devices (about 30 compiles)."""
+  page = (helpers.REPO / 'docs' / 'sharded_training.md').read_text()
+  begin, end = (
+    '<!-- collective-tables: begin -->',
+    '<!-- collective-tables: end -->',
+  )
+  table = page[page.index(begin) : page.index(end)].splitlines()
+  documented = [line for line in table[3:] if line.startswith('|')]
+  assert documented == collective_tables.rows()
