@@ -98,11 +98,11 @@ def accelerators(session: nox.Session) -> None:
   session.install('--upgrade', 'pip')
   session.install('-e', '.[test,accelerators]')
   report = pathlib.Path(session.create_tmp()).resolve() / 'accelerators.xml'
-  # The tier, and the docs' example that compiles for an accelerator (the
-  # other sessions skip it: they have no compilers).
+  # The tier, and the docs' examples that compile for an accelerator (the
+  # other sessions skip them: they have no compilers).
   session.run(
     *PYTEST, 'tests/accelerators', 'tests/test_docs.py', '-k',
-    'accelerators or checking_steps', '--dist', 'loadgroup',
+    'accelerators or checking_steps or ahead_of_time', '--dist', 'loadgroup',
     f'--junitxml={report}',
     env={'OPTAX_TOKACC_ACCELERATORS': '1', 'JAX_PLATFORMS': 'cpu'},
   )  # fmt: skip
