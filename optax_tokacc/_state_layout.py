@@ -368,16 +368,9 @@ def _typed_init(
     if (
       found is not None
       and not found.empty
-      and _typed_sharding.spec(x) == (_padded(spec, jnp.ndim(x)))
+      and _typed_sharding.spec(x) == _typed_sharding.padded(spec, jnp.ndim(x))
     ):
       return x
     return jax.reshard(x, jax.NamedSharding(mesh, spec))
 
   return jax.tree.map(typed, state, specs)
-
-
-def _padded(spec: jax.P, rank: int) -> jax.P:
-  """``spec`` with ``None`` entries up to ``rank``."""
-  parts = _typed_sharding.partitions(spec)
-  parts += (None,) * (rank - len(parts))
-  return jax.P(*parts, reduced=spec.reduced, unreduced=spec.unreduced)

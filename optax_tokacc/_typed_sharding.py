@@ -54,9 +54,18 @@ def spec(x: ArrayOrShape, *, unreduced: bool = True) -> Optional[jax.P]:
   found = getattr(_sharding(x), 'spec', None)
   if not isinstance(found, jax.P):
     return None
-  parts = partitions(found)
-  parts += (None,) * (len(jnp.shape(x)) - len(parts))
   kept = found.unreduced if unreduced else frozenset()
+  return padded(found, len(jnp.shape(x)), kept)
+
+
+def padded(
+  found: jax.P, rank: int, unreduced: Optional[frozenset] = None
+) -> jax.P:
+  """``found`` with ``None`` entries up to ``rank``, its reduced axes, and
+  its unreduced axes (``unreduced`` where given)."""
+  parts = partitions(found)
+  parts += (None,) * (rank - len(parts))
+  kept = found.unreduced if unreduced is None else unreduced
   # A new spec: P.update would keep an unreduced_kind (jax >= 0.11), which
   # JAX refuses beside no unreduced axis.
   return jax.P(*parts, reduced=found.reduced, unreduced=kept)
