@@ -27,7 +27,7 @@ moves no data.
 
 from collections.abc import Callable
 import dataclasses
-from typing import NamedTuple, Optional, final
+from typing import Optional, final
 
 import chex
 import jax
@@ -181,19 +181,17 @@ class PartialSums(_placement.Placement):
         out.append(leaf)
         rest.append(over)
       shared = _shared_axes(rest, axes)
-      scalars = _Scalars.of(acc_tokens, acc_loss)
+      packed = _packed(acc_tokens, acc_loss)
       first = tuple(a for a in axes if a not in shared)
-      packed = lax.psum(scalars.packed, first) if first else scalars.packed
+      packed = lax.psum(packed, first) if first else packed
       summed = [i for i, over in enumerate(rest) if over == shared]
-      sums, packed = _summed_with(
-        [out[i] for i in summed], scalars._replace(packed=packed), shared
-      )
+      sums, packed = _summed_with([out[i] for i in summed], packed, shared)
       for i, leaf in zip(summed, sums):
         out[i] = leaf
       for i, over in enumerate(rest):
         if over and over != shared:
           out[i] = lax.psum(out[i], over)
-      parts, loss = scalars.unpacked(packed)
+      parts, loss = _unpacked(packed)
       return _base.Reduced(treedef.unflatten(out), parts, loss)
 
     specs = [_reduced_spec(x, t) for x, t in zip(leaves, targets)]
@@ -271,10 +269,9 @@ def _shared_axes(over: list[tuple], axes: tuple) -> tuple:
 CARRIER_BYTES = 2**20
 
 
-def _summed_with(
-  sums: list, scalars: '_Scalars', axes: tuple
-) -> tuple[list, tuple]:
-  """``sums`` and ``scalars.packed`` summed over ``axes`` in one ``psum``.
+def _summed_with(sums: list, packed: tuple, axes: tuple) -> tuple[list, tuple]:
+  """``sums`` and the ``packed`` scalars (:func:`_packed`) summed over
+  ``axes`` in one ``psum``.
 
   JAX lowers each operand of a ``psum`` to an all-reduce of its own, which
   XLA may or may not combine (XLA:TPU did not, across two slices, for a
@@ -286,11 +283,11 @@ def _summed_with(
   shard); beside larger leaves only, the scalars rely on XLA's combining
   (which XLA:GPU and XLA:TPU within a slice did in every program compiled
   for issue 54)."""
-  packed = scalars.packed
   fits = [
     i
     for i, x in enumerate(sums)
-    if (x.dtype,) == _dtypes(packed)
+    if len(packed) == 1
+    and x.dtype == packed[0].dtype
     and x.size * x.dtype.itemsize <= CARRIER_BYTES
   ]
   if not fits:
@@ -305,26 +302,18 @@ def _summed_with(
   return sums, (flat[leaf.size :],)
 
 
-def _dtypes(packed: tuple) -> tuple:
-  return tuple(x.dtype for x in packed)
+def _packed(acc_tokens: jax.Array, acc_loss: jax.Array) -> tuple:
+  """The window's count parts and loss as the reduction's operands: one
+  vector where their dtypes agree (the count's parts are float32 for an
+  int32 counter, as the loss), else the two."""
+  parts = _tokens.to_parts(acc_tokens)
+  if parts.dtype == acc_loss.dtype:
+    return (jnp.concatenate([parts, acc_loss[None]]),)
+  return (parts, acc_loss)
 
 
-class _Scalars(NamedTuple):
-  """The window's count parts and loss, one vector where their dtypes
-  agree (the count's parts are float32 for an int32 counter, as the loss):
-  one operand of the reduction instead of two."""
-
-  packed: tuple
-
-  @classmethod
-  def of(cls, acc_tokens: jax.Array, acc_loss: jax.Array) -> '_Scalars':
-    parts = _tokens.to_parts(acc_tokens)
-    if parts.dtype == acc_loss.dtype:
-      return cls((jnp.concatenate([parts, acc_loss[None]]),))
-    return cls((parts, acc_loss))
-
-  @staticmethod
-  def unpacked(packed: tuple) -> tuple[jax.Array, jax.Array]:
-    if len(packed) == 1:
-      return packed[0][:-1], packed[0][-1]
-    return packed
+def _unpacked(packed: tuple) -> tuple[jax.Array, jax.Array]:
+  """The count parts and the loss of :func:`_packed`'s operands."""
+  if len(packed) == 1:
+    return packed[0][:-1], packed[0][-1]
+  return packed
