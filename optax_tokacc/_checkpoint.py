@@ -102,22 +102,27 @@ def to_checkpoint(tree: Any) -> Any:
       params, opt_state = tokacc.from_checkpoint(
           ckptr.restore(path, target), like)
   """
-  abstract = _abstract_leaf(tree)
-  if abstract is not None:
+  try:
+    with _checkpoint_target.on_its_mesh(tree):
+      return jax.tree.map(
+        lambda x: (
+          _shares.save_state(x) if _state.is_state(x) else _shares.leaf_rows(x)
+        ),
+        tree,
+        is_leaf=_state.is_state,
+      )
+  except Exception as error:
+    # Abstract values pass where nothing reads them (a window's slots under
+    # axis_name: 0.5's restore flow); elsewhere, say what works.
+    abstract = _abstract_leaf(tree)
+    if abstract is None:
+      raise
     raise _errors.refuse(
       'tree',
       'arrays',
       f'{abstract} (abstract)',
       ' Ahead of time, call jax.eval_shape(tokacc.to_checkpoint, tree).',
-    )
-  with _checkpoint_target.on_its_mesh(tree):
-    return jax.tree.map(
-      lambda x: (
-        _shares.save_state(x) if _state.is_state(x) else _shares.leaf_rows(x)
-      ),
-      tree,
-      is_leaf=_state.is_state,
-    )
+    ) from error
 
 
 def from_checkpoint(tree: Any, like: Any) -> Any:
