@@ -3,7 +3,11 @@
 - ``tests-3.11``, ``tests-3.12``, ``tests-3.13``: the README's test command
   (the fast tests, ``-m 'not slow'``), verbatim, in a fresh environment of
   each supported Python, with the newest versions the index serves there
-  (jax 0.10.2 on 3.11, the newest jax on 3.12 and 3.13).
+  (jax 0.10.2 on 3.11, the newest jax on 3.12 and 3.13). ``.ci/run`` runs
+  ``tests-3.13`` by name only: on 3.13 the same tests run in ``release``,
+  from the installed wheel with the same ``[test]`` extra and the newest
+  versions, and the other 3.13 sessions install the checkout editable as
+  the README does (the default run must fit CI's 90 minutes).
 - ``tests-jax0.11``: the same on Python 3.12 with jax 0.11.2, the JAX of
   the GPU image that ``benchmarks/device_check.py`` runs on (``.ci/run``
   runs it by name only: the default run must fit CI's 90 minutes).
