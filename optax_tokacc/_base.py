@@ -267,6 +267,12 @@ def map_per_device(
   return state._replace(**jax.tree.map(fn, per_device))
 
 
+def is_abstract(tree: Any) -> bool:
+  """Whether any leaf of ``tree`` is a ``jax.ShapeDtypeStruct``: values
+  ahead of time, which the helpers lay out or read without data."""
+  return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
 class SavedState(NamedTuple):
   """What :func:`to_checkpoint` saves of a ``TokenWeightedMultiStepState``.
 

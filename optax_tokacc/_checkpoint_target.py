@@ -170,10 +170,10 @@ def _abstract_if_needed(
   """``target_of(path, node)``; for a ``node`` of abstract values (ahead of
   time: ``jax.ShapeDtypeStruct`` on devices that may only compile), traced
   in ``jax.eval_shape`` and laid out on ``node``'s mesh."""
-  leaves = jax.tree.leaves(node)
-  if not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+  if not _base.is_abstract(node):
     return target_of(path, node)
   found = jax.eval_shape(lambda n: target_of(path, n), node)
+  leaves = jax.tree.leaves(node)
   meshes = [m for m in map(_concrete_mesh, leaves) if m is not None]
   mesh = meshes[0] if meshes else None
   if isinstance(found, _base.SavedState):  # the state's leaves, then rows

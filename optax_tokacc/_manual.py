@@ -40,8 +40,8 @@ from optax_tokacc import _base
 from optax_tokacc import _errors
 from optax_tokacc import _norms
 from optax_tokacc import _placement
-from optax_tokacc import _tokens
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _window_reduction
 from optax_tokacc._compat import varying_axes
 
 
@@ -138,13 +138,30 @@ class Manual(_placement.Placement):
   def reduce_window(
     self, sums: optax.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
-    """Each value summed over its axes; XLA combines the all-reduces (in
-    data parallelism, a single all-reduce per window)."""
+    """Each value summed over its axes, the count and the loss with the
+    leaves (``_window_reduction.sum_with_scalars``): in data parallelism,
+    a single all-reduce per window; in fully manual HSDP, one across
+    ``replica``."""
     leaves, treedef = jax.tree.flatten(sums)
-    scalars = (_tokens.to_parts(acc_tokens), acc_loss)
-    leaves = [lax.psum(x, over) for x, over in zip(leaves, self.grad_axes)]
-    parts, loss = lax.psum(scalars, self._over(acc_tokens))
+    leaves, parts, loss = _window_reduction.sum_with_scalars(
+      leaves, list(self.grad_axes), acc_tokens, acc_loss,
+      self._over(acc_tokens), self._can_carry,
+    )  # fmt: skip
     return _base.Reduced(treedef.unflatten(leaves), parts, loss)
+
+  def _can_carry(self, leaf: jax.Array) -> bool:
+    """Whether ``leaf``'s reduction may carry the window's count and loss:
+    where it varies over the data axes only (the scalars are then typed
+    invariant once summed), and no axis outside the manual ones splits it
+    (partial-manual ``shard_map``: the partitioner would regather a leaf
+    it splits to append the scalars)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = [
+      name
+      for name, kind in zip(mesh.axis_names, mesh.axis_types)
+      if kind != jax.sharding.AxisType.Manual and mesh.shape[name] > 1
+    ]
+    return not auto and varying_axes(leaf) <= set(self.axes)
 
   def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
     """Where the accumulator is invariant over the manual axes (a

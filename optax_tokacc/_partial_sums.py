@@ -40,8 +40,8 @@ from optax_tokacc import _errors
 from optax_tokacc import _inputs
 from optax_tokacc import _optimizer_shards
 from optax_tokacc import _placement
-from optax_tokacc import _tokens
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _window_reduction
 
 
 @final
@@ -155,20 +155,12 @@ class PartialSums(_placement.Placement):
   ) -> _base.Reduced:
     """On each device's share, each leaf summed over the axes it is
     unreduced over (reduce-scattered into its target, if any: the rest of
-    its axes summed after), the scalars with them.
-
-    The scalars (the count's parts and the loss) are summed first over
-    the axes no leaf is summed over (HSDP's ``fsdp``), then in the same
-    ``psum`` as the leaves over the others (``replica``), packed into one
-    vector where their dtypes agree: what crosses those axes is one
-    all-reduce, which XLA:TPU left as two (the sums with the count, and
-    the loss alone) when the scalars were summed over every axis at once.
-    """
+    its axes summed after), the scalars with them
+    (``_window_reduction.sum_with_scalars``)."""
     leaves, treedef = jax.tree.flatten(sums)
     targets = self.targets or (None,) * len(leaves)
     # the axes to sum over, known from the types here only
-    sum_over = [tuple(sorted(_typed_sharding.unreduced(x))) for x in leaves]
-    axes = tuple(sorted(self.axes))
+    sum_over = [_typed_sharding.unreduced(x) for x in leaves]
 
     def reduce(leaves, acc_tokens, acc_loss):
       out, rest = [], []
@@ -180,18 +172,9 @@ class PartialSums(_placement.Placement):
           over = tuple(a for a in over if a not in jax.tree.leaves(target.axes))
         out.append(leaf)
         rest.append(over)
-      shared = _shared_axes(rest, axes)
-      packed = _packed(acc_tokens, acc_loss)
-      first = tuple(a for a in axes if a not in shared)
-      packed = lax.psum(packed, first) if first else packed
-      summed = [i for i, over in enumerate(rest) if over == shared]
-      sums, packed = _summed_with([out[i] for i in summed], packed, shared)
-      for i, leaf in zip(summed, sums):
-        out[i] = leaf
-      for i, over in enumerate(rest):
-        if over and over != shared:
-          out[i] = lax.psum(out[i], over)
-      parts, loss = _unpacked(packed)
+      out, parts, loss = _window_reduction.sum_with_scalars(
+        out, rest, acc_tokens, acc_loss, self.axes
+      )
       return _base.Reduced(treedef.unflatten(out), parts, loss)
 
     specs = [_reduced_spec(x, t) for x, t in zip(leaves, targets)]
@@ -252,68 +235,3 @@ def _reduced_spec(
   if target is not None:
     return target.spec
   return _typed_sharding.spec(leaf, unreduced=False) or jax.P()
-
-
-def _shared_axes(over: list[tuple], axes: tuple) -> tuple:
-  """The axes over which the most leaves are summed (those the scalars are
-  summed over last, in the same ``psum``): a subset of ``axes``, empty
-  where no leaf is summed (FSDP: the scalars alone, over ``axes``)."""
-  counts = {o: over.count(o) for o in over if o and set(o) <= set(axes)}
-  if not counts:
-    return axes
-  return max(counts, key=lambda o: (counts[o], o))
-
-
-# The largest leaf (bytes on one device) that carries the window's count and
-# loss in its reduction (:func:`_summed_with`): the temporary it costs.
-CARRIER_BYTES = 2**20
-
-
-def _summed_with(sums: list, packed: tuple, axes: tuple) -> tuple[list, tuple]:
-  """``sums`` and the ``packed`` scalars (:func:`_packed`) summed over
-  ``axes`` in one ``psum``.
-
-  JAX lowers each operand of a ``psum`` to an all-reduce of its own, which
-  XLA may or may not combine (XLA:TPU did not, across two slices, for a
-  1024 x 1024 leaf and the scalars). Where the scalars are one vector of a
-  leaf's dtype they travel inside the smallest such leaf, flattened: what
-  crosses ``axes`` is then the leaves' reduction alone. The copy that
-  flattening makes is a temporary of that leaf's size, so only a leaf of
-  at most :data:`CARRIER_BYTES` carries them (a bias, a norm's scale, a
-  shard); beside larger leaves only, the scalars rely on XLA's combining
-  (which XLA:GPU and XLA:TPU within a slice did in every program compiled
-  for issue 54)."""
-  fits = [
-    i
-    for i, x in enumerate(sums)
-    if len(packed) == 1
-    and x.dtype == packed[0].dtype
-    and x.size * x.dtype.itemsize <= CARRIER_BYTES
-  ]
-  if not fits:
-    return lax.psum((sums, packed), axes)
-  carrier = min(fits, key=lambda i: sums[i].size)
-  leaf = sums[carrier]
-  flat = jnp.concatenate([jnp.ravel(leaf), packed[0]])
-  sums = [*sums[:carrier], flat, *sums[carrier + 1 :]]
-  sums = lax.psum(sums, axes)
-  flat = sums[carrier]
-  sums[carrier] = jnp.reshape(flat[: leaf.size], leaf.shape)
-  return sums, (flat[leaf.size :],)
-
-
-def _packed(acc_tokens: jax.Array, acc_loss: jax.Array) -> tuple:
-  """The window's count parts and loss as the reduction's operands: one
-  vector where their dtypes agree (the count's parts are float32 for an
-  int32 counter, as the loss), else the two."""
-  parts = _tokens.to_parts(acc_tokens)
-  if parts.dtype == acc_loss.dtype:
-    return (jnp.concatenate([parts, acc_loss[None]]),)
-  return (parts, acc_loss)
-
-
-def _unpacked(packed: tuple) -> tuple[jax.Array, jax.Array]:
-  """The count parts and the loss of :func:`_packed`'s operands."""
-  if len(packed) == 1:
-    return packed[0][:-1], packed[0][-1]
-  return packed

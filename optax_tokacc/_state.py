@@ -19,8 +19,12 @@ restored by orbax as a plain pytree. The helpers find it inside a chain's
 state (:func:`find_state`) and read what users log: whether the last call
 emitted an update (:func:`has_updated`) and the exact token-mean loss of the
 last window (:func:`window_loss`), and its norms (:func:`window_metrics`).
+Each reads an abstract state (``jax.ShapeDtypeStruct``, ahead of time) into
+abstract values (:func:`_reads_abstract`).
 """
 
+from collections.abc import Callable
+import functools
 from typing import Any
 
 import jax
@@ -34,6 +38,20 @@ from optax_tokacc import _norms
 TokenWeightedMultiStepState = _base.TokenWeightedMultiStepState
 
 
+def _reads_abstract(read: Callable) -> Callable:
+  """``read`` of a state, which gives, for a state of abstract values
+  (``jax.ShapeDtypeStruct``), what ``jax.eval_shape(read, state)`` gives:
+  shapes and dtypes, as for a traced state inside ``jax.eval_shape``."""
+
+  @functools.wraps(read)
+  def reads(opt_state: optax.OptState) -> Any:
+    if _base.is_abstract(opt_state):
+      return jax.eval_shape(read, opt_state)
+    return read(opt_state)
+
+  return reads
+
+
 def is_state(x: Any) -> bool:
   """Whether ``x`` is a :class:`~optax_tokacc.TokenWeightedMultiStepState`."""
   return isinstance(x, _base.TokenWeightedMultiStepState)
@@ -44,7 +62,8 @@ def find_state(opt_state: optax.OptState) -> _base.TokenWeightedMultiStepState:
 
   Args:
     opt_state: the state of :func:`token_weighted_multistep`, or of a
-      transformation containing it (e.g. ``optax.chain``).
+      transformation containing it (e.g. ``optax.chain``); of abstract
+      values (``jax.ShapeDtypeStruct``), it gives abstract values.
 
   Returns:
     The one :class:`~optax_tokacc.TokenWeightedMultiStepState` found.
@@ -72,6 +91,7 @@ def find_state(opt_state: optax.OptState) -> _base.TokenWeightedMultiStepState:
   return found[0]
 
 
+@_reads_abstract
 def has_updated(opt_state: optax.OptState) -> jax.Array:
   """Whether the call that returned ``opt_state`` emitted an optimizer update.
 
@@ -82,7 +102,8 @@ def has_updated(opt_state: optax.OptState) -> jax.Array:
 
   Args:
     opt_state: the state of :func:`token_weighted_multistep`, or of a
-      transformation containing it (e.g. ``optax.chain``).
+      transformation containing it (e.g. ``optax.chain``); of abstract
+      values (``jax.ShapeDtypeStruct``), it gives abstract values.
 
   Returns:
     A boolean scalar.
@@ -102,6 +123,7 @@ def has_updated(opt_state: optax.OptState) -> jax.Array:
   return jnp.asarray(find_state(opt_state).emitted, jnp.bool_)
 
 
+@_reads_abstract
 def window_loss(opt_state: optax.OptState) -> jax.Array:
   """Token-mean loss of the last emitted window, over all devices.
 
@@ -115,7 +137,8 @@ def window_loss(opt_state: optax.OptState) -> jax.Array:
 
   Args:
     opt_state: the state of :func:`token_weighted_multistep`, or of a
-      transformation containing it (e.g. ``optax.chain``).
+      transformation containing it (e.g. ``optax.chain``); of abstract
+      values (``jax.ShapeDtypeStruct``), it gives abstract values.
 
   Returns:
     A floating scalar.
@@ -137,6 +160,7 @@ def window_loss(opt_state: optax.OptState) -> jax.Array:
   return jnp.asarray(find_state(opt_state).last_loss)
 
 
+@_reads_abstract
 def window_metrics(opt_state: optax.OptState) -> _base.WindowMetrics:
   """The last emitted window's metrics, as full-batch training logs them.
 
@@ -167,7 +191,8 @@ def window_metrics(opt_state: optax.OptState) -> _base.WindowMetrics:
 
   Args:
     opt_state: the state of :func:`token_weighted_multistep`, or of a
-      transformation containing it (e.g. ``optax.chain``).
+      transformation containing it (e.g. ``optax.chain``); of abstract
+      values (``jax.ShapeDtypeStruct``), it gives abstract values.
 
   Returns:
     A :class:`~optax_tokacc.WindowMetrics` of scalars (and, per leaf, trees of scalars).

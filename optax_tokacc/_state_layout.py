@@ -343,7 +343,7 @@ def init_sharded(
     )
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=in_specs, out_specs=specs)
   init = jax.jit(init, out_shardings=shardings)
-  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+  if _base.is_abstract(params):
     return jax.eval_shape(init, params)  # ahead of time: the layout, no data
   return init(params)
 

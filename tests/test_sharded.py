@@ -429,19 +429,26 @@ REPLICA_GROUPS = frozenset({frozenset({0, 2}), frozenset({1, 3})})
 ALL_DEVICES = frozenset({frozenset({0, 1, 2, 3})})
 
 # The all-reduces of the emitting branch, once per window: (groups, the
-# shapes it carries). The token count travels as 4 float32 parts.
-_SCALARS = [('f32', (4,)), ('f32', ())]
+# shapes it carries). The token count travels as 4 float32 parts, with the
+# loss (5 float32).
 WINDOW_REDUCTIONS = {
+  # the count's parts and the loss as one vector of 5 beside the sums (not
+  # carried in v: the partitioner splits it over fsdp)
   'hsdp_partial_manual': [
-    (REPLICA_GROUPS, [('f32', (4, 8)), ('f32', (4,))] + _SCALARS),
+    (REPLICA_GROUPS, [('f32', (4, 8)), ('f32', (4,)), ('f32', (5,))]),
   ],
+  # Fully manual (issue 54): the count's parts and the loss, one vector of
+  # 5, summed over fsdp first where no leaf is summed over both axes, then
+  # carried inside the smallest leaf summed across replicas (v's shard of 4):
+  # one all-reduce crosses replicas, as in the partial-manual layout.
   'hsdp_manual_sharded': [
-    (REPLICA_GROUPS, [('f32', (4, 8)), ('f32', (4,))]),
-    (ALL_DEVICES, _SCALARS),
+    (REPLICA_GROUPS, [('f32', (4, 8)), ('f32', (4 + 5,))]),
+    (FSDP_GROUPS, [('f32', (5,))]),
   ],
+  # v, replicated, is summed over all devices: the scalars travel in it.
   'hsdp_manual_mixed': [
     (REPLICA_GROUPS, [('f32', (8, 4))]),
-    (ALL_DEVICES, [('f32', (8,))] + _SCALARS),
+    (ALL_DEVICES, [('f32', (8 + 5,))]),
   ],
 }
 
@@ -508,9 +515,10 @@ def test_hsdp_reduces_across_replicas_once_per_window(layout, with_emit_now):
     shard group; with a traced ``emit_now``, one scalar all-reduce across
     replicas too (the flag's ``pmax``);
   - once per window, in the emitting branch: one all-reduce across replicas
-    of the gradient shards (partial-manual: with the token count and loss;
-    fully manual: the token count, the loss and the gradients of replicated
-    parameters take a second all-reduce, over all devices).
+    of the gradient shards with the token count and loss (fully manual:
+    the gradients of replicated parameters take a second all-reduce, over
+    all devices, carrying the scalars; with every parameter sharded, the
+    scalars are first summed within each replica).
   """
   text, mesh = compiled_hsdp_step(layout, with_emit_now)
   assert [d.id for d in mesh.devices.flat] == [0, 1, 2, 3]

@@ -396,6 +396,68 @@ def mlp_report(
     return testing.check(step, params, state, batch, close=close, mesh=mesh)
 
 
+def manual_hsdp_mlp_report(
+  close: Any, mesh: jax.sharding.Mesh
+) -> testing.StepReport:
+  """The MLP of :data:`MLP_SHAPES` in fully manual ``shard_map`` HSDP on
+  ``mesh`` (axes ``('replica', 'fsdp')``, as docs/sharded_training.md
+  lays it out): each parameter split over ``fsdp`` on its first dimension
+  and gathered in the forward pass (autodiff reduce-scatters its gradient
+  within each replica), marked varying over ``replica`` (no reduction
+  across replicas on a micro-step); AdamW with ``axis_name`` both axes,
+  compiled with ``close``."""
+  axes = ('replica', 'fsdp')
+  tx = adamw_tx(axes)
+  specs = {name: P('fsdp', None) for name in MLP_SHAPES}
+
+  def on(shape, s):
+    return jax.ShapeDtypeStruct(
+      shape, jnp.float32, sharding=NamedSharding(mesh, s)
+    )
+
+  params = {name: on(shape, specs[name]) for name, shape in MLP_SHAPES.items()}
+  batch = {
+    'x': on((MLP_ROWS, MLP_SHAPES['w1'][0]), P(axes)),
+    'y': on((MLP_ROWS, MLP_SHAPES['w2'][1]), P(axes)),
+    'mask': on((MLP_ROWS,), P(axes)),
+  }
+  state_specs = tokacc.state_partition_specs(
+    tx, params, param_specs=specs, axis_name=axes
+  )
+
+  def local_step(params, state, batch):
+    def loss_sum(local):
+      w1, w2 = (
+        jax.lax.all_gather(local[name], 'fsdp', tiled=True, axis=0)
+        for name in ('w1', 'w2')
+      )
+      error = jax.nn.relu(batch['x'] @ w1) @ w2 - batch['y']
+      return jnp.sum(error * error)
+
+    local = jax.tree.map(
+      lambda p: jax.lax.pcast(p, 'replica', to='varying'), params
+    )
+    loss, grads = jax.value_and_grad(loss_sum)(local)
+    count = jnp.sum(batch['mask'])
+    updates, state = tx.update(
+      grads, state, params, num_tokens=count, loss=loss, close=close
+    )
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(
+    jax.shard_map(
+      local_step,
+      mesh=mesh,
+      in_specs=(specs, state_specs, P(axes)),
+      out_specs=(specs, state_specs),
+    )
+  )
+  state = tokacc.init_sharded(
+    tx, params, mesh, param_specs=specs, axis_name=axes
+  )
+  return testing.check(step, params, state, batch, mesh=mesh)
+
+
 def one_leaf_zero1_report(
   mesh: jax.sharding.Mesh, shape: tuple[int, int]
 ) -> testing.StepReport:
