@@ -204,15 +204,42 @@ def _stripped(specs):
   )
 
 
-@pytest.mark.parametrize('target', on_targets.EIGHT_DEVICES)
-def test_window_metrics_of_an_abstract_state(target):
-  tx, mesh, params, kwargs = _setup(
-    'explicit_ddp', testing.target(target).devices
-  )
+READERS = (tokacc.window_metrics, tokacc.window_loss, tokacc.has_updated)
+
+
+@functools.cache
+def _read_on_cpu(layout):
+  """What the readers give for ``layout``'s state on 8 CPU devices, as
+  shapes and dtypes (the reference)."""
+  tx, mesh, params, kwargs = _setup(layout, jax.devices()[:8])
   with jax.set_mesh(mesh):
-    state = jax.eval_shape(tx.init, params)
-    metrics = jax.eval_shape(tokacc.window_metrics, state)
-  assert metrics.loss.shape == () and metrics.tokens.shape == ()
+    arrays = jax.tree.map(
+      lambda p: jnp.zeros(p.shape, p.dtype, device=p.sharding), params
+    )
+    state = tokacc.init_sharded(tx, arrays, mesh, **kwargs)
+    return [_shapes_dtypes(read(state)) for read in READERS]
+
+
+def _shapes_dtypes(tree):
+  return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
+
+
+@pytest.mark.parametrize(('target', 'layout'), CASES)
+def test_the_readers_of_an_abstract_state(target, layout):
+  """Issue 54, item 1: ``window_metrics``, ``window_loss`` and
+  ``has_updated`` of the abstract state ``init_sharded`` lays out on the
+  target's mesh give abstract values with the shapes and dtypes they give
+  on 8 CPU devices, called directly (they raised a ``float()``
+  ``TypeError``) and inside ``jax.eval_shape``."""
+  tx, mesh, params, kwargs = _setup(layout, testing.target(target).devices)
+  with jax.set_mesh(mesh):
+    state = tokacc.init_sharded(tx, params, mesh, **kwargs)
+    direct = [read(state) for read in READERS]
+    traced = [jax.eval_shape(read, state) for read in READERS]
+  for found in (direct, traced):
+    leaves = jax.tree.leaves(found)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert [_shapes_dtypes(x) for x in found] == _read_on_cpu(layout)
 
 
 @pytest.mark.parametrize(('target', 'layout'), CASES)
