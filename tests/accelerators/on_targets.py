@@ -397,17 +397,21 @@ def mlp_report(
 
 
 def manual_hsdp_mlp_report(
-  close: Any, mesh: jax.sharding.Mesh
+  close: Any, mesh: jax.sharding.Mesh, partial: bool = False
 ) -> testing.StepReport:
-  """The MLP of :data:`MLP_SHAPES` in fully manual ``shard_map`` HSDP on
-  ``mesh`` (axes ``('replica', 'fsdp')``, as docs/sharded_training.md
-  lays it out): each parameter split over ``fsdp`` on its first dimension
-  and gathered in the forward pass (autodiff reduce-scatters its gradient
-  within each replica), marked varying over ``replica`` (no reduction
-  across replicas on a micro-step); AdamW with ``axis_name`` both axes,
-  compiled with ``close``."""
+  """The MLP of :data:`MLP_SHAPES` in ``shard_map`` HSDP on ``mesh`` (axes
+  ``('replica', 'fsdp')``, as docs/sharded_training.md lays it out), each
+  parameter split over ``fsdp`` on its first dimension and marked varying
+  over ``replica`` (no reduction across replicas on a micro-step); AdamW,
+  compiled with ``close``.
+
+  Fully manual (``axis_name`` both axes): the forward pass gathers the
+  shards, and autodiff reduce-scatters the gradients within each replica.
+  With ``partial``, manual over ``replica`` only (``axis_name='replica'``):
+  the partitioner splits and reduces over ``fsdp``."""
   axes = ('replica', 'fsdp')
-  tx = adamw_tx(axes)
+  data = 'replica' if partial else axes
+  tx = adamw_tx(data)
   specs = {name: P('fsdp', None) for name in MLP_SHAPES}
 
   def on(shape, s):
@@ -422,15 +426,17 @@ def manual_hsdp_mlp_report(
     'mask': on((MLP_ROWS,), P(axes)),
   }
   state_specs = tokacc.state_partition_specs(
-    tx, params, param_specs=specs, axis_name=axes
+    tx, params, param_specs=specs, axis_name=data
   )
+
+  def whole(local, name):
+    if partial:
+      return local[name]
+    return jax.lax.all_gather(local[name], 'fsdp', tiled=True, axis=0)
 
   def local_step(params, state, batch):
     def loss_sum(local):
-      w1, w2 = (
-        jax.lax.all_gather(local[name], 'fsdp', tiled=True, axis=0)
-        for name in ('w1', 'w2')
-      )
+      w1, w2 = (whole(local, name) for name in ('w1', 'w2'))
       error = jax.nn.relu(batch['x'] @ w1) @ w2 - batch['y']
       return jnp.sum(error * error)
 
@@ -444,16 +450,27 @@ def manual_hsdp_mlp_report(
     )
     return optax.apply_updates(params, updates), state
 
+  manual = {'replica'} if partial else set(axes)
+
+  param_in, state_in = specs, state_specs
+  if partial:  # the specs' manual axis only: fsdp is the partitioner's
+    param_in, state_in = placements.manual_specs((specs, state_specs), manual)
   step = jax.jit(
     jax.shard_map(
       local_step,
       mesh=mesh,
-      in_specs=(specs, state_specs, P(axes)),
-      out_specs=(specs, state_specs),
-    )
+      in_specs=(param_in, state_in, P(data)),
+      out_specs=(param_in, state_in),
+      axis_names=manual,
+    ),
+    out_shardings=jax.tree.map(
+      lambda s: NamedSharding(mesh, s),
+      (specs, state_specs),
+      is_leaf=lambda x: isinstance(x, P),
+    ),
   )
   state = tokacc.init_sharded(
-    tx, params, mesh, param_specs=specs, axis_name=axes
+    tx, params, mesh, param_specs=specs, axis_name=data
   )
   return testing.check(step, params, state, batch, mesh=mesh)
 

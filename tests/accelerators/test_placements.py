@@ -271,20 +271,24 @@ def assert_one_all_reduce_across_replicas(found, mode, num_slices):
   assert shard + count_parts_and_loss <= reduction.bytes, found.summary()
 
 
+@pytest.mark.parametrize('partial', [False, True], ids=['fully', 'partial'])
 @pytest.mark.parametrize(('target', 'mode', 'num_slices'), HSDP_MLP_CASES)
-def test_fully_manual_hsdp_sends_one_all_reduce_across_replicas_per_window(
-  target, mode, num_slices
+def test_manual_hsdp_sends_one_all_reduce_across_replicas_per_window(
+  target, mode, num_slices, partial
 ):
-  """Regression (issue 54): the same MLP in fully manual ``shard_map``
-  HSDP (``axis_name=('replica', 'fsdp')``): one all-reduce crosses
-  ``replica`` (or the slices) per window, the count and the loss carried
-  in a gradient shard, then summed within each replica. They went as a
-  second all-reduce, over every device."""
+  """Regression (issue 54): the same MLP in ``shard_map`` HSDP, fully
+  manual (``axis_name=('replica', 'fsdp')``) and partial-manual
+  (``axis_name='replica'``, ``fsdp`` left to the partitioner): one
+  all-reduce crosses ``replica`` (or the slices) per window. Fully manual,
+  the count and the loss are carried in a gradient shard, then summed
+  within each replica; they went as a second all-reduce, over every
+  device. Partial-manual, they travel beside the leaves as one vector."""
   found = on_targets.manual_hsdp_mlp_report(
     on_targets.CLOSE_MODES[mode],
     testing.target(target, num_slices=num_slices).mesh(
       (2, 8) if num_slices > 1 else (2, 4), ('replica', 'fsdp')
     ),
+    partial,
   )
   assert_one_all_reduce_across_replicas(found, mode, num_slices)
 
