@@ -12,13 +12,15 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""The collectives of each explicit-sharding layout, per target, as
-``docs/sharded_training.md`` tabulates them (issue 54, item 3).
+"""The collectives of each layout, explicit sharding's and ``shard_map``'s,
+per target, as ``docs/sharded_training.md`` tabulates them (issue 54, item
+3).
 
 ``python tests/accelerators/collective_tables.py`` (from the repository's
 root, with the ``accelerators`` extra and ``JAX_PLATFORMS=cpu``) compiles
-:func:`on_targets.mlp_report`'s MLP (P = 557,056 bytes, AdamW, k = 4) in
-each layout for 8 x H100, a TPU v5e 2x4 slice and 8 CPU devices, with the
+the MLP of :func:`on_targets.mlp_report` and
+:func:`on_targets.shard_map_mlp_report` (P = 557,056 bytes, AdamW, k = 4)
+in each layout for 8 x H100, a TPU v5e 2x4 slice and 8 CPU devices, with the
 device deciding and with the host closing, and prints one Markdown row per
 layout and target: what an open micro-step sends, what the closing step
 adds, and what the host's closing program sends, in multiples of P.
@@ -51,12 +53,19 @@ LAYOUTS = {  # mesh shape and axes, the parameters' spec, init_sharded's
   ),
   'replicated `P()`': ((8,), ('data',), P(), {}),
 }
+# shard_map's layouts (Auto axes): mesh shape and axes, the layout in
+# on_targets.SHARD_MAP_LAYOUTS.
+SHARD_MAP = {
+  'DDP, `shard_map`': ((8,), ('data',), 'ddp'),
+  'HSDP fully manual': ((2, 4), ('replica', 'fsdp'), 'hsdp'),
+  'HSDP partial-manual': ((2, 4), ('replica', 'fsdp'), 'hsdp_partial'),
+}
 TARGETS = ('h100 x8', 'tpu v5e 2x4', 'cpu')
 SCALAR = 1024  # bytes: at most the count, the loss and the norms
 
 
-def _mesh(target, shape, axes):
-  types = (EXPLICIT,) * len(axes)
+def _mesh(target, shape, axes, kind=EXPLICIT):
+  types = (kind,) * len(axes)
   if target == 'cpu':
     devices = np.asarray(jax.devices()[:8]).reshape(shape)
     return jax.sharding.Mesh(devices, axes, axis_types=types)
@@ -89,11 +98,21 @@ def row(layout, target):
   the closing step adds, the host's closing program."""
   import on_targets  # noqa: PLC0415 - beside this file, on the tests' path
 
-  shape, axes, spec, options = LAYOUTS[layout]
-  mesh = _mesh(target, shape, axes)
+  if layout in SHARD_MAP:
+    shape, axes, name = SHARD_MAP[layout]
+    mesh = _mesh(target, shape, axes, jax.sharding.AxisType.Auto)
+    device, host = (
+      on_targets.shard_map_mlp_report(close, mesh, name)
+      for close in (None, True)
+    )
+  else:
+    shape, axes, spec, options = LAYOUTS[layout]
+    mesh = _mesh(target, shape, axes)
+    device, host = (
+      on_targets.mlp_report(close, mesh, spec, **options)
+      for close in (None, True)
+    )
   p_bytes = on_targets.MLP_BYTES
-  device = on_targets.mlp_report(None, mesh, spec, **options)
-  host = on_targets.mlp_report(True, mesh, spec, **options)
   cells = (
     described(device.on_open_step(), p_bytes),
     described(device.on_closing_step_only(), p_bytes),
@@ -103,7 +122,8 @@ def row(layout, target):
 
 
 def rows():
-  return [row(layout, target) for layout in LAYOUTS for target in TARGETS]
+  layouts = (*LAYOUTS, *SHARD_MAP)
+  return [row(layout, target) for layout in layouts for target in TARGETS]
 
 
 def zero1_leaf(target, shape):

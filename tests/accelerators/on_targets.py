@@ -396,30 +396,37 @@ def mlp_report(
     return testing.check(step, params, state, batch, close=close, mesh=mesh)
 
 
-def manual_hsdp_mlp_report(
-  close: Any, mesh: jax.sharding.Mesh, partial: bool = False
-) -> testing.StepReport:
-  """The MLP of :data:`MLP_SHAPES` in ``shard_map`` HSDP on ``mesh`` (axes
-  ``('replica', 'fsdp')``, as docs/sharded_training.md lays it out), each
-  parameter split over ``fsdp`` on its first dimension and marked varying
-  over ``replica`` (no reduction across replicas on a micro-step); AdamW,
-  compiled with ``close``.
+# shard_map layouts of the MLP: name -> (axis_name, the parameters' spec,
+# the manual axes, whether the forward pass gathers the fsdp shards).
+SHARD_MAP_LAYOUTS = {
+  'ddp': ('data', P(), {'data'}, False),
+  'hsdp': (('replica', 'fsdp'), P('fsdp', None), {'replica', 'fsdp'}, True),
+  'hsdp_partial': ('replica', P('fsdp', None), {'replica'}, False),
+}
 
-  Fully manual (``axis_name`` both axes): the forward pass gathers the
-  shards, and autodiff reduce-scatters the gradients within each replica.
-  With ``partial``, manual over ``replica`` only (``axis_name='replica'``):
-  the partitioner splits and reduces over ``fsdp``."""
-  axes = ('replica', 'fsdp')
-  data = 'replica' if partial else axes
+
+def shard_map_mlp_report(
+  close: Any, mesh: jax.sharding.Mesh, layout: str
+) -> testing.StepReport:
+  """The MLP of :data:`MLP_SHAPES` in a ``shard_map`` layout of
+  :data:`SHARD_MAP_LAYOUTS` on ``mesh`` (``('data',)`` for DDP, ``('replica',
+  'fsdp')`` for HSDP, as docs/sharded_training.md lays them out); AdamW,
+  compiled with ``close``. The parameters are marked varying over
+  ``data``/``replica`` (no reduction there on a micro-step). Fully manual
+  HSDP gathers the ``fsdp`` shards in the forward pass (autodiff
+  reduce-scatters the gradients within each replica); partial-manual HSDP
+  (``axis_name='replica'``) leaves ``fsdp`` to the partitioner."""
+  data, spec, manual, gathers = SHARD_MAP_LAYOUTS[layout]
+  axes = tuple(mesh.axis_names)
   tx = adamw_tx(data)
-  specs = {name: P('fsdp', None) for name in MLP_SHAPES}
+  specs = {name: spec for name in MLP_SHAPES}
 
   def on(shape, s):
     return jax.ShapeDtypeStruct(
       shape, jnp.float32, sharding=NamedSharding(mesh, s)
     )
 
-  params = {name: on(shape, specs[name]) for name, shape in MLP_SHAPES.items()}
+  params = {name: on(shape, spec) for name, shape in MLP_SHAPES.items()}
   batch = {
     'x': on((MLP_ROWS, MLP_SHAPES['w1'][0]), P(axes)),
     'y': on((MLP_ROWS, MLP_SHAPES['w2'][1]), P(axes)),
@@ -429,19 +436,17 @@ def manual_hsdp_mlp_report(
     tx, params, param_specs=specs, axis_name=data
   )
 
-  def whole(local, name):
-    if partial:
-      return local[name]
-    return jax.lax.all_gather(local[name], 'fsdp', tiled=True, axis=0)
+  def whole(p):
+    return jax.lax.all_gather(p, 'fsdp', tiled=True, axis=0) if gathers else p
 
   def local_step(params, state, batch):
     def loss_sum(local):
-      w1, w2 = (whole(local, name) for name in ('w1', 'w2'))
+      w1, w2 = (whole(local[name]) for name in ('w1', 'w2'))
       error = jax.nn.relu(batch['x'] @ w1) @ w2 - batch['y']
       return jnp.sum(error * error)
 
     local = jax.tree.map(
-      lambda p: jax.lax.pcast(p, 'replica', to='varying'), params
+      lambda p: jax.lax.pcast(p, axes[0], to='varying'), params
     )
     loss, grads = jax.value_and_grad(loss_sum)(local)
     count = jnp.sum(batch['mask'])
@@ -450,11 +455,8 @@ def manual_hsdp_mlp_report(
     )
     return optax.apply_updates(params, updates), state
 
-  manual = {'replica'} if partial else set(axes)
-
-  param_in, state_in = specs, state_specs
-  if partial:  # the specs' manual axis only: fsdp is the partitioner's
-    param_in, state_in = placements.manual_specs((specs, state_specs), manual)
+  # the specs' manual axes only: the partitioner's are not shard_map's
+  param_in, state_in = placements.manual_specs((specs, state_specs), manual)
   step = jax.jit(
     jax.shard_map(
       local_step,

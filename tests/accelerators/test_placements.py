@@ -271,10 +271,10 @@ def assert_one_all_reduce_across_replicas(found, mode, num_slices):
   assert shard + count_parts_and_loss <= reduction.bytes, found.summary()
 
 
-@pytest.mark.parametrize('partial', [False, True], ids=['fully', 'partial'])
+@pytest.mark.parametrize('layout', ['hsdp', 'hsdp_partial'])
 @pytest.mark.parametrize(('target', 'mode', 'num_slices'), HSDP_MLP_CASES)
 def test_manual_hsdp_sends_one_all_reduce_across_replicas_per_window(
-  target, mode, num_slices, partial
+  target, mode, num_slices, layout
 ):
   """Regression (issue 54): the same MLP in ``shard_map`` HSDP, fully
   manual (``axis_name=('replica', 'fsdp')``) and partial-manual
@@ -283,12 +283,12 @@ def test_manual_hsdp_sends_one_all_reduce_across_replicas_per_window(
   the count and the loss are carried in a gradient shard, then summed
   within each replica; they went as a second all-reduce, over every
   device. Partial-manual, they travel beside the leaves as one vector."""
-  found = on_targets.manual_hsdp_mlp_report(
+  found = on_targets.shard_map_mlp_report(
     on_targets.CLOSE_MODES[mode],
     testing.target(target, num_slices=num_slices).mesh(
       (2, 8) if num_slices > 1 else (2, 4), ('replica', 'fsdp')
     ),
-    partial,
+    layout,
   )
   assert_one_all_reduce_across_replicas(found, mode, num_slices)
 
@@ -430,7 +430,8 @@ def test_hsdp_across_tpu_slices_sends_one_reduction_per_window(mode):
 def test_the_docs_tables_are_the_compiled_programs():
   """Issue 54, item 3: the per-target table of docs/sharded_training.md
   is what ``collective_tables.py`` reads from the programs compiled for
-  8 x H100, a TPU v5e 2x4 slice and 8 CPU devices (about 30 compiles)."""
+  8 x H100, a TPU v5e 2x4 slice and 8 CPU devices (about 48 compiles:
+  explicit sharding's layouts and shard_map's)."""
   page = (helpers.REPO / 'docs' / 'sharded_training.md').read_text()
   begin, end = (
     '<!-- collective-tables: begin -->',
