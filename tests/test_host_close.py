@@ -802,16 +802,11 @@ def check_programs(texts, reduction_shapes=None):
         assert sorted(site.shapes) == sorted(reduction_shapes)
 
 
-def gradient_shapes(dtype='f32'):
-  return [(dtype, np.shape(p)) for p in jax.tree.leaves(helpers.init_params())]
-
-
 # One all-reduce per window: each gradient leaf, the token count's four
-# float32 parts and the loss (as ``test_data_parallel`` counts them).
-WINDOW_REDUCTION = gradient_shapes() + [('f32', (4,)), ('f32', ())]
-# Under explicit sharding the count's parts and the loss travel inside the
-# smallest leaf, v (issue 54: one all-reduce on a TPU too).
-EXPLICIT_WINDOW_REDUCTION = [('f32', (8, 8)), ('f32', (8 + 5,))]
+# float32 parts and the loss travelling inside the smallest leaf, v (issue
+# 54: one all-reduce on a TPU too), under shard_map as under explicit
+# sharding (as ``test_data_parallel`` counts them).
+WINDOW_REDUCTION = [('f32', (8, 8)), ('f32', (8 + 5,))]
 
 
 @pytest.mark.slow
@@ -876,7 +871,7 @@ def test_explicit_ddp_programs():
       close: hlo.compiled_text(step, params, state, batch, close=close)
       for close in (False, True)
     }
-  check_programs(texts, EXPLICIT_WINDOW_REDUCTION)
+  check_programs(texts, WINDOW_REDUCTION)
 
 
 def compiled_micro_step(step, params, state, batch):
