@@ -14,9 +14,9 @@
 # ==============================================================================
 """Closing the window: its one reduction, and ``inner`` run once.
 
-On the device (``close=None``) the closing step is one ``lax.cond`` whose
-other branch does nothing (:func:`close_if`): micro-steps run no optimizer
-work and no collective, and the accumulator's buffer holds the updates. On
+On the device (``close=None``) the closing step is a loop of 0 or 1 trips
+(:func:`close_if`): micro-steps run no optimizer work and no collective,
+and the accumulator's buffer holds the updates. On
 the host's decision (a Python ``close``) the window is closed or left open
 without a conditional (:func:`close_now`, :func:`keep_open`). Where the sums
 live and how they are reduced is the placement's (``_placement``).
@@ -48,6 +48,9 @@ class CallResult(NamedTuple):
   window: _base.Window
   inner_state: optax.OptState
   closed: _base.Closed
+  # Whether the updates are the window's buffer, released where emitted
+  # (``_held_updates.released``).
+  released: bool = False
 
 
 class Extra(NamedTuple):
@@ -74,12 +77,6 @@ class _Sums(NamedTuple):
   sums: optax.Updates
   divisor: jax.Array  # its count, or 1 where it has none (``_tokens``)
   mean_loss: jax.Array
-  # The squares (``place.squares``) of the sums or of their mean
-  # (:func:`_squares`), taken before ``inner`` runs: a norm of the mean
-  # taken beside ``inner`` kept the sums alive, and the buffer that holds
-  # the updates was copied (a parameter-sized temporary).
-  squares: dict
-  squares_divisor: jax.Array  # what their norms are divided by
 
 
 class _Inner(NamedTuple):
@@ -119,10 +116,7 @@ def _reduce(ctx: Context, window: _base.Window) -> tuple[_Sums, _base.Closed]:
     mean_loss=mean_loss,
     norms=_norms.nan(config, sums),
   )
-  squares, squares_divisor = {}, divisor
-  if config.norms:
-    squares, squares_divisor = _squares(ctx, sums, divisor)
-  return _Sums(sums, divisor, mean_loss, squares, squares_divisor), closed
+  return _Sums(sums, divisor, mean_loss), closed
 
 
 def _mean(s: jax.Array, divisor: jax.Array) -> jax.Array:
@@ -156,16 +150,18 @@ def _step(
   summed: _Sums,
   opt_state: optax.OptState,
   params: Optional[optax.Params],
-  emitted: Optional[jax.Array] = None,
 ) -> tuple[optax.Updates, optax.OptState, _base.WindowNorms]:
   """``inner.update`` run once on the window's token-mean gradient, with
   ``value=`` the window's token-mean loss where ``ctx.extra`` says so, its
   state's dtypes kept, in the types optax's nonlinear updates take; the
   updates come typed like the parameters, so that ``optax.apply_updates``
-  keeps their type. With ``emitted`` (a window closed by the host), the
-  updates are -0.0 and the state is kept unless ``emitted``: selects,
-  where the device uses a ``cond``."""
+  keeps their type."""
   config, place = ctx.config, ctx.place
+  if config.norms:
+    # Taken before ``inner`` runs: a norm of the mean taken beside it kept
+    # the sums alive, and the buffer that holds the updates was copied (a
+    # parameter-sized temporary).
+    squares, squares_divisor = _squares(ctx, summed.sums, summed.divisor)
   value = {'value': summed.mean_loss} if ctx.extra.with_loss else {}
   means = jax.tree.map(lambda s: _mean(s, summed.divisor), summed.sums)
   mean_grads = optax.tree.cast_like(means, ctx.grads)
@@ -181,15 +177,10 @@ def _step(
   new_inner = optax.tree.cast_like(new_inner, opt_state)
   norms = _norms.nan(config, ctx.grads)
   if config.norms:
-    found = place.norms(summed.sums, summed.squares, updates, config.leaf_norms)
+    found = place.norms(summed.sums, squares, updates, config.leaf_norms)
     norms = _norms.of_window(
-      found, summed.squares_divisor, ctx.grads, config.leaf_norms
+      found, squares_divisor, ctx.grads, config.leaf_norms
     )
-  if emitted is not None:
-    updates = jax.tree.map(
-      lambda u: _held_updates.or_zeros(u, emitted), updates
-    )
-    new_inner = optax.tree.where(emitted, new_inner, plain_inner)
   if params is not None:
     updates = place.typed_like(updates, params)
   return updates, place.typed_like(new_inner, opt_state), norms
@@ -198,17 +189,13 @@ def _step(
 def close_now(
   ctx: Context, window: _base.Window, inner_state: optax.OptState
 ) -> CallResult:
-  """Closes the window without a conditional (the host decided: ``close=
-  True``): the reduction sits in the program beside the backward pass.
-  Returns a :class:`CallResult`, as :func:`close_if`."""
-  inner = _inner(ctx, inner_state)
-  summed, closed = _reduce(ctx, window)
-  updates, new_inner, norms = inner.step(
-    summed, inner_state, ctx.params, closed.emitted
-  )
-  closed = closed._replace(norms=norms)
-  window = _window.reset_if(ctx.place, True, window)
-  return CallResult(updates, window, new_inner, closed)
+  """Closes the window (the host decided: ``close=True``): its reduction
+  sits in the program beside the backward pass, and the rest is
+  :func:`close_if`'s closing trip, whose ``inner`` step (and the norms'
+  squares) runs in a loop of 1 trip there as where the device closes, so
+  that it rounds alike wherever the window closes (written out of the
+  loop, the CPU sums the squares in another order)."""
+  return _close(ctx, None, window, inner_state, _reduce(ctx, window))
 
 
 def keep_open(
@@ -230,71 +217,88 @@ def close_if(
   window: _base.Window,
   inner_state: optax.OptState,
 ) -> CallResult:
-  """Closes the window if ``close``, in one ``lax.cond``.
+  """Closes the window if ``close``, which the device decides: see
+  :func:`_close`."""
+  return _close(ctx, close, window, inner_state, None)
+
+
+def _close(
+  ctx: Context,
+  close: Optional[jax.Array],
+  window: _base.Window,
+  inner_state: optax.OptState,
+  reduced: Optional[tuple[_Sums, _base.Closed]],
+) -> CallResult:
+  """Closes the window if ``close``, in a loop of 0 or 1 trips
+  (``place.loop_if``): an open micro-step reads and writes nothing of it.
 
   Returns a :class:`CallResult`. The updates have the shapes and dtypes of
-  ``inner``'s (``jax.eval_shape``, as in ``optax.MultiSteps``). Everything
-  the branches read is an operand, never a closure: a buffer that reaches
-  the ``cond`` twice is copied on every micro-step. Where the accumulator's
-  buffer can hold the updates exactly, the closing branch writes them
-  there and the call reads them back (``_held_updates``): a micro-step
-  then writes no parameter-sized zeros and copies nothing. The closing
-  branch starts the next window (``_window.reset_if``), so that a
-  micro-step only adds; the sums that the buffer held updates in are
-  zeroed after the ``cond``, in a select on ``close``, once the updates
-  are read.
+  ``inner``'s (``jax.eval_shape``, as in ``optax.MultiSteps``). Where the
+  accumulator's buffer can hold them exactly, the closing trip writes them
+  there and the call reads them back (``_held_updates``): the buffer goes
+  on holding them until the next window's first micro-step zeroes it
+  (``_window.restart_if``). Elsewhere the loop carries the updates, zeros
+  where it takes no trip. A window without tokens or with an invalid count
+  emits no updates and keeps the inner state: a nested loop, which reads
+  nothing of the inner state where it is not taken. ``reduced``: the
+  window's reduction made by the host's closing step (``close`` None),
+  which runs the closing trip out of a loop.
   """
   config, place = ctx.config, ctx.place
   inner = _inner(ctx, inner_state)
   buffer = _held_updates.holds_exactly(place, window.grad_sums, inner.shapes)
 
-  def held(updates, grad_sums):  # what the branches return for the updates
-    return _held_updates.held(place, buffer, inner.shapes, updates, grad_sums)
+  def closing(carry):
+    window, inner_state, _, updates = carry
+    summed, closed = reduced or _reduce(ctx, window)
+    held = window.grad_sums if buffer else updates
+    # Where the buffer is the sums themselves (nothing to reduce), the
+    # loop carries it once: carried twice, XLA copies it.
+    alone = buffer and _same(summed.sums, held)
 
-  def step(grad_sums, summed, inner_state, params):
-    updates, new_inner, norms = inner.step(summed, inner_state, params)
-    return held(updates, grad_sums), new_inner, norms
+    def step(carry):
+      summed, held, inner_state, _ = carry
+      found, new_inner, norms = inner.step(summed, inner_state, ctx.params)
+      held = _held_updates.held(
+        place, buffer, found, summed.sums if alone else held
+      )
+      if alone:
+        return summed._replace(sums=held), (), new_inner, norms
+      return summed, held, new_inner, norms
 
-  def no_step(grad_sums, summed, inner_state, params):
-    del params
     norms = _norms.nan(config, summed.sums)
-    return held(None, grad_sums), inner_state, norms
-
-  def closing(window, inner_state, params):
-    """Closes the window on the device, inside the outer ``cond``, and
-    starts the next (``rest``: the window but for the sums the buffer
-    holds). A window without tokens or with an invalid count emits no
-    updates and keeps the inner state: a nested ``cond``, since selecting
-    between the new and the old inner state would keep both alive
-    (temporaries the size of the inner state on every step)."""
-    summed, closed = _reduce(ctx, window)
-    ops = (window.grad_sums, summed, inner_state, params)
-    kept, new_inner, norms = place.cond(closed.emitted, step, no_step, *ops)
-    rest = _window.reset_if(place, True, _held_updates.rest(window, buffer))
-    return kept, rest, new_inner, closed._replace(norms=norms)
-
-  def accumulating(window, inner_state, params):
-    del params
-    rest = _held_updates.rest(window, buffer)
-    return (
-      held(None, window.grad_sums),
-      rest,
-      inner_state,
-      _open(config, window),
+    carry = (summed, () if alone else held, inner_state, norms)
+    summed, held, inner_state, norms = place.loop_if(
+      closed.emitted, step, carry
     )
+    held = summed.sums if alone else held
+    window = _window.counts_restarted(place, window)
+    if buffer:
+      window, updates = window._replace(grad_sums=held), ()
+    else:
+      updates = held
+    return window, inner_state, closed._replace(norms=norms), updates
 
-  ops = (window, inner_state, ctx.params)
-  kept, rest, inner_state, closed = place.cond(
-    close, closing, accumulating, *ops
-  )
-  if not buffer:
-    return CallResult(kept, rest, inner_state, closed)
-  # The buffer held the updates: the next window's zeros are written after
-  # they are read, in a select.
-  updates = _held_updates.released(place, kept, inner.shapes, closed.emitted)
-  grad_sums = _window.reset_if(place, close, kept)
-  window = rest._replace(grad_sums=grad_sums)
-  return CallResult(updates, window, inner_state, closed)
+  updates = () if buffer else _held_updates.zeros(inner.shapes)
+  carry = (window, inner_state, _open(config, window), updates)
+  if reduced is None:
+    window, inner_state, closed, updates = place.loop_if(close, closing, carry)
+  else:  # closed for certain: the window's trip, out of a loop
+    window, inner_state, closed, updates = closing(carry)
+  if buffer:
+    updates = _held_updates.released(
+      place, window.grad_sums, inner.shapes, closed.emitted
+    )
+  released = buffer and close is not None
+  if close is None:  # closed for certain: a flag XLA cannot fold
+    close = jax.lax.optimization_barrier(jnp.asarray(True))
+  window = _window.restarted_if(place, close, window)
+  return CallResult(updates, window, inner_state, closed, released)
+
+
+def _same(a: optax.Updates, b: optax.Updates) -> bool:
+  """Whether two trees are the same arrays (the same tracers)."""
+  return all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _inner(ctx: Context, inner_state: optax.OptState) -> _Inner:
@@ -321,13 +325,10 @@ def _traced(ctx: Context, inner_state: optax.OptState) -> _Inner:
   step = functools.partial(_step, ctx)
   try:
     sums = place.reduced_types(ctx.grads)  # unused values: for their types
-    count = jax.ShapeDtypeStruct([], config.token_dtype)
     summed = _Sums(
       sums,
-      divisor=count,
+      divisor=jax.ShapeDtypeStruct([], config.token_dtype),
       mean_loss=jax.ShapeDtypeStruct([], config.loss_dtype),
-      squares=place.squares(sums, config.leaf_norms),
-      squares_divisor=count,
     )
     shapes = jax.eval_shape(step, summed, inner_state, ctx.params)[0]
   except Exception as e:

@@ -93,7 +93,7 @@ def accumulate(
   """Adds ``addends`` into the window's ``sums``, the pair ``(grad_sums,
   acc_compensation)``, and returns the new pair.
 
-  Only an add: the window restarts where it closes (``_window.reset_if``),
+  Only an add: the window restarts before it (``_window.restart_if``),
   not here, so that the add is the ideal's (on a GPU the compiler fuses it
   into the gradient's producers; a restart select on the way would keep it
   out). ``acc_compensation`` is ``()`` when summation is not compensated.

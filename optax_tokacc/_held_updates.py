@@ -15,30 +15,23 @@
 """Where the closing step's updates are held until the call returns them.
 
 Where the accumulator's buffer can hold ``inner``'s updates exactly
-(:func:`holds_exactly`), the closing branch of ``_closing.close_if`` writes
+(:func:`holds_exactly`), the closing trip of ``_closing.close_if`` writes
 them there (:func:`held`) and the call reads them back (:func:`released`):
-a micro-step then writes no parameter-sized zeros and copies nothing; the
-``cond`` returns the rest of the window beside them (:func:`rest`).
-Elsewhere, and on a host's micro-step, the updates are zeros of
+a micro-step then writes no parameter-sized zeros and copies nothing, and
+the buffer holds them until the next window's first micro-step restarts
+it. Elsewhere, and on a host's micro-step, the updates are zeros of
 ``inner``'s shapes (:func:`zeros`): -0.0, so that adding them leaves every
 parameter bit-identical.
 """
 
-from typing import Optional
+import weakref
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_tokacc import _base
 from optax_tokacc import _placement
 from optax_tokacc import _typed_sharding
-
-
-def rest(window: _base.Window, buffer: bool) -> _base.Window:
-  """What the closing ``cond`` returns of the window: all of it, or, where
-  the accumulator's buffer holds the updates, all but its sums (``()``)."""
-  return window._replace(grad_sums=()) if buffer else window
 
 
 def holds_exactly(
@@ -60,20 +53,17 @@ def holds_exactly(
 def held(
   place: _placement.Placement,
   buffer: bool,
-  shapes: optax.Updates,
-  updates: Optional[optax.Updates],
-  grad_sums: optax.Updates,
+  updates: optax.Updates,
+  holder: optax.Updates,
 ) -> optax.Updates:
-  """What the closing branch returns in place of the updates (None: no
-  updates): written into the accumulator's buffer where it can hold them
-  exactly (``buffer``); fresh zeros otherwise. Where the buffer is typed
-  otherwise (partial sums), it holds the updates typed like itself."""
+  """``updates`` as the closing trip leaves them in ``holder``: written
+  into the accumulator's buffer where it holds them exactly (``buffer``;
+  cast like it, and typed like it where it is typed otherwise: partial
+  sums); as they are otherwise (``holder``: zeros of their shapes)."""
   if not buffer:
-    return zeros(shapes) if updates is None else updates
-  if updates is None:
-    return grad_sums
-  cast = optax.tree.cast_like(updates, grad_sums)
-  return jax.tree.map(place.retype_same_values, cast, grad_sums)
+    return updates
+  cast = optax.tree.cast_like(updates, holder)
+  return jax.tree.map(place.retype_same_values, cast, holder)
 
 
 def released(
@@ -125,3 +115,32 @@ def or_zeros(x: jax.Array, keep: jax.Array) -> jax.Array:
 def _signed(zeros: jax.Array) -> jax.Array:
   """-0.0 for floating zeros (other dtypes have one zero)."""
   return -zeros if jnp.issubdtype(zeros.dtype, jnp.inexact) else zeros
+
+
+# The last updates a device-decided call returned from the buffer, by weak
+# reference (:func:`remember`, :func:`recall`).
+_released: tuple = ()
+
+
+def remember(updates: optax.Updates, grad_sums: optax.Updates, emitted) -> None:
+  """Notes that ``updates`` are the buffer ``grad_sums`` released where
+  ``emitted`` (``released``), for :func:`recall`: weak references, so that
+  nothing is kept alive."""
+  global _released
+  leaves = (*jax.tree.leaves(updates), *jax.tree.leaves(grad_sums), emitted)
+  _released = (len(jax.tree.leaves(updates)), *map(weakref.ref, leaves))
+
+
+def recall(updates: optax.Updates, grad_sums: optax.Updates, emitted) -> bool:
+  """Whether ``updates`` are, object for object, the ones the last
+  device-decided call released from ``grad_sums`` (the state it returned)
+  where ``emitted``: then reading the buffer gives their values."""
+  if not _released:
+    return False
+  count, *refs = _released
+  leaves = (*jax.tree.leaves(updates), *jax.tree.leaves(grad_sums), emitted)
+  return (
+    len(jax.tree.leaves(updates)) == count
+    and len(leaves) == len(refs)
+    and all(ref() is leaf for ref, leaf in zip(refs, leaves))
+  )

@@ -186,6 +186,21 @@ class Manual(_placement.Placement):
 
     return lax.cond(pred, matched(true_fn), matched(false_fn), *ops)
 
+  def loop_if(
+    self, pred: jax.Array, fn: Callable, values: chex.ArrayTree
+  ) -> chex.ArrayTree:
+    """:meth:`Placement.loop_if` whose ``fn`` may return values varying
+    over more axes than its operand: the loop carries the union of both."""
+    outs = jax.eval_shape(fn, values)
+    target = jax.tree.map(
+      lambda a, b: varying_axes(a) | varying_axes(b), values, outs
+    )
+
+    def matched(tree):
+      return jax.tree.map(make_varying, tree, target)
+
+    return super().loop_if(pred, lambda v: matched(fn(v)), matched(values))
+
   def _split_axes(self, leaves: list) -> list[frozenset]:
     """Per leaf, the manual axes it varies over (is split over; none
     without variance tracking, where every leaf is whole)."""

@@ -31,6 +31,7 @@ import optax
 from optax_tokacc import _base
 from optax_tokacc import _closing
 from optax_tokacc import _config
+from optax_tokacc import _held_updates
 from optax_tokacc import _inputs
 from optax_tokacc import _manual
 from optax_tokacc import _norms
@@ -285,6 +286,7 @@ def _update(
   keep, skip_state = _judge(config, place, grads, state.gradient_step, params)
   micro = _window.micro_batch(config, place, grads, num_tokens, loss, keep)
   window = _base.Window(*(getattr(state, f) for f in _base.Window._fields))
+  window = _window.restart_if(place, state.mini_step == 0, window)
   window = _window.add(config, place, window, micro)
   mini_step = _mini_step(place, state.mini_step, keep)
   extra = _closing.Extra(extra_args, with_loss=loss is not None)
@@ -299,7 +301,13 @@ def _update(
   else:
     result = _closing.keep_open(ctx, window, state.inner_state)
   new_state = _next_state(config, state, mini_step, close, result, skip_state)
-  return result.updates, place.global_state(new_state)
+  new_state = place.global_state(new_state)
+  if result.released and isinstance(place, _single.Single):
+    # ``apply_if_updated`` may apply them from the buffer, in a loop.
+    _held_updates.remember(
+      result.updates, new_state.grad_sums, new_state.emitted
+    )
+  return result.updates, new_state
 
 
 def _mini_step(
@@ -324,8 +332,9 @@ def _next_state(
   result: _closing.CallResult,
   skip_state: chex.ArrayTree,
 ) -> _base.TokenWeightedMultiStepState:
-  """The state after this call: a closed window starts afresh (its sums
-  were zeroed where it closed, ``_window.reset_if``)."""
+  """The state after this call: a closed window starts afresh (its
+  count and loss zeroed where it closed, its sums before the next
+  window's first micro-step, ``_window.restart_if``)."""
   closed, emitted = result.closed, result.closed.emitted
   dropped = jnp.logical_and(close, jnp.logical_not(closed.valid))
   grad_norm, update_norm = _norms.stored(config, closed.norms)

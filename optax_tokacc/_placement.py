@@ -156,6 +156,20 @@ class Placement(abc.ABC):
     types this placement gives them."""
     return jax.lax.cond(pred, true_fn, false_fn, *ops)
 
+  def loop_if(
+    self, pred: jax.Array, fn: Callable, values: chex.ArrayTree
+  ) -> chex.ArrayTree:
+    """``fn(values)`` if ``pred``, else ``values`` as they are: a loop of 0
+    or 1 trips on a flag (``lax.while_loop``), ``fn`` returning values
+    typed as its operand. A trip not taken reads and writes nothing: XLA:GPU copies
+    the operands a ``cond``'s branch returns, and flattens a ``cond``
+    whose branches look cheap into selects; neither happens to a loop."""
+
+    def body(carry):
+      return jnp.zeros_like(pred), fn(carry[1])
+
+    return jax.lax.while_loop(lambda carry: carry[0], body, (pred, values))[1]
+
   def shares_typed(self) -> bool:
     """Whether the window's shares are typed as partial sums (unreduced),
     so that the norms' squares are summed in a manual region whatever JAX

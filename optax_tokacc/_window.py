@@ -23,7 +23,7 @@ placement's (``_placement``); nothing here asks which parallel mode it runs
 in.
 """
 
-from typing import Optional, Union
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +63,8 @@ def add(
   micro: _base.MicroBatch,
 ) -> _base.Window:
   """The window with the micro-batch added: a plain add into its sums (the
-  window restarts where it closes, :func:`reset_if`). Contributions are
-  selected, never multiplied by zero."""
+  window restarts before its first micro-step, :func:`restart_if`).
+  Contributions are selected, never multiplied by zero."""
   adds = micro.keep  # whether the micro-batch adds anything (None: always)
   if config.mean_loss:  # without tokens its mean is undefined: it adds nothing
     has_tokens = micro.count > 0
@@ -150,28 +150,64 @@ def window_tokens(
   return jnp.where(fits, total, jnp.asarray(top, acc_tokens.dtype))
 
 
-def reset_if(
-  place: _placement.Placement,
-  close: Union[bool, jax.Array],
-  window: Union[_base.Window, optax.Updates],
-) -> Union[_base.Window, optax.Updates]:
-  """The window zeroed if ``close`` (its sums, compensation, count and
-  loss, or any of them in a tree): where a window closes, the next one
-  starts, so that a micro-step only adds. A select, never a
-  multiplication by zero (a NaN of the closed window does not survive
-  it); on each device's share (a select on partial sums would make the
-  compiler reduce them)."""
+def restart_if(
+  place: _placement.Placement, empty: jax.Array, window: _base.Window
+) -> _base.Window:
+  """The window with its sums and compensation zeroed if ``empty`` (no
+  micro-step in it yet), on a GPU and the CPU: where a window closes, its
+  buffer goes on holding the updates the call returned (``_held_updates``),
+  or a dropped window's sums, until the next window's first micro-step
+  zeroes it here, in a loop of 0 or 1 trips. Every other micro-step reads
+  and writes nothing more than its add, and the sums stay an operand of
+  the gradient's GEMMs (a select there is a pass of its own on XLA:GPU).
+  On a TPU the window restarts where it closes (:func:`restarted_if`):
+  XLA:TPU fuses the add into the gradient's producers only where nothing
+  else reads the sums (a v6e relays them out around a select, and copies a
+  loop's state)."""
 
-  def reset(window, close):
-    return optax.tree.where(close, optax.tree.zeros_like(window), window)
+  def zeros(sums):
+    return place.on_each_device(optax.tree.zeros_like, (sums,), sums)
 
-  if isinstance(close, bool):
-    # Closed for certain (by the host, or in the closing branch): zeros
-    # from a broadcast, which XLA may write into the donated buffer before
-    # the window is read, and so copies the buffer first (a 4-layer 512 x
-    # 512 MLP's closing step: temporaries 2.27x the parameters' bytes,
-    # against 1.53x; memory_analysis()). A predicate it cannot fold makes
-    # them a select that reads the sums last.
-    close = jax.lax.optimization_barrier(jnp.asarray(close))
-  args = (window, jnp.asarray(close))
-  return place.on_each_device(reset, args, window)
+  sums = (window.grad_sums, window.acc_compensation)
+  grad_sums, acc_compensation = jax.lax.platform_dependent(
+    sums,
+    tpu=lambda sums: sums,
+    default=lambda s: place.loop_if(empty, zeros, s),
+  )
+  return window._replace(grad_sums=grad_sums, acc_compensation=acc_compensation)
+
+
+def restarted_if(
+  place: _placement.Placement, closed: jax.Array, window: _base.Window
+) -> _base.Window:
+  """On a TPU, the window's sums and compensation zeroed if ``closed``,
+  once the call has read its updates from the buffer (see
+  :func:`restart_if`): a select on each device's share (a select on
+  partial sums would make the compiler reduce them). Elsewhere the window
+  as it is."""
+
+  def select(sums, closed):  # the sums first: they name the mesh
+    return optax.tree.where(closed, optax.tree.zeros_like(sums), sums)
+
+  def zeroed(sums):
+    return place.on_each_device(select, (sums, closed), sums)
+
+  sums = (window.grad_sums, window.acc_compensation)
+  grad_sums, acc_compensation = jax.lax.platform_dependent(
+    sums, tpu=zeroed, default=lambda sums: sums
+  )
+  return window._replace(grad_sums=grad_sums, acc_compensation=acc_compensation)
+
+
+def counts_restarted(
+  place: _placement.Placement, window: _base.Window
+) -> _base.Window:
+  """The window's count and loss zeroed, where it closes (its sums and
+  compensation restart with the next window's first micro-step,
+  :func:`restart_if`); on each device's share (a select on partial sums
+  would make the compiler reduce them)."""
+  counts = (window.acc_tokens, window.acc_loss)
+  acc_tokens, acc_loss = place.on_each_device(
+    optax.tree.zeros_like, (counts,), counts
+  )
+  return window._replace(acc_tokens=acc_tokens, acc_loss=acc_loss)

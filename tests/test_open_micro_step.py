@@ -10,7 +10,9 @@ not show the cost, so these tests read the structure:
 
 - the window's sums (``state.grad_sums``) are first read by an ``add``:
   no select, no conditional operand, in the host's open micro-step and in
-  the device-decided step; the window restarts where it closes;
+  the device-decided step; the window restarts at its first micro-step,
+  in a loop of 0 or 1 trips that hands the sums on untouched otherwise
+  (``hlo.first_uses`` looks past it);
 - the host's open micro-step holds no conditional, no parameter-sized
   select and no optimizer work; the device-decided step holds no optimizer
   work outside the closing conditional's branches (XLA:GPU flattened it
@@ -151,7 +153,8 @@ def test_the_device_step_runs_the_optimizer_only_in_its_branches(config):
   assert any(i.opcode == 'sqrt' for i in everything)  # AdamW is there
 
 
-# What the restart kept, now that it happens where a window closes: the
+# What the restart kept, now that it happens at a window's first
+# micro-step (issue 55; where the window closed, issue 46): the
 # updates of a window that follows a NaN window, a dropped window (an
 # invalid count) and a window of rejected micro-batches, against the
 # token-weighted mean written plainly, for every way to close (the device,

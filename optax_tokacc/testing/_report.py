@@ -89,7 +89,10 @@ class StepReport:
   Attributes:
     device_kind: the device it was compiled for.
     collectives: every collective, with where it runs.
-    conditionals: the conditionals kept in the program.
+    conditionals: the conditionals kept in the program, with the loops of
+      0 or 1 trips decided on the device (``lax.while_loop`` on a flag),
+      which are read as conditionals: no trip on an open micro-step, one
+      on the closing step.
     optimizer_on_open_step: opcodes of the inner optimizer's work
       (``token_weighted_multistep``'s ``inner.update``) that an open
       micro-step runs: empty in every form the library promises.
@@ -148,7 +151,7 @@ def step_cost(module: hlo.HloModule, branch: int) -> Cost:
     computation = module.computations[stack.pop()]
     shapes = {i.name: i.num_bytes for i in computation}
     for instruction in computation:
-      if instruction.opcode == 'conditional':
+      if instruction.branches:
         taken = instruction.branches[min(branch, len(instruction.branches) - 1)]
         stack.append(taken)
       elif instruction.opcode in _INLINE:
@@ -274,7 +277,9 @@ def check(step: Any, *args: Any, mesh: Any = None, **kwargs: Any) -> StepReport:
   return StepReport(
     device_kind=', '.join(sorted(kinds)) or '?',
     collectives=_collectives(module, mesh, devices),
-    conditionals=len(hlo.instructions_of(module, 'conditional')),
+    conditionals=sum(
+      bool(i.branches) for i in hlo.reachable_instructions(module)
+    ),
     optimizer_on_open_step=optimizer_work(module, OPEN),
     optimizer_on_closing_step=optimizer_work(module, CLOSING),
     open_step=step_cost(module, OPEN),

@@ -73,6 +73,8 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRUE_FALSE = re.compile(r'\b(true|false)_computation=%?([\w.\-]+)')
+_LOOP = re.compile(r'\bcondition=%?([\w.\-]+), body=%?([\w.\-]+)')
+_INDEX = re.compile(r'\bindex=(\d+)')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _ROUNDS_TO = re.compile(r'exponent_bits=(\d+), mantissa_bits=(\d+)')
 # XLA:TPU's transfer between slices: a host-transfer send/recv pair that
@@ -93,8 +95,9 @@ class Instruction:
 
   ``shapes`` are ``(dtype, dims)`` pairs of the result (a tuple result gives
   several). ``branches`` are a ``conditional``'s branch computations in
-  branch-index order (``false`` before ``true`` for a predicate);
-  ``callees`` the other computations it calls. ``groups`` is the text of a
+  branch-index order (``false`` before ``true`` for a predicate), or a
+  flag loop's (:func:`parse_hlo`): its condition alone (no trip), then its
+  body (one trip); ``callees`` the other computations it calls. ``groups`` is the text of a
   collective's ``replica_groups`` (``''`` if none).
   """
 
@@ -111,6 +114,8 @@ class Instruction:
   op_name: str = ''  # its metadata's op_name: a parameter's argument path
   # A send between TPU slices: the collective it carries ('ALL_REDUCE').
   transfer: str = ''
+  loop: tuple[str, ...] = ()  # a while's (condition, body)
+  index: Optional[int] = None  # a get-tuple-element's
 
   @property
   def collective(self) -> Optional[str]:
@@ -191,9 +196,12 @@ def _parse_instruction(
   op_name = _OP_NAME.search(rest)
   op_name = op_name.group(1).replace('\\', '') if op_name else ''
   transfer = _TRANSFER.search(rest) if opcode == 'send' else None
+  loop = _LOOP.search(rest) if opcode == 'while' else None
+  index = _INDEX.search(rest) if opcode == 'get-tuple-element' else None
   return Instruction(
     name, opcode, shapes, callees, branches, groups, operands, bool(root),
     rounds_to, op_name, transfer.group(1) if transfer else '',
+    loop.groups() if loop else (), int(index.group(1)) if index else None,
   )  # fmt: skip
 
 
@@ -228,7 +236,36 @@ def parse_hlo(hlo_text: str) -> HloModule:
   if entry is None:
     raise ValueError('No ENTRY computation found in the HLO text.')
   _check_branches(computations)
+  for instructions in computations.values():
+    instructions[:] = [_as_branches(i, computations) for i in instructions]
   return HloModule(computations, entry)
+
+
+def _as_branches(
+  instruction: Instruction, computations: dict[str, list[Instruction]]
+) -> Instruction:
+  """A flag loop as a conditional of two branches: a ``while`` whose
+  condition only reads a ``pred`` of its state runs the trips its values
+  decide (``lax.while_loop`` of 0 or 1 trips, this library's closing step:
+  XLA keeps it and copies nothing on a trip not taken, where it may copy
+  a ``conditional``'s operands); its branches are its condition alone
+  (no trip, where the window stays open) and its body (one trip, where it
+  closes). Other loops run their computations in line."""
+  if not instruction.loop:
+    return instruction
+  condition_name, body = instruction.loop
+  condition = computations.get(condition_name, [])
+  roots = [i for i in condition if i.root]
+  flag = [i.opcode for i in condition if not i.root] == ['parameter'] and (
+    len(roots) == 1
+    and roots[0].opcode == 'get-tuple-element'
+    and roots[0].shapes == (('pred', ()),)
+  )
+  if not flag:
+    return instruction
+  return dataclasses.replace(
+    instruction, callees=(), branches=(condition_name, body)
+  )
 
 
 def _check_branches(computations: dict[str, list[Instruction]]) -> None:
@@ -329,9 +366,10 @@ def first_uses(module: HloModule, argument_prefix: str) -> dict[str, list[str]]:
   """What first computes with each entry parameter whose argument path
   (its ``op_name``, e.g. ``state.grad_sums['w']``) starts with
   ``argument_prefix``: ``{path: sorted opcodes}``, looking into the
-  fusions and calls that read it and past copies, bitcasts and converts. A
-  ``tuple`` among them is the operand of a conditional or a loop, or the
-  program's result."""
+  fusions and calls that read it, past copies, bitcasts and converts, and
+  past a flag loop that hands it on (0 or 1 trips: one not taken reads
+  nothing). A ``tuple`` among them is the operand of a conditional or of
+  another loop, or the program's result."""
   entry = module.computations[module.entry]
   found = {}
   for parameter in entry:
@@ -349,10 +387,15 @@ def first_uses(module: HloModule, argument_prefix: str) -> dict[str, list[str]]:
 def _uses(module: HloModule, computation: str, name: str) -> set[str]:
   """The opcodes that first compute with ``name`` in ``computation``."""
   uses = set()
-  for instruction in module.computations[computation]:
+  instructions = module.computations[computation]
+  for instruction in instructions:
     if name not in instruction.operands:
       continue
-    if instruction.opcode in _PASSES_ON:
+    handed_on = _handed_on(module, instructions, instruction, name)
+    if handed_on is not None:
+      for value in handed_on:
+        uses |= _uses(module, computation, value)
+    elif instruction.opcode in _PASSES_ON:
       uses |= _uses(module, computation, instruction.name)
     elif instruction.opcode in ('fusion', 'call') and instruction.callees:
       callee = instruction.callees[0]
@@ -362,6 +405,51 @@ def _uses(module: HloModule, computation: str, name: str) -> set[str]:
     else:
       uses.add(instruction.opcode)
   return uses
+
+
+def _handed_on(
+  module: HloModule,
+  instructions: list[Instruction],
+  tuple_: Instruction,
+  name: str,
+) -> Optional[list[str]]:
+  """Where a flag loop (:func:`parse_hlo`) hands on ``name``, an element
+  of ``tuple_``, its operand: the elements of its result at the same
+  place (a trip not taken reads nothing). The CPU wraps the loop in a
+  ``call`` of its own. None where ``tuple_`` is not a flag loop's
+  operand."""
+  if tuple_.opcode != 'tuple':
+    return None
+  loops = [
+    i
+    for i in instructions
+    if i.operands == (tuple_.name,) and _flag_loop(module, i)
+  ]
+  if len(loops) != 1:
+    return None
+  places = [n for n, operand in enumerate(tuple_.operands) if operand == name]
+  return [
+    i.name
+    for i in instructions
+    if i.opcode == 'get-tuple-element'
+    and i.operands == (loops[0].name,)
+    and i.index in places
+  ]
+
+
+def _flag_loop(module: HloModule, instruction: Instruction) -> bool:
+  """Whether ``instruction`` is a flag loop, or a call of one alone."""
+  if instruction.opcode == 'while':
+    return bool(instruction.branches)
+  if instruction.opcode != 'call' or len(instruction.callees) != 1:
+    return False
+  body = module.computations.get(instruction.callees[0], [])
+  parameters = [i.name for i in body if i.opcode == 'parameter']
+  return len(body) == 2 and any(
+    i.root and i.opcode == 'while' and i.branches and i.operands == (p,)
+    for i in body
+    for p in parameters
+  )
 
 
 def _parameter(module: HloModule, computation: str, number: int) -> str:

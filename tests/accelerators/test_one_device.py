@@ -30,8 +30,7 @@ AdamW's first moment in float32). Each close mode of the user's step
 - the rounding compensated accumulation needs, forced: XLA:GPU keeps
   excess precision and removes an ``astype`` round trip;
 - against the two-program ideal of the same target, modelled traffic,
-  kernels and temporaries no worse than :data:`FLOORS`: today's figures,
-  which issue 55 tightens.
+  kernels and temporaries no worse than :data:`FLOORS`: today's figures.
 """
 
 import jax.numpy as jnp
@@ -45,44 +44,54 @@ DTYPES = ('float32', 'bfloat16')
 OURS = tuple(on_targets.CLOSE_MODES)
 K = on_targets.K
 
-# Today's figures (commit 74fa917, jax 0.12.0.1, libtpu 0.0.51), the floor
-# that must not get worse: per (target, parameters' dtype, close mode), the
-# step's modelled traffic over the ideal's (an open micro-step: over the
-# ideal micro-step; the host's closing program: over the ideal micro-step
-# and window update), its kernels, its temporaries beyond the ideal
+# Today's figures (issue 55's closing loop and lazy restart; jax 0.12.0.1,
+# libtpu 0.0.51), the floor that must not get worse: per (target,
+# parameters' dtype, close mode), the step's modelled traffic over the
+# ideal's (an open micro-step: over the ideal micro-step; the host's
+# closing program, every loop's trip taken: over the ideal micro-step and
+# window update), its kernels, its temporaries beyond the ideal
 # micro-step's as a fraction of the parameters' bytes, and the window's
 # traffic over the ideal window's (k micro-steps and the window update).
 # The programs are deterministic for pinned compilers; the figures are
-# rounded up at their last digit. Printed by
-# ``python tests/accelerators/floors.py``.
+# rounded up at their last digit. Printed by ``python
+# tests/accelerators/floors.py``. Against issue 52's (74fa917) the
+# device-decided step is cheaper on every target (an H100's open step
+# 1.50x against 1.99x, 0.02 P of temporaries against 0.77 P); worse: on
+# the GPUs the host's closing step (1.34x against 1.15x in float32, 1.36x
+# against 0.94x in bfloat16: AdamW runs in the loop's trip and writes the
+# updates into the buffer, where it was fused with their addition to the
+# parameters; the restart's zeros are counted in it), and so the host's
+# window (1.15x against 1.07x and 0.98x); the host-open step's one kernel
+# more (the restart loop's predicate); a v5e's bfloat16 host window by 1%
+# and a v6e's host-closing temporaries by 0.01-0.02 P.
 FLOORS = {
   # fmt: off
   # (target, dtype, mode): (traffic, kernels, extra temp / P,
   #                         window traffic)
-  ('h100', 'float32', 'device'): (1.993, 66, 0.767, 1.615),
-  ('h100', 'float32', 'host_open'): (1.001, 35, 0.0, 1.069),
-  ('h100', 'float32', 'host_closing'): (1.153, 73, 0.219, 1.069),
-  ('h100', 'bfloat16', 'device'): (1.84, 71, 1.627, 1.548),
-  ('h100', 'bfloat16', 'host_open'): (1.001, 40, 0.0, 0.976),
-  ('h100', 'bfloat16', 'host_closing'): (0.942, 80, 1.632, 0.976),
-  ('h200', 'float32', 'device'): (1.993, 66, 0.767, 1.615),
-  ('h200', 'float32', 'host_open'): (1.001, 35, 0.0, 1.069),
-  ('h200', 'float32', 'host_closing'): (1.153, 73, 0.219, 1.069),
-  ('h200', 'bfloat16', 'device'): (1.84, 71, 1.627, 1.548),
-  ('h200', 'bfloat16', 'host_open'): (1.001, 40, 0.0, 0.976),
-  ('h200', 'bfloat16', 'host_closing'): (0.942, 80, 1.632, 0.976),
-  ('tpu v5e 1x1', 'float32', 'device'): (1.554, 137, 0.086, 1.184),
-  ('tpu v5e 1x1', 'float32', 'host_open'): (0.854, 74, -0.006, 0.961),
-  ('tpu v5e 1x1', 'float32', 'host_closing'): (1.079, 254, 0.127, 0.961),
-  ('tpu v5e 1x1', 'bfloat16', 'device'): (2.299, 155, 0.254, 1.748),
-  ('tpu v5e 1x1', 'bfloat16', 'host_open'): (1.103, 74, 0.0, 1.05),
-  ('tpu v5e 1x1', 'bfloat16', 'host_closing'): (0.992, 240, 0.252, 1.05),
-  ('tpu v6e 1x1', 'float32', 'device'): (1.783, 72, 0.32, 1.563),
-  ('tpu v6e 1x1', 'float32', 'host_open'): (1.001, 40, 0.0, 1.563),
-  ('tpu v6e 1x1', 'float32', 'host_closing'): (2.22, 156, 0.052, 1.563),
-  ('tpu v6e 1x1', 'bfloat16', 'device'): (1.732, 72, 0.635, 1.558),
-  ('tpu v6e 1x1', 'bfloat16', 'host_open'): (1.001, 38, 0.0, 1.58),
-  ('tpu v6e 1x1', 'bfloat16', 'host_closing'): (2.286, 158, 0.098, 1.58),
+  ('h100', 'float32', 'device'): (1.497, 56, 0.017, 1.426),
+  ('h100', 'float32', 'host_open'): (1.001, 36, 0.001, 1.152),
+  ('h100', 'float32', 'host_closing'): (1.339, 93, 0.017, 1.152),
+  ('h100', 'bfloat16', 'device'): (1.336, 61, 1.626, 1.344),
+  ('h100', 'bfloat16', 'host_open'): (1.001, 41, 0.001, 1.148),
+  ('h100', 'bfloat16', 'host_closing'): (1.355, 97, 1.626, 1.148),
+  ('h200', 'float32', 'device'): (1.497, 56, 0.017, 1.426),
+  ('h200', 'float32', 'host_open'): (1.001, 36, 0.001, 1.152),
+  ('h200', 'float32', 'host_closing'): (1.339, 93, 0.017, 1.152),
+  ('h200', 'bfloat16', 'device'): (1.336, 61, 1.626, 1.344),
+  ('h200', 'bfloat16', 'host_open'): (1.001, 41, 0.001, 1.148),
+  ('h200', 'bfloat16', 'host_closing'): (1.355, 97, 1.626, 1.148),
+  ('tpu v5e 1x1', 'float32', 'device'): (1.408, 128, 0.077, 1.081),
+  ('tpu v5e 1x1', 'float32', 'host_open'): (0.854, 74, -0.006, 0.778),
+  ('tpu v5e 1x1', 'float32', 'host_closing'): (0.692, 190, 0.077, 0.778),
+  ('tpu v5e 1x1', 'bfloat16', 'device'): (1.684, 137, 0.188, 1.269),
+  ('tpu v5e 1x1', 'bfloat16', 'host_open'): (1.103, 74, 0.0, 1.058),
+  ('tpu v5e 1x1', 'bfloat16', 'host_closing'): (1.009, 235, 0.2, 1.058),
+  ('tpu v6e 1x1', 'float32', 'device'): (1.783, 72, 0.069, 1.563),
+  ('tpu v6e 1x1', 'float32', 'host_open'): (1.001, 40, 0.0, 1.115),
+  ('tpu v6e 1x1', 'float32', 'host_closing'): (1.248, 131, 0.061, 1.115),
+  ('tpu v6e 1x1', 'bfloat16', 'device'): (1.732, 72, 0.133, 1.558),
+  ('tpu v6e 1x1', 'bfloat16', 'host_open'): (1.001, 38, 0.0, 1.123),
+  ('tpu v6e 1x1', 'bfloat16', 'host_closing'): (1.273, 131, 0.118, 1.123),
   # fmt: on
 }
 
@@ -93,18 +102,22 @@ def figures(target, dtype, mode):
   micro, update = reports['ideal_micro'], reports['ideal_update']
   ideal_window = K * micro.open_step.bytes + update.open_step.bytes
   ours = reports[mode]
+  # The host's closing program runs its closing trips (every loop's one
+  # trip: the restart's too, a window's first micro-step's, so its
+  # figures are high by a parameter-sized write).
+  runs = ours.closing_step if mode == 'host_closing' else ours.open_step
   if mode == 'device':
     window = (K - 1) * ours.open_step.bytes + ours.closing_step.bytes
   else:
     host_open, closing = reports['host_open'], reports['host_closing']
-    window = (K - 1) * host_open.open_step.bytes + closing.open_step.bytes
+    window = (K - 1) * host_open.open_step.bytes + closing.closing_step.bytes
   extra_temp = ours.temp_bytes - micro.temp_bytes
   ideal = micro.open_step.bytes
   if mode == 'host_closing':
     ideal += update.open_step.bytes
   return (
-    ours.open_step.bytes / ideal,
-    ours.open_step.kernels,
+    runs.bytes / ideal,
+    runs.kernels,
     extra_temp / on_targets.param_bytes(target, dtype),
     window / ideal_window,
   )
@@ -128,15 +141,17 @@ def test_no_optimizer_work_on_an_open_micro_step(target, dtype):
     assert reports[mode].optimizer_on_open_step == (), reports[mode].summary()
   # Where the window closes, the optimizer runs: the check can fail.
   assert 'sqrt' in reports['device'].optimizer_on_closing_step
-  assert 'sqrt' in reports['host_closing'].optimizer_on_open_step
+  assert 'sqrt' in reports['host_closing'].optimizer_on_closing_step
 
 
 @pytest.mark.parametrize(('target', 'dtype'), CASES)
 def test_the_device_decided_step_keeps_its_conditional(target, dtype):
-  """The optimizer runs in a branch, not flattened into selects."""
+  """The optimizer runs in a branch (a loop of 0 or 1 trips), not
+  flattened into selects; the host's open step keeps one flag loop, the
+  restart of the sums at a window's first micro-step."""
   reports = on_targets.one_device_reports(target, dtype)
-  assert reports['device'].conditionals >= 1
-  assert reports['host_open'].conditionals == 0
+  assert reports['device'].conditionals >= 2
+  assert reports['host_open'].conditionals == 1
   assert (
     reports['device'].open_step.bytes < reports['device'].closing_step.bytes
   )
