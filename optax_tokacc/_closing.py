@@ -277,6 +277,13 @@ def _close(
       window, updates = window._replace(grad_sums=held), ()
     else:
       updates = held
+    # Values the trip hands on unchanged become the loop's
+    # body consts (jax forwards them), and XLA reduces an unreduced const
+    # before the loop, on every call: hand them on as new values.
+    passed = {'acc_compensation': window.acc_compensation}
+    if not buffer:
+      passed['grad_sums'] = window.grad_sums
+    window = window._replace(**jax.lax.optimization_barrier(passed))
     return window, inner_state, closed._replace(norms=norms), updates
 
   updates = () if buffer else _held_updates.zeros(inner.shapes)
