@@ -163,12 +163,12 @@ class TokenWeightedMultiStepState(NamedTuple):
     grad_sums: *per device*. During a window, the token-*summed*
       gradients of its micro-batches so far (not their mean: not what
       ``optax.MultiSteps``' ``acc_grads`` holds), in the accumulator dtype,
-      shaped (and sharded) like the parameters. Zeros between windows: the
-      step that closes a window zeroes them (a select, never a
-      multiplication by zero), so that a micro-step only adds, as the
-      hand-written ideal does (0.5.0 left scratch there and restarted on
-      the next micro-step; ``from_checkpoint`` zeroes such a checkpoint's
-      sums at a window boundary). Log :func:`window_metrics` instead.
+      shaped (and sharded) like the parameters. Scratch right after a window
+      closes (``mini_step`` 0): the buffer holds the updates that the
+      device's close emitted, or the closed window's sums, until the next
+      window's first micro-step zeroes it (a select or a write of zeros,
+      never a multiplication by zero); a TPU zeroes it where the window
+      closes. Log :func:`window_metrics` instead.
       (Named ``acc_grads`` before 0.5; that name is a read-only alias now,
       which warns.)
     acc_tokens: *per device*. Counted tokens of the current window; -1 once
@@ -186,7 +186,7 @@ class TokenWeightedMultiStepState(NamedTuple):
     emitted: whether the call that returned this state emitted an update.
     acc_compensation: *per device*. With ``compensated=True``, the rounding
       error of ``grad_sums`` (Kahan summation), a tree like ``grad_sums``;
-      zeros between windows, like ``grad_sums``; ``()`` otherwise.
+      scratch between windows, like ``grad_sums``; ``()`` otherwise.
     dropped_windows: windows dropped because their token count was invalid
       (a total beyond the counter, or outside the range a floating one
       honours, included; int32, saturating). A dropped window emits zero
@@ -227,7 +227,7 @@ class TokenWeightedMultiStepState(NamedTuple):
   def acc_grads(self) -> optax.Updates:
     """Renamed :attr:`grad_sums` (a read-only alias that warns): the
     window's token-summed gradients, not ``optax.MultiSteps``' running
-    mean, and zeros right after a window closes.
+    mean, and scratch right after a window closes.
 
     It warns with a ``FutureWarning``, which Python's default filters show
     wherever the read happens: a ``DeprecationWarning`` is shown only in
@@ -239,7 +239,7 @@ class TokenWeightedMultiStepState(NamedTuple):
     """
     warnings.warn(
       'state.acc_grads reads grad_sums: the token-summed gradients of the '
-      'open window, zeros right after a window closes, not '
+      'open window, scratch right after a window closes, not '
       "optax.MultiSteps' running mean of the gradients. To log the "
       "window's gradient statistics, read "
       'tokacc.window_metrics(state).grad_norm and .update_norm.',

@@ -220,9 +220,9 @@ def _is_state_form(x: Any) -> bool:
 
 def _without_scratch(state: chex.ArrayTree) -> chex.ArrayTree:
   """``state`` with zero sums at a window boundary (``mini_step`` 0 on
-  every device). A closing step leaves them zero now; 0.5.0 left scratch
-  there (the emitted updates, restarted by the next micro-step, which now
-  only adds)."""
+  every device). A GPU's or CPU's close leaves scratch there (the emitted
+  updates, or the closed window's sums, which the next micro-step there
+  restarts), as 0.5.0's did; a TPU's next micro-step only adds."""
   if not _state.is_state(state) or np.any(np.asarray(state.mini_step)):
     return state
   window = (state.grad_sums, state.acc_compensation)

@@ -39,6 +39,9 @@ from optax_tokacc import _placement
 from optax_tokacc import _tokens
 from optax_tokacc import _window
 
+# The platforms where the host's close is written out (``close_now``).
+WRITTEN_OUT_ON = ('cuda', 'rocm')
+
 
 class CallResult(NamedTuple):
   """What a call gives back once the window is closed or left open (the
@@ -48,9 +51,6 @@ class CallResult(NamedTuple):
   window: _base.Window
   inner_state: optax.OptState
   closed: _base.Closed
-  # Whether the updates are the window's buffer, released where emitted
-  # (``_held_updates.released``).
-  released: bool = False
 
 
 class Extra(NamedTuple):
@@ -77,6 +77,9 @@ class _Sums(NamedTuple):
   sums: optax.Updates
   divisor: jax.Array  # its count, or 1 where it has none (``_tokens``)
   mean_loss: jax.Array
+  # The norms' squares and their divisor (``_squares``), where taken
+  # before the step (:func:`_written_out`).
+  squares: Optional[tuple[dict, jax.Array]] = None
 
 
 class _Inner(NamedTuple):
@@ -161,7 +164,9 @@ def _step(
     # Taken before ``inner`` runs: a norm of the mean taken beside it kept
     # the sums alive, and the buffer that holds the updates was copied (a
     # parameter-sized temporary).
-    squares, squares_divisor = _squares(ctx, summed.sums, summed.divisor)
+    squares, squares_divisor = summed.squares or _squares(
+      ctx, summed.sums, summed.divisor
+    )
   value = {'value': summed.mean_loss} if ctx.extra.with_loss else {}
   means = jax.tree.map(lambda s: _mean(s, summed.divisor), summed.sums)
   mean_grads = optax.tree.cast_like(means, ctx.grads)
@@ -190,12 +195,50 @@ def close_now(
   ctx: Context, window: _base.Window, inner_state: optax.OptState
 ) -> CallResult:
   """Closes the window (the host decided: ``close=True``): its reduction
-  sits in the program beside the backward pass, and the rest is
-  :func:`close_if`'s closing trip, whose ``inner`` step (and the norms'
-  squares) runs in a loop of 1 trip there as where the device closes, so
-  that it rounds alike wherever the window closes (written out of the
-  loop, the CPU sums the squares in another order)."""
-  return _close(ctx, None, window, inner_state, _reduce(ctx, window))
+  sits in the program beside the backward pass.
+
+  On a GPU ``inner``'s step is written out (:func:`_written_out`), so that
+  XLA fuses it with the parameters' update (``optax.apply_updates`` in the
+  same program). Elsewhere the rest is :func:`close_if`'s closing trip,
+  whose ``inner`` step (and the norms' squares) runs in a loop of 1 trip as
+  where the device closes: it rounds alike wherever the window closes
+  (written out, the CPU sums the squares in another order), and XLA:TPU
+  writes less around a loop than around selects."""
+
+  def in_trips(window, inner_state):
+    return _close(ctx, None, window, inner_state, _reduce(ctx, window))[:4]
+
+  def written_out(window, inner_state):
+    return _written_out(ctx, window, inner_state)
+
+  written = {platform: written_out for platform in WRITTEN_OUT_ON}
+  updates, window, inner_state, closed = jax.lax.platform_dependent(
+    window, inner_state, **written, default=in_trips
+  )
+  return CallResult(updates, window, inner_state, closed)
+
+
+def _written_out(
+  ctx: Context, window: _base.Window, inner_state: optax.OptState
+) -> tuple[optax.Updates, _base.Window, optax.OptState, _base.Closed]:
+  """:func:`close_now` without a loop: ``inner``'s step, its updates -0.0
+  and its state kept unless the window emits (selects, which XLA fuses
+  with that step); the window's count and loss zeroed, its sums left to
+  the next window's first micro-step (``_window.restart_if``)."""
+  inner = _inner(ctx, inner_state)
+  summed, closed = _reduce(ctx, window)
+  if ctx.config.norms:
+    # Of the sums as a value of their own: taken beside the step, they
+    # kept the sums alive through it (in bfloat16, a temporary of 1.6
+    # times the parameters' bytes on an H100).
+    alone = jax.lax.optimization_barrier(summed.sums)
+    summed = summed._replace(squares=_squares(ctx, alone, summed.divisor))
+  updates, new_inner, norms = inner.step(summed, inner_state, ctx.params)
+  emitted = closed.emitted
+  updates = jax.tree.map(lambda u: _held_updates.or_zeros(u, emitted), updates)
+  new_inner = optax.tree.where(emitted, new_inner, inner_state)
+  window = _window.counts_restarted(ctx.place, window)
+  return updates, window, new_inner, closed._replace(norms=norms)
 
 
 def keep_open(
@@ -296,11 +339,10 @@ def _close(
     updates = _held_updates.released(
       place, window.grad_sums, inner.shapes, closed.emitted
     )
-  released = buffer and close is not None
   if close is None:  # closed for certain: a flag XLA cannot fold
     close = jax.lax.optimization_barrier(jnp.asarray(True))
   window = _window.restarted_if(place, close, window)
-  return CallResult(updates, window, inner_state, closed, released)
+  return CallResult(updates, window, inner_state, closed)
 
 
 def _same(a: optax.Updates, b: optax.Updates) -> bool:

@@ -24,8 +24,6 @@ it. Elsewhere, and on a host's micro-step, the updates are zeros of
 parameter bit-identical.
 """
 
-import weakref
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -115,32 +113,3 @@ def or_zeros(x: jax.Array, keep: jax.Array) -> jax.Array:
 def _signed(zeros: jax.Array) -> jax.Array:
   """-0.0 for floating zeros (other dtypes have one zero)."""
   return -zeros if jnp.issubdtype(zeros.dtype, jnp.inexact) else zeros
-
-
-# The last updates a device-decided call returned from the buffer, by weak
-# reference (:func:`remember`, :func:`recall`).
-_released: tuple = ()
-
-
-def remember(updates: optax.Updates, grad_sums: optax.Updates, emitted) -> None:
-  """Notes that ``updates`` are the buffer ``grad_sums`` released where
-  ``emitted`` (``released``), for :func:`recall`: weak references, so that
-  nothing is kept alive."""
-  global _released
-  leaves = (*jax.tree.leaves(updates), *jax.tree.leaves(grad_sums), emitted)
-  _released = (len(jax.tree.leaves(updates)), *map(weakref.ref, leaves))
-
-
-def recall(updates: optax.Updates, grad_sums: optax.Updates, emitted) -> bool:
-  """Whether ``updates`` are, object for object, the ones the last
-  device-decided call released from ``grad_sums`` (the state it returned)
-  where ``emitted``: then reading the buffer gives their values."""
-  if not _released:
-    return False
-  count, *refs = _released
-  leaves = (*jax.tree.leaves(updates), *jax.tree.leaves(grad_sums), emitted)
-  return (
-    len(jax.tree.leaves(updates)) == count
-    and len(leaves) == len(refs)
-    and all(ref() is leaf for ref, leaf in zip(refs, leaves))
-  )

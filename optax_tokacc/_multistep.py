@@ -31,7 +31,6 @@ import optax
 from optax_tokacc import _base
 from optax_tokacc import _closing
 from optax_tokacc import _config
-from optax_tokacc import _held_updates
 from optax_tokacc import _inputs
 from optax_tokacc import _manual
 from optax_tokacc import _norms
@@ -301,13 +300,7 @@ def _update(
   else:
     result = _closing.keep_open(ctx, window, state.inner_state)
   new_state = _next_state(config, state, mini_step, close, result, skip_state)
-  new_state = place.global_state(new_state)
-  if result.released and isinstance(place, _single.Single):
-    # ``apply_if_updated`` may apply them from the buffer, in a loop.
-    _held_updates.remember(
-      result.updates, new_state.grad_sums, new_state.emitted
-    )
-  return result.updates, new_state
+  return result.updates, place.global_state(new_state)
 
 
 def _mini_step(

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
-from optax_tokacc import _held_updates
 from optax_tokacc import _norms
 
 # Pickles of states written before 0.6 name the class by this module.
@@ -230,24 +229,19 @@ def window_metrics(opt_state: optax.OptState) -> _base.WindowMetrics:
 def apply_if_updated(
   params: optax.Params, updates: optax.Updates, opt_state: optax.OptState
 ) -> optax.Params:
-  """Applies ``updates`` to ``params``: ``optax.apply_updates``'s result,
-  bit for bit, in every composition, and at no cost where they are zero.
+  """Applies ``updates`` to ``params``; kept from 0.1, now ``apply_updates``.
 
-  Where ``opt_state`` is the transform's own state (not inside a chain)
-  and ``updates`` are what the device-decided call that returned it gave
-  (the same arrays), the updates are added in a loop of 0 or 1 trips that
-  reads the accumulator's buffer, which holds them: an open micro-step
-  then reads and writes nothing of the parameters, where
-  ``optax.apply_updates`` adds zeros to every parameter (a parameter-sized
-  pass on every call, which XLA cannot remove: the step does not know
-  which calls close a window). On a TPU, and in every other case (another
-  transformation beside this one may update on every call), it is
-  ``optax.apply_updates``.
+  In 0.1 this applied the updates only after an emitting step, which lost
+  the micro-step updates of other transforms (``optax.multi_transform``,
+  ``optax.masked``). Since 0.2 it gives exactly ``optax.apply_updates(params,
+  updates)`` in every composition, at the same cost: micro-steps return zero
+  updates from the transform, so they leave its parameters bit-identical.
 
   Args:
     params: the parameters.
     updates: the updates returned with ``opt_state``.
-    opt_state: the optimizer state containing the transform's state.
+    opt_state: the optimizer state containing the transform's state (checked,
+      not used).
 
   Returns:
     The new parameters.
@@ -263,25 +257,5 @@ def apply_if_updated(
     >>> tokacc.apply_if_updated(params, updates, state)['w']
     Array([-1., -1.], dtype=float32)
   """
-  state = find_state(opt_state)
-  if state is not opt_state or not _held_updates.recall(
-    updates, state.grad_sums, state.emitted
-  ):
-    return optax.apply_updates(params, updates)
-
-  def in_loop(params):
-    def apply(params):
-      held = optax.tree.cast_like(state.grad_sums, updates)
-      return optax.apply_updates(params, held)
-
-    def body(carry):
-      return jnp.zeros_like(carry[0]), apply(carry[1])
-
-    carry = (state.emitted, params)
-    return jax.lax.while_loop(lambda carry: carry[0], body, carry)[1]
-
-  return jax.lax.platform_dependent(
-    params,
-    tpu=lambda params: optax.apply_updates(params, updates),
-    default=in_loop,
-  )
+  find_state(opt_state)
+  return optax.apply_updates(params, updates)

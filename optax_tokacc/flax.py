@@ -218,7 +218,7 @@ class TrainState(train_state.TrainState, _Accumulating):
     kwargs.update(num_tokens=num_tokens, loss=loss)
     args = (grads, self.opt_state, self.params)
     updates, opt_state = self.tx.update(*args, **kwargs)
-    params = optax_tokacc.apply_if_updated(self.params, updates, opt_state)
+    params = optax.apply_updates(self.params, updates)
     new = self.replace(params=params, opt_state=opt_state)
     before = self._acc_state().gradient_step
     step, micro_step, emitted = new._counters(before, self.step)
