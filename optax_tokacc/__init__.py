@@ -36,6 +36,7 @@ from optax_tokacc._checkpoint_target import checkpoint_target
 from optax_tokacc._losses import token_cross_entropy
 from optax_tokacc._microbatch import microbatched_value_and_grad
 from optax_tokacc._multistep import token_weighted_multistep
+from optax_tokacc._multistep import update_and_apply
 from optax_tokacc._state import apply_if_updated
 from optax_tokacc._state import find_state
 from optax_tokacc._state import has_updated
@@ -64,6 +65,7 @@ __all__ = (
   'to_checkpoint',
   'token_cross_entropy',
   'token_weighted_multistep',
+  'update_and_apply',
   'window_loss',
   'window_metrics',
   'with_input_checks',

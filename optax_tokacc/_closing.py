@@ -51,6 +51,9 @@ class CallResult(NamedTuple):
   window: _base.Window
   inner_state: optax.OptState
   closed: _base.Closed
+  # Whether the window's buffer holds the updates where they are emitted
+  # (a device's close on a GPU or CPU: ``_held_updates.released``).
+  held: bool = False
 
 
 class Extra(NamedTuple):
@@ -339,10 +342,11 @@ def _close(
     updates = _held_updates.released(
       place, window.grad_sums, inner.shapes, closed.emitted
     )
+  held = buffer and close is not None
   if close is None:  # closed for certain: a flag XLA cannot fold
     close = jax.lax.optimization_barrier(jnp.asarray(True))
   window = _window.restarted_if(place, close, window)
-  return CallResult(updates, window, inner_state, closed)
+  return CallResult(updates, window, inner_state, closed, held)
 
 
 def _same(a: optax.Updates, b: optax.Updates) -> bool:

@@ -24,6 +24,7 @@ it. Elsewhere, and on a host's micro-step, the updates are zeros of
 parameter bit-identical.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -113,3 +114,29 @@ def or_zeros(x: jax.Array, keep: jax.Array) -> jax.Array:
 def _signed(zeros: jax.Array) -> jax.Array:
   """-0.0 for floating zeros (other dtypes have one zero)."""
   return -zeros if jnp.issubdtype(zeros.dtype, jnp.inexact) else zeros
+
+
+def applied(
+  params: optax.Params, updates: optax.Updates, state: chex.ArrayTree
+) -> optax.Params:
+  """``optax.apply_updates(params, updates)`` where ``updates`` and the
+  transform's ``state`` are what one device-decided call returned, whose
+  buffer holds the updates where it emitted (``_multistep``'s ``held``):
+  on a GPU or CPU the buffer's values are added in a loop of 0 or 1 trips
+  on ``state.emitted`` (where it emitted nothing, the updates are -0.0 and
+  the parameters keep their bits); on a TPU, where the buffer restarts
+  where the window closes, ``optax.apply_updates``."""
+
+  def in_loop(params):
+    def body(carry):
+      held = optax.tree.cast_like(state.grad_sums, updates)
+      return jnp.zeros_like(carry[0]), optax.apply_updates(carry[1], held)
+
+    carry = (state.emitted, params)
+    return jax.lax.while_loop(lambda carry: carry[0], body, carry)[1]
+
+  return jax.lax.platform_dependent(
+    params,
+    tpu=lambda params: optax.apply_updates(params, updates),
+    default=in_loop,
+  )

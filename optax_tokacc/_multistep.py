@@ -31,6 +31,7 @@ import optax
 from optax_tokacc import _base
 from optax_tokacc import _closing
 from optax_tokacc import _config
+from optax_tokacc import _held_updates
 from optax_tokacc import _inputs
 from optax_tokacc import _manual
 from optax_tokacc import _norms
@@ -252,7 +253,86 @@ def _judge(
   return jnp.logical_not(skip), skip_state
 
 
+def update_and_apply(
+  tx: optax.GradientTransformation,
+  grads: optax.Updates,
+  opt_state: optax.OptState,
+  params: optax.Params,
+  **kwargs: Any,
+) -> tuple[optax.Params, optax.OptState]:
+  """``tx.update`` then ``optax.apply_updates``, in one call: the same
+  parameters and state, bit for bit, and cheaper where it can be.
+
+  Where ``tx`` is :func:`token_weighted_multistep`'s transformation itself
+  (not in a chain) and the device decides the window (no ``close=``), on
+  one device, on a GPU or CPU, the updates are added from the
+  accumulator's buffer, which holds them, in a loop of 0 or 1 trips on
+  whether the call emitted: an open micro-step then reads and writes
+  nothing of the parameters. ``optax.apply_updates`` adds the returned
+  updates (zeros on an open micro-step) to every parameter on every call,
+  a parameter-sized pass that XLA cannot remove, since only the device
+  knows which calls close a window. Everywhere else this is
+  ``tx.update`` then ``optax.apply_updates``. The Flax ``TrainState`` and
+  nnx ``Optimizer`` of :mod:`optax_tokacc.flax` use it.
+
+  Args:
+    tx: the optimizer: any ``optax.GradientTransformation``.
+    grads: the micro-batch's gradients.
+    opt_state: ``tx``'s state.
+    params: the parameters.
+    **kwargs: further keyword arguments of ``tx.update`` (``num_tokens``,
+      ``loss``, ...).
+
+  Returns:
+    ``(params, opt_state)`` after the call.
+
+  Raises:
+    TypeError: if ``tx`` is not an ``optax.GradientTransformation``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_tokacc as tokacc
+    >>> tx = tokacc.token_weighted_multistep(optax.sgd(1.0), 1)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> grads = {'w': jnp.ones(2)}
+    >>> params, state = tokacc.update_and_apply(
+    ...   tx, grads, state, params, num_tokens=1
+    ... )
+    >>> params['w']
+    Array([-1., -1.], dtype=float32)
+  """
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(
+      'update_and_apply(tx, ...): tx must be an optax.GradientTransformation'
+      f' (for example tokacc.token_weighted_multistep(...)); got'
+      f' {type(tx).__name__}.'
+    )
+  update = tx.update
+  if isinstance(update, functools.partial) and update.func is _update:
+    updates, state, held = _call(
+      *update.args, grads, opt_state, params, **kwargs
+    )
+    if held:
+      return _held_updates.applied(params, updates, state), state
+    return optax.apply_updates(params, updates), state
+  updates, state = update(grads, opt_state, params, **kwargs)
+  return optax.apply_updates(params, updates), state
+
+
 def _update(
+  config: _base.Config,
+  /,
+  updates: optax.Updates,
+  state: _base.TokenWeightedMultiStepState,
+  params: Optional[optax.Params] = None,
+  **kwargs: Any,
+) -> tuple[optax.Updates, _base.TokenWeightedMultiStepState]:
+  """One micro-step; closes the window on the k-th (see the factory and
+  :func:`_call`)."""
+  return _call(config, updates, state, params, **kwargs)[:2]
+
+
+def _call(
   config: _base.Config,
   /,
   updates: optax.Updates,
@@ -264,8 +344,9 @@ def _update(
   emit_now: Union[bool, jax.typing.ArrayLike] = False,
   close: Optional[bool] = None,
   **extra_args: Any,
-) -> tuple[optax.Updates, _base.TokenWeightedMultiStepState]:
-  """One micro-step; closes the window on the k-th (see the factory)."""
+) -> tuple[optax.Updates, _base.TokenWeightedMultiStepState, bool]:
+  """:func:`_update`, and whether the returned state's buffer holds the
+  updates where they are emitted (on one device: ``update_and_apply``)."""
   # The inputs, checked once; then the placement; then the state.
   _inputs.state_type(state)
   _inputs.tree(updates, params, 'the parameters')
@@ -300,7 +381,8 @@ def _update(
   else:
     result = _closing.keep_open(ctx, window, state.inner_state)
   new_state = _next_state(config, state, mini_step, close, result, skip_state)
-  return result.updates, place.global_state(new_state)
+  held = result.held and isinstance(place, _single.Single)
+  return result.updates, place.global_state(new_state), held
 
 
 def _mini_step(

@@ -189,9 +189,11 @@ class TrainState(train_state.TrainState, _Accumulating):
     """Feeds one micro-batch's gradients to ``tx`` and applies its updates.
 
     Unlike the parent class, ``kwargs`` go to ``tx.update`` (e.g.
-    ``emit_now``), not to ``replace``. The updates are applied with
-    ``optax.apply_updates`` on every call, so that transformations beside
-    the accumulator (e.g. in ``optax.multi_transform``) keep theirs.
+    ``emit_now``), not to ``replace``. The updates are applied on every
+    call, so that transformations beside the accumulator (e.g. in
+    ``optax.multi_transform``) keep theirs, by
+    :func:`optax_tokacc.update_and_apply`: an open micro-step of the bare
+    transform reads and writes nothing of the parameters there.
 
     Args:
       grads: gradients of the micro-batch's token-summed loss (or mean loss
@@ -216,9 +218,8 @@ class TrainState(train_state.TrainState, _Accumulating):
         'cannot be accumulated; use flax.training.train_state.TrainState.'
       )
     kwargs.update(num_tokens=num_tokens, loss=loss)
-    args = (grads, self.opt_state, self.params)
-    updates, opt_state = self.tx.update(*args, **kwargs)
-    params = optax.apply_updates(self.params, updates)
+    args = (self.tx, grads, self.opt_state, self.params)
+    params, opt_state = optax_tokacc.update_and_apply(*args, **kwargs)
     new = self.replace(params=params, opt_state=opt_state)
     before = self._acc_state().gradient_step
     step, micro_step, emitted = new._counters(before, self.step)

@@ -265,6 +265,20 @@ def _user_step(model: Model, tx: Any):
   return step
 
 
+def _update_and_apply_step(model: Model, tx: Any):
+  """A device-decided step that updates and applies in one call
+  (``tokacc.update_and_apply``, as the Flax train states do)."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, batch):
+    grads, count = jax.grad(model.loss_sum, has_aux=True)(params, batch)
+    return tokacc.update_and_apply(
+      tx, grads, opt_state, params, num_tokens=count
+    )
+
+  return step
+
+
 def _multisteps_step(model: Model, tx: Any):
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, batch):
@@ -281,7 +295,8 @@ def one_device_reports(
 ) -> dict[str, testing.StepReport]:
   """Every program of the MLP on target ``name``'s first device: the
   ideal's (``ideal_micro``, ``ideal_update``), ours by close mode
-  (:data:`CLOSE_MODES`) and ``multisteps``; with ``compensated`` a
+  (:data:`CLOSE_MODES`), ``update_and_apply`` (device-decided) and
+  ``multisteps``; with ``compensated`` a
   bfloat16 accumulator with compensation, ours only."""
   target = testing.target(name)
   dtype = jnp.dtype(dtype_name)
@@ -320,6 +335,9 @@ def one_device_reports(
   state = on_device(jax.eval_shape(tx.init, params), target)
   for mode, close in CLOSE_MODES.items():
     reports[mode] = testing.check(step, params, state, batch, close=close)
+  if not compensated:
+    step = _update_and_apply_step(model, tx)
+    reports['update_and_apply'] = testing.check(step, params, state, batch)
   return reports
 
 
