@@ -80,9 +80,6 @@ class _Sums(NamedTuple):
   sums: optax.Updates
   divisor: jax.Array  # its count, or 1 where it has none (``_tokens``)
   mean_loss: jax.Array
-  # The norms' squares and their divisor (``_squares``), where taken
-  # before the step (:func:`_written_out`).
-  squares: Optional[tuple[dict, jax.Array]] = None
 
 
 class _Inner(NamedTuple):
@@ -166,10 +163,16 @@ def _step(
   if config.norms:
     # Taken before ``inner`` runs: a norm of the mean taken beside it kept
     # the sums alive, and the buffer that holds the updates was copied (a
-    # parameter-sized temporary).
-    squares, squares_divisor = summed.squares or _squares(
-      ctx, summed.sums, summed.divisor
+    # parameter-sized temporary). On a GPU, of the sums as a value of
+    # their own (an optimization barrier): XLA:GPU kept them alive through
+    # ``inner`` otherwise (in bfloat16, temporaries of 1.6 times the
+    # parameters' bytes on an H100); the CPU copies them for a barrier, and
+    # XLA:TPU moves more around one.
+    barrier = jax.lax.optimization_barrier
+    alone = jax.lax.platform_dependent(
+      summed.sums, cuda=barrier, rocm=barrier, default=lambda sums: sums
     )
+    squares, squares_divisor = _squares(ctx, alone, summed.divisor)
   value = {'value': summed.mean_loss} if ctx.extra.with_loss else {}
   means = jax.tree.map(lambda s: _mean(s, summed.divisor), summed.sums)
   mean_grads = optax.tree.cast_like(means, ctx.grads)
@@ -230,12 +233,6 @@ def _written_out(
   the next window's first micro-step (``_window.restart_if``)."""
   inner = _inner(ctx, inner_state)
   summed, closed = _reduce(ctx, window)
-  if ctx.config.norms:
-    # Of the sums as a value of their own: taken beside the step, they
-    # kept the sums alive through it (in bfloat16, a temporary of 1.6
-    # times the parameters' bytes on an H100).
-    alone = jax.lax.optimization_barrier(summed.sums)
-    summed = summed._replace(squares=_squares(ctx, alone, summed.divisor))
   updates, new_inner, norms = inner.step(summed, inner_state, ctx.params)
   emitted = closed.emitted
   updates = jax.tree.map(lambda u: _held_updates.or_zeros(u, emitted), updates)
