@@ -168,7 +168,11 @@ def _step(
     # ``inner`` otherwise (in bfloat16, temporaries of 1.6 times the
     # parameters' bytes on an H100); the CPU copies them for a barrier, and
     # XLA:TPU moves more around one.
-    barrier = jax.lax.optimization_barrier
+    # One barrier per leaf: jax 0.10 types one barrier's outputs as
+    # varying over every axis any of its operands varies over.
+    def barrier(sums):
+      return jax.tree.map(jax.lax.optimization_barrier, sums)
+
     alone = jax.lax.platform_dependent(
       summed.sums, cuda=barrier, rocm=barrier, default=lambda sums: sums
     )
