@@ -693,4 +693,18 @@ def test_resume_mid_window_in_new_processes(tmp_path):
   with jax.set_mesh(placements.EXPLICIT_LAYOUTS['hsdp'].mesh()):
     final = restore_merged(path + '_final', variant)
     expected = checkpoint_training(variant, 0, sum(EXPLICIT_WINDOW_SIZES))
-    chex.assert_trees_all_equal(host(final), host(expected))
+    chex.assert_trees_all_equal(host(final), at_boundary(host(expected)))
+
+
+def at_boundary(saved):
+  """Host copies of a saved ``(params, state)`` as ``from_checkpoint``
+  restores them: at a window boundary (``mini_step`` 0) the window's sums
+  are scratch (the state's docstring: the updates the close emitted, on a
+  GPU or CPU), and zeros once restored."""
+  params, saved_state = saved
+  state = saved_state.state
+  assert not np.any(state.mini_step)  # the run ends where a window closes
+  sums = (state.grad_sums, state.acc_compensation)
+  grad_sums, acc_compensation = jax.tree.map(np.zeros_like, sums)
+  state = state._replace(grad_sums=grad_sums, acc_compensation=acc_compensation)
+  return params, saved_state._replace(state=state)
