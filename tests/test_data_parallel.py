@@ -26,6 +26,7 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
+from optax_tokacc import _closing
 from optax_tokacc.testing import collectives
 from optax_tokacc.testing import hlo
 
@@ -376,6 +377,47 @@ def rejected_micro_batches(mode):
     expected.loss,
     atol=expected.loss_atol,
   )
+
+
+@pytest.mark.parametrize(
+  'mode',
+  [
+    m
+    for m in ('pmap', 'shard_map', 'explicit_ddp', 'zero1', 'explicit_hsdp')
+    if placements.supported(m)
+  ],
+)
+def test_the_tpus_emitting_trip_is_the_loops(mode, monkeypatch):
+  """On a TPU a window reduced over devices emits in a ``cond``, not a loop
+  (``_closing.BRANCHED_ON``): run here in its place, on 4 devices, it
+  gives the loop's parameters and state bit for bit, a window without
+  tokens included (it emits nothing), and equals full-batch training
+  without that window."""
+  windows = helpers.make_windows((K, K, K), 4)
+  empty = [dict(b, mask=np.zeros_like(b['mask'])) for b in windows[1]]
+  batches = [b for window in (windows[0], empty, windows[2]) for b in window]
+
+  def trained():
+    run = placements.PLACEMENTS[mode](
+      4,
+      lambda axis: tokacc.token_weighted_multistep(
+        helpers.adamw(), K, axis_name=axis
+      ),
+    )
+    params, state = placements.train(run, run.params, run.state, batches)
+    kept = ('inner_state', 'gradient_step', 'mini_step', 'last_loss')
+    # (the window's sums are scratch at its boundary, and unreduced)
+    return run.host(params), helpers.fetch([getattr(state, f) for f in kept])
+
+  looped = trained()
+  monkeypatch.setattr(_closing, 'BRANCHED_ON', ('cpu',))
+  branched = trained()
+  helpers.assert_same_bits(branched, looped, 'parameters and state')
+  expected = helpers.full_batch(
+    helpers.adamw(), helpers.init_params(), [windows[0], windows[2]]
+  )
+  helpers.assert_within_round_off(branched[0], expected)
+  np.testing.assert_array_equal(np.ravel(branched[1][1]), 2)
 
 
 @pytest.mark.waits_on_processes(REJECTED_LIMIT_S)
