@@ -272,8 +272,9 @@ def update_and_apply(
   updates (zeros on an open micro-step) to every parameter on every call,
   a parameter-sized pass that XLA cannot remove, since only the device
   knows which calls close a window. Everywhere else this is
-  ``tx.update`` then ``optax.apply_updates``. The Flax ``TrainState`` and
-  nnx ``Optimizer`` of :mod:`optax_tokacc.flax` use it.
+  ``tx.update`` then ``optax.apply_updates``. The linen ``TrainState`` of
+  :mod:`optax_tokacc.flax` uses it (its nnx ``Optimizer`` applies the
+  updates as ``nnx.Optimizer`` does).
 
   Args:
     tx: the optimizer: any ``optax.GradientTransformation``.
