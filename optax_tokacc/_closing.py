@@ -169,18 +169,16 @@ def _step(
     # the sums alive, and the buffer that holds the updates was copied (a
     # parameter-sized temporary). On a GPU, of the sums as a value of
     # their own (an optimization barrier): XLA:GPU kept them alive through
-    # ``inner`` otherwise (in bfloat16, temporaries of 1.6 times the
-    # parameters' bytes on an H100); the CPU copies them for a barrier, and
-    # XLA:TPU moves more around one.
-    # One barrier per leaf: jax 0.10 types one barrier's outputs as
-    # varying over every axis any of its operands varies over.
+    # ``inner`` otherwise; the CPU copies them for a barrier, and XLA:TPU
+    # moves more around one. One barrier per leaf: jax 0.10 types one
+    # barrier's outputs as varying over every axis any operand varies over.
     def barrier(sums):
       return jax.tree.map(jax.lax.optimization_barrier, sums)
 
-    alone = jax.lax.platform_dependent(
+    kept_apart = jax.lax.platform_dependent(
       summed.sums, cuda=barrier, rocm=barrier, default=lambda sums: sums
     )
-    squares, squares_divisor = _squares(ctx, alone, summed.divisor)
+    squares, squares_divisor = _squares(ctx, kept_apart, summed.divisor)
   value = {'value': summed.mean_loss} if ctx.extra.with_loss else {}
   means = jax.tree.map(lambda s: _mean(s, summed.divisor), summed.sums)
   mean_grads = optax.tree.cast_like(means, ctx.grads)
@@ -365,11 +363,8 @@ def _if_emitted(
   trips (``place.loop_if``), but a ``cond`` on a TPU where the loop would
   carry the window's reduced sums beside the buffer (``alone`` False):
   XLA:TPU keeps both alive through a loop, one parameter-sized buffer
-  more (a TPU v5e 2x4 slice's DDP closing step: 65.4 MiB of temporaries
-  for a 32 MiB model against 33.4 MiB, ZeRO-1's 33.3 MiB against 1.3
-  MiB), where a single chip's loop (the buffer is the sums) moves less
-  than a ``cond`` (a v5e's open micro-step 1.41x the ideal's traffic
-  against 1.55x)."""
+  more. Where the buffer is the sums, its loop moves less than a
+  ``cond``."""
 
   def looped(carry):
     return place.loop_if(emitted, step, carry)

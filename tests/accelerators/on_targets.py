@@ -377,13 +377,18 @@ def _mlp_loss_sum(params, batch, axes):
 
 
 def mlp_report(
-  close: Any, mesh: jax.sharding.Mesh, spec: P, **layout: Any
+  close: Any,
+  mesh: jax.sharding.Mesh,
+  spec: P,
+  *,
+  shapes: dict = MLP_SHAPES,
+  **layout: Any,
 ) -> testing.StepReport:
-  """The MLP of :data:`MLP_SHAPES` under explicit sharding on ``mesh`` (a
-  target's devices, or the CPU's), each parameter typed ``spec`` (the
-  state from ``init_sharded(..., **layout)``), AdamW, compiled with
-  ``close``; the count and the loss spelled unreduced, the batch split
-  over every axis."""
+  """The MLP of ``shapes`` (``w1``, ``w2``) under explicit sharding on
+  ``mesh`` (a target's devices, or the CPU's), each parameter typed
+  ``spec`` (the state from ``init_sharded(..., **layout)``), AdamW,
+  compiled with ``close``; the count and the loss spelled unreduced, the
+  batch split over every axis."""
   tx = adamw_tx(None)
   axes = set(mesh.axis_names)
 
@@ -392,11 +397,11 @@ def mlp_report(
       shape, jnp.float32, sharding=NamedSharding(mesh, s)
     )
 
-  params = {name: on(shape, spec) for name, shape in MLP_SHAPES.items()}
+  params = {name: on(shape, spec) for name, shape in shapes.items()}
   rows = P(tuple(mesh.axis_names))
   batch = {
-    'x': on((MLP_ROWS, MLP_SHAPES['w1'][0]), rows),
-    'y': on((MLP_ROWS, MLP_SHAPES['w2'][1]), rows),
+    'x': on((MLP_ROWS, shapes['w1'][0]), rows),
+    'y': on((MLP_ROWS, shapes['w2'][1]), rows),
     'mask': on((MLP_ROWS,), rows),
   }
 

@@ -49,11 +49,9 @@ import helpers
 import jax
 import jax.numpy as jnp
 import on_targets
-import optax
 import placements
 import pytest
 
-import optax_tokacc as tokacc
 from optax_tokacc import testing
 
 P = sum(x.nbytes for x in jax.tree.leaves(helpers.init_params()))
@@ -450,46 +448,15 @@ WIDE = {'w1': (512, 2048), 'w2': (2048, 512)}
 
 
 def _wide_step_temporaries(target, layout):
-  """The compiled temporaries of an explicit-sharding step on ``target``'s
-  8 devices (docs/ahead_of_time.md's, with :data:`WIDE`), AdamW, the
-  device deciding, as a fraction of the parameters' bytes."""
-  tx = on_targets.adamw_tx(None)
+  """The compiled temporaries of the explicit-sharding MLP step
+  (``on_targets.mlp_report``, with :data:`WIDE`) on ``target``'s 8
+  devices, the device deciding, as a fraction of the parameters' bytes."""
   mesh = testing.target(target).mesh(
     (8,), ('data',), (jax.sharding.AxisType.Explicit,)
   )
-
-  def on(shape, spec):
-    sharding = jax.sharding.NamedSharding(mesh, spec)
-    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
-
-  spec = jax.sharding.PartitionSpec
-  params = {
-    k: on(s, spec(None, None, reduced={'data'})) for k, s in WIDE.items()
-  }
-  rows = {'x': on((64, 512), spec('data')), 'y': on((64, 512), spec('data'))}
-  mask = on((64,), spec('data'))
-
-  @jax.jit
-  def step(params, state, batch, mask):
-    partial = spec(unreduced={'data'})
-
-    def loss_sum(params):
-      hidden = jax.nn.relu(batch['x'] @ params['w1'])
-      error = jnp.sum((hidden @ params['w2'] - batch['y']) ** 2, axis=-1)
-      return jnp.einsum('r,r->', error, mask, out_sharding=partial)
-
-    loss, grads = jax.value_and_grad(loss_sum)(params)
-    count = jnp.einsum('r->', mask, out_sharding=partial)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=count, loss=loss
-    )
-    return optax.apply_updates(params, updates), state
-
-  with jax.set_mesh(mesh):
-    state = tokacc.init_sharded(tx, params, mesh, **layout)
-    compiled = step.lower(params, state, rows, mask).compile()
-  size = sum(4 * a * b for a, b in WIDE.values())
-  return compiled.memory_analysis().temp_size_in_bytes / size
+  spec = jax.sharding.PartitionSpec(None, None, reduced={'data'})
+  found = on_targets.mlp_report(None, mesh, spec, shapes=WIDE, **layout)
+  return found.temp_bytes / sum(4 * a * b for a, b in WIDE.values())
 
 
 @pytest.mark.skipif(
