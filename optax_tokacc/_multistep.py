@@ -272,9 +272,8 @@ def update_and_apply(
   updates (zeros on an open micro-step) to every parameter on every call,
   a parameter-sized pass that XLA cannot remove, since only the device
   knows which calls close a window. Everywhere else this is
-  ``tx.update`` then ``optax.apply_updates``. The linen ``TrainState`` of
-  :mod:`optax_tokacc.flax` uses it (its nnx ``Optimizer`` applies the
-  updates as ``nnx.Optimizer`` does).
+  ``tx.update`` then ``optax.apply_updates``. The linen ``TrainState`` and
+  the nnx ``Optimizer`` of :mod:`optax_tokacc.flax` use it.
 
   Args:
     tx: the optimizer: any ``optax.GradientTransformation``.
@@ -302,6 +301,22 @@ def update_and_apply(
     >>> params['w']
     Array([-1., -1.], dtype=float32)
   """
+  params, state, _ = applied_with_updates(
+    tx, grads, opt_state, params, **kwargs
+  )
+  return params, state
+
+
+def applied_with_updates(
+  tx: optax.GradientTransformation,
+  grads: optax.Updates,
+  opt_state: optax.OptState,
+  params: optax.Params,
+  **kwargs: Any,
+) -> tuple[optax.Params, optax.OptState, optax.Updates]:
+  """:func:`update_and_apply`, with the updates the call returned too (what
+  ``nnx.Optimizer.update`` returns; XLA drops them where nothing reads
+  them)."""
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(
       'update_and_apply(tx, ...): tx must be an optax.GradientTransformation'
@@ -314,8 +329,10 @@ def update_and_apply(
       *update.args, grads, opt_state, params, **kwargs
     )
     if held:
-      return _held_updates.applied(params, updates, state), state
-    return optax.apply_updates(params, updates), state
+      return _held_updates.applied(params, updates, state), state, updates
+    return optax.apply_updates(params, updates), state, updates
+  updates, state = update(grads, opt_state, params, **kwargs)
+  return optax.apply_updates(params, updates), state, updates
   updates, state = update(grads, opt_state, params, **kwargs)
   return optax.apply_updates(params, updates), state
 

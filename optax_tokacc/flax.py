@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import optax
 
 import optax_tokacc
+from optax_tokacc import _multistep
 
 # The key of flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT.
 _OVERWRITE_WITH_GRADIENT = '_overwrite_with_gradient'
@@ -327,13 +328,34 @@ class Optimizer(nnx.Optimizer, _Accumulating):
         ``emit_now``).
 
     Returns:
-      What ``nnx.Optimizer.update`` returns (the updates in recent Flax).
+      The updates the call applied, as ``nnx.Optimizer.update`` returns
+      them from Flax 0.12.8 (applied by
+      :func:`optax_tokacc.update_and_apply`).
     """
     step, before = self.step[...], self._acc_state().gradient_step[...]
     kwargs.update(num_tokens=num_tokens, loss=loss)
-    updates = super().update(model, grads, **kwargs)
+    updates = self._applied(model, grads, kwargs)
     counters = self._counters(before, step)
     self.step[...], self.micro_step[...], self.emitted[...] = counters
+    return updates
+
+  def _applied(self, model: nnx.Module, grads: Any, kwargs: dict) -> Any:
+    """``nnx.Optimizer.update``'s body with
+    :func:`optax_tokacc.update_and_apply` for its ``tx.update`` and
+    ``optax.apply_updates``: the model's parameters and the optimizer's
+    state updated, the updates returned. Flax spells it two ways within the
+    supported range: ``nnx.as_pure`` and a ``graph`` mode (0.12.8), or
+    ``nnx.pure`` (0.12.2)."""
+    pure = getattr(nnx, 'as_pure', None) or nnx.pure
+    graph = {'graph': self.graph} if hasattr(self, 'graph') else {}
+    params = pure(nnx.state(model, self.wrt, **graph))
+    grads = pure(nnx.state(grads, self.wrt, **graph))
+    args = (self.tx, grads, pure(self.opt_state), params)
+    params, opt_state, updates = _multistep.applied_with_updates(
+      *args, **pure(kwargs)
+    )
+    nnx.update(model, params)
+    nnx.update(self.opt_state, nnx.state(opt_state, **graph))
     return updates
 
   @property

@@ -280,14 +280,17 @@ class NnxLM(nnx.Module):
     return self.out(x)
 
 
+def nnx_loss(model, batch):
+  """The token-summed loss and the count of the micro-batch."""
+  logits = model(batch['inputs'], batch['valid'])
+  return tokacc.token_cross_entropy(logits, batch['labels'])
+
+
 @nnx.jit
 def nnx_train_step(model, optimizer, batch):
-  def loss_fn(model):
-    logits = model(batch['inputs'], batch['valid'])
-    return tokacc.token_cross_entropy(logits, batch['labels'])
-
+  loss_fn = functools.partial(nnx_loss, batch=batch)
   (loss, num_tokens), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-  optimizer.update(model, grads, num_tokens=num_tokens, loss=loss)
+  return optimizer.update(model, grads, num_tokens=num_tokens, loss=loss)
 
 
 def nnx_params(model):
@@ -705,3 +708,70 @@ def test_train_state_step_under_apply_if_finite_after_each_window():
   assert int(tokacc.find_state(state.opt_state).gradient_step) == len(windows)
   expected = helpers.full_batch(inner, helpers.init_params(), windows)
   helpers.assert_within_round_off(state.params, expected)
+
+
+def nnx_runs(make_optimizer, every_k=4, num_windows=2):
+  """The model's parameters, the optimizer's state and the returned updates
+  after each micro-step of ``nnx_train_step``'s model, with an optimizer
+  made by ``make_optimizer(model, tx)``; a micro-batch without tokens in
+  the first window."""
+  model = NnxLM(nnx.Rngs(0))
+  opt = make_optimizer(model, multistep(every_k))
+  found = []
+  for window in range(num_windows):
+    for i, batch in enumerate(split(make_batch(window), every_k)):
+      if (window, i) == (0, 1):
+        batch = dict(batch, labels=jnp.full_like(batch['labels'], -100))
+      updates = nnx_train_step(model, opt, batch)
+      state = nnx.to_pure_dict(nnx.state(opt.opt_state))
+      if updates is not None:  # nnx.Optimizer.update returns them (0.12.8)
+        updates = nnx.to_pure_dict(updates)
+      found.append((nnx_params(model), state, updates))
+  return found
+
+
+def test_nnx_optimizer_is_nnx_optimizers_update_bit_for_bit():
+  """Issue 55: the nnx ``Optimizer`` applies through ``update_and_apply``.
+  Its parameters, state and returned updates are ``nnx.Optimizer``'s
+  (``tx.update`` then ``optax.apply_updates``), bit for bit, on every
+  micro-step (the updates where ``nnx.Optimizer`` returns them)."""
+  ours = nnx_runs(
+    lambda model, tx: tokacc_flax.Optimizer(model, tx, wrt=nnx.Param)
+  )
+  theirs = nnx_runs(lambda model, tx: nnx.Optimizer(model, tx, wrt=nnx.Param))
+  for i, (found, expected) in enumerate(zip(ours, theirs, strict=True)):
+    if expected[2] is None:  # Flax 0.12.2's returns no updates
+      found, expected = found[:2], expected[:2]
+    helpers.assert_same_bits(found, expected, f'micro-step {i}')
+  helpers.assert_same_bits(ours[0][0], ours[1][0], 'an open micro-step')
+  moved = jax.tree.map(
+    lambda a, b: bool(np.any(a != b)), ours[-1][0], ours[0][0]
+  )
+  assert any(jax.tree.leaves(moved))  # the windows did update them
+
+
+def test_nnx_optimizers_open_micro_step_adds_nothing_to_the_parameters():
+  """Compiled, the nnx ``Optimizer``'s step adds nothing to the parameters
+  outside the loop's trip (the forward pass alone reads them); with
+  ``nnx.Optimizer`` an add does on every call (the check can fail)."""
+  from optax_tokacc.testing import hlo  # noqa: PLC0415
+
+  def uses(make_optimizer):
+    model = NnxLM(nnx.Rngs(0))
+    opt = make_optimizer(model, multistep(4), wrt=nnx.Param)
+    graphdef, params, rest = nnx.split((model, opt), nnx.Param, ...)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, rest, batch):
+      model, opt = nnx.merge(graphdef, params, rest)
+      grads = nnx.grad(lambda m: nnx_loss(m, batch)[0])(model)
+      opt.update(model, grads, num_tokens=jnp.sum(batch['valid']))
+      return nnx.split((model, opt), nnx.Param, ...)[1:]
+
+    text = hlo.compiled_text(step, params, rest, make_batch(0))
+    return hlo.first_uses(hlo.parse_hlo(text), 'params')
+
+  ours = uses(tokacc_flax.Optimizer)
+  theirs = uses(nnx.Optimizer)
+  assert all('add' not in found for found in ours.values()), ours
+  assert any('add' in found for found in theirs.values()), theirs
