@@ -90,7 +90,9 @@ def floors(session: nox.Session) -> None:
 def slow(session: nox.Session) -> None:
   session.install('--upgrade', 'pip')
   session.install('-e', '.[test]')
-  session.run(*PYTEST, '-m', 'slow')
+  # The longest tests, in the log: the run must fit CI's 90 minutes, and
+  # this session is its longest.
+  session.run(*PYTEST, '-m', 'slow', '--durations=25')
   _report_versions(session)
 
 
@@ -107,7 +109,7 @@ def accelerators(session: nox.Session) -> None:
   session.run(
     *PYTEST, 'tests/accelerators', 'tests/test_docs.py', '-k',
     'accelerators or checking_steps or ahead_of_time', '--dist', 'loadgroup',
-    f'--junitxml={report}',
+    f'--junitxml={report}', '--durations=10',
     env={'OPTAX_TOKACC_ACCELERATORS': '1', 'JAX_PLATFORMS': 'cpu'},
   )  # fmt: skip
   ran, skipped = _junit_counts(report)
