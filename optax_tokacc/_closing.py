@@ -32,12 +32,14 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
+from optax_tokacc import _compat
 from optax_tokacc import _compensated
 from optax_tokacc import _held_updates
 from optax_tokacc import _inputs
 from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
+from optax_tokacc import _typed_sharding
 from optax_tokacc import _window
 
 # The platforms where the host's close is written out (``close_now``).
@@ -179,8 +181,11 @@ def _step(
       summed.sums, cuda=barrier, rocm=barrier, default=lambda sums: sums
     )
     squares, squares_divisor = _squares(ctx, kept_apart, summed.divisor)
+    divisor = _after_squares(summed.divisor, squares)
+  else:
+    divisor = summed.divisor
   value = {'value': summed.mean_loss} if ctx.extra.with_loss else {}
-  means = jax.tree.map(lambda s: _mean(s, summed.divisor), summed.sums)
+  means = jax.tree.map(lambda s: _mean(s, divisor), summed.sums)
   mean_grads = optax.tree.cast_like(means, ctx.grads)
   plain_inner = place.inner_types(opt_state)
   with jax.named_scope(_base.INNER_UPDATE_SCOPE):
@@ -201,6 +206,33 @@ def _step(
   if params is not None:
     updates = place.typed_like(updates, params)
   return updates, place.typed_like(new_inner, opt_state), norms
+
+
+def _after_squares(divisor: jax.Array, squares: dict) -> jax.Array:
+  """``divisor`` on the CPU as a value XLA computes once the ``squares``
+  are summed (plus the count of negative squares: none). The means are
+  divided by it, so the squares' reads of the sums come before ``inner``'s
+  updates are written into the sums' buffer; XLA:CPU copied every leaf of
+  the sums otherwise (an optimization barrier orders nothing there). The
+  same value: a window that reaches ``inner`` has a positive count. Where
+  the squares are typed otherwise than the count (each device's share in
+  ``shard_map``, a sharding in the type), ``divisor`` as it is."""
+
+  def ordered(both):
+    divisor, squares = both
+    leaves = jax.tree.leaves(squares)
+    axes = _compat.varying_axes(divisor)
+    if not all(
+      _typed_sharding.untyped(s) and _compat.varying_axes(s) <= axes
+      for s in leaves
+    ):
+      return divisor
+    negative = sum(jnp.sum(s < 0, dtype=divisor.dtype) for s in leaves)
+    return divisor + negative
+
+  return jax.lax.platform_dependent(
+    (divisor, squares), cpu=ordered, default=lambda both: both[0]
+  )
 
 
 def close_now(
