@@ -47,6 +47,9 @@ WRITTEN_OUT_ON = ('cuda', 'rocm')
 # The platforms where a window reduced over devices emits in a ``cond``,
 # not a loop (``_if_emitted``).
 BRANCHED_ON = ('tpu',)
+# The platforms where the means wait for the norms' squares
+# (``_after_squares``).
+ORDERED_ON = ('cpu',)
 
 
 class CallResult(NamedTuple):
@@ -209,7 +212,7 @@ def _step(
 
 
 def _after_squares(divisor: jax.Array, squares: dict) -> jax.Array:
-  """``divisor`` on the CPU as a value XLA computes once the ``squares``
+  """``divisor`` on the CPU (``ORDERED_ON``) as a value XLA computes once the ``squares``
   are summed (plus the count of negative squares: none). The means are
   divided by it, so the squares' reads of the sums come before ``inner``'s
   updates are written into the sums' buffer; XLA:CPU copied every leaf of
@@ -230,8 +233,9 @@ def _after_squares(divisor: jax.Array, squares: dict) -> jax.Array:
     negative = sum(jnp.sum(s < 0, dtype=divisor.dtype) for s in leaves)
     return divisor + negative
 
+  branches = {platform: ordered for platform in ORDERED_ON}
   return jax.lax.platform_dependent(
-    (divisor, squares), cpu=ordered, default=lambda both: both[0]
+    (divisor, squares), **branches, default=lambda both: both[0]
   )
 
 
