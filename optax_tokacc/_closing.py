@@ -162,12 +162,14 @@ def _step(
   summed: _Sums,
   opt_state: optax.OptState,
   params: Optional[optax.Params],
+  in_place: bool = False,
 ) -> tuple[optax.Updates, optax.OptState, _base.WindowNorms]:
   """``inner.update`` run once on the window's token-mean gradient, with
   ``value=`` the window's token-mean loss where ``ctx.extra`` says so, its
   state's dtypes kept, in the types optax's nonlinear updates take; the
   updates come typed like the parameters, so that ``optax.apply_updates``
-  keeps their type."""
+  keeps their type. ``in_place``: the updates are written into the sums'
+  own buffer (:func:`_after_squares`)."""
   config, place = ctx.config, ctx.place
   if config.norms:
     # Taken before ``inner`` runs: a norm of the mean taken beside it kept
@@ -184,6 +186,7 @@ def _step(
       summed.sums, cuda=barrier, rocm=barrier, default=lambda sums: sums
     )
     squares, squares_divisor = _squares(ctx, kept_apart, summed.divisor)
+  if config.norms and in_place:
     divisor = _after_squares(summed.divisor, squares)
   else:
     divisor = summed.divisor
@@ -217,9 +220,12 @@ def _after_squares(divisor: jax.Array, squares: dict) -> jax.Array:
   divided by it, so the squares' reads of the sums come before ``inner``'s
   updates are written into the sums' buffer; XLA:CPU copied every leaf of
   the sums otherwise (an optimization barrier orders nothing there). The
-  same value: a window that reaches ``inner`` has a positive count. Where
-  the squares are typed otherwise than the count (each device's share in
-  ``shard_map``, a sharding in the type), ``divisor`` as it is."""
+  same value: a window that reaches ``inner`` has a positive count. Only
+  where the updates are written into the sums' own buffer (nothing was
+  reduced: a sharded window's squares would be summed over devices before
+  the means, a collective of their own); where the squares are typed
+  otherwise than the count (each device's share in ``shard_map``, a
+  sharding in the type), ``divisor`` as it is."""
 
   def ordered(both):
     divisor, squares = both
@@ -343,7 +349,9 @@ def _close(
 
     def step(carry):
       summed, held, inner_state, _ = carry
-      found, new_inner, norms = inner.step(summed, inner_state, ctx.params)
+      found, new_inner, norms = inner.step(
+        summed, inner_state, ctx.params, alone
+      )
       held = _held_updates.held(
         place, buffer, found, summed.sums if alone else held
       )
