@@ -215,17 +215,18 @@ def _step(
 
 
 def _after_squares(divisor: jax.Array, squares: dict) -> jax.Array:
-  """``divisor`` on the CPU (``ORDERED_ON``) as a value XLA computes once the ``squares``
-  are summed (plus the count of negative squares: none). The means are
-  divided by it, so the squares' reads of the sums come before ``inner``'s
-  updates are written into the sums' buffer; XLA:CPU copied every leaf of
-  the sums otherwise (an optimization barrier orders nothing there). The
-  same value: a window that reaches ``inner`` has a positive count. Only
-  where the updates are written into the sums' own buffer (nothing was
-  reduced: a sharded window's squares would be summed over devices before
-  the means, a collective of their own); where the squares are typed
-  otherwise than the count (each device's share in ``shard_map``, a
-  sharding in the type), ``divisor`` as it is."""
+  """``divisor`` on the CPU (``ORDERED_ON``) as a value XLA computes once
+  the ``squares`` are summed: plus the count of negative squares (none),
+  the same value, since a window that reaches ``inner`` has a positive
+  count. The means are divided by it, so the squares' reads of the sums
+  come before ``inner``'s updates are written into the sums' buffer;
+  XLA:CPU copied every leaf of the sums otherwise (an optimization
+  barrier orders nothing there). Used only where the updates are written
+  into the sums' own buffer (nothing reduced: a sharded window's squares
+  would be summed over devices before the means, a collective of their
+  own); ``divisor`` as it is where the squares are typed otherwise than
+  the count (each device's share in ``shard_map``, a sharding in the
+  type)."""
 
   def ordered(both):
     divisor, squares = both
