@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 from optax_tokacc import _errors
+from optax_tokacc import _typing
 
 AxisName = Union[str, tuple[str, ...]]
 
@@ -96,8 +97,8 @@ def check_k(k: Any) -> None:
 class Window(NamedTuple):
   """The window's sums so far, this device's share (see the state)."""
 
-  grad_sums: optax.Updates
-  acc_compensation: optax.Updates
+  grad_sums: _typing.Updates
+  acc_compensation: _typing.Updates
   acc_tokens: jax.Array
   acc_loss: jax.Array
 
@@ -105,7 +106,7 @@ class Window(NamedTuple):
 class MicroBatch(NamedTuple):
   """What one micro-step brings: ``keep`` None means always kept."""
 
-  grads: optax.Updates
+  grads: _typing.Updates
   count: jax.Array
   loss: jax.Array  # summed over its tokens
   keep: Optional[jax.Array]
@@ -136,7 +137,7 @@ class Closed(NamedTuple):
 class Reduced(NamedTuple):
   """The window summed over the devices: what its one reduction gives."""
 
-  sums: optax.Updates  # the gradients' sums (a tree)
+  sums: _typing.Updates  # the gradients' sums (a tree)
   token_parts: jax.Array  # the count as exact parts (``_tokens.to_parts``)
   loss: jax.Array  # the token-summed loss
 
@@ -210,21 +211,21 @@ class TokenWeightedMultiStepState(NamedTuple):
 
   mini_step: jax.typing.ArrayLike
   gradient_step: jax.typing.ArrayLike
-  grad_sums: optax.Updates
+  grad_sums: _typing.Updates
   acc_tokens: jax.typing.ArrayLike
   acc_loss: jax.typing.ArrayLike
-  inner_state: optax.OptState
+  inner_state: _typing.OptState
   last_loss: jax.typing.ArrayLike
   last_tokens: jax.typing.ArrayLike
   skip_state: Any = ()
   emitted: jax.typing.ArrayLike = np.bool_(False)
-  acc_compensation: optax.Updates = ()
+  acc_compensation: _typing.Updates = ()
   dropped_windows: jax.typing.ArrayLike = np.int32(0)
   last_grad_norm: Any = np.float32(np.nan)
   last_update_norm: Any = np.float32(np.nan)
 
   @property
-  def acc_grads(self) -> optax.Updates:
+  def acc_grads(self) -> _typing.Updates:
     """Renamed :attr:`grad_sums` (a read-only alias that warns): the
     window's token-summed gradients, not ``optax.MultiSteps``' running
     mean, and scratch right after a window closes.

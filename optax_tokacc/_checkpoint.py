@@ -27,7 +27,6 @@ layout.
 
 from typing import Any, Optional
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +36,7 @@ from optax_tokacc import _checkpoint_target
 from optax_tokacc import _errors
 from optax_tokacc import _shares
 from optax_tokacc import _state
+from optax_tokacc import _typing
 
 
 def _abstract_leaf(tree: Any, traced: bool = False) -> Optional[str]:
@@ -218,7 +218,7 @@ def _is_state_form(x: Any) -> bool:
   return _is_saved(x) or _state.is_state(x)
 
 
-def _without_scratch(state: chex.ArrayTree) -> chex.ArrayTree:
+def _without_scratch(state: _typing.ArrayTree) -> _typing.ArrayTree:
   """``state`` with zero sums at a window boundary (``mini_step`` 0 on
   every device). A GPU's or CPU's close leaves scratch there (the emitted
   updates, or the closed window's sums, which the next micro-step there
@@ -231,7 +231,7 @@ def _without_scratch(state: chex.ArrayTree) -> chex.ArrayTree:
 
 
 def _restore_0_5(
-  saved: chex.ArrayTree, ref: _base.TokenWeightedMultiStepState
+  saved: _typing.ArrayTree, ref: _base.TokenWeightedMultiStepState
 ) -> _base.TokenWeightedMultiStepState:
   """A state in the form 0.5's ``to_checkpoint`` saved (no rows record),
   restored on as many devices as it was saved on."""

@@ -25,7 +25,6 @@ import contextlib
 import functools
 from typing import Any, Callable, Optional
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,9 +33,10 @@ from optax_tokacc import _base
 from optax_tokacc import _shares
 from optax_tokacc import _state
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 
 
-def on_its_mesh(tree: chex.ArrayTree) -> contextlib.AbstractContextManager:
+def on_its_mesh(tree: _typing.ArrayTree) -> contextlib.AbstractContextManager:
   """``jax.set_mesh`` of the mesh in ``tree``'s types, where none is set
   (typed arrays are retyped with specs, which need it)."""
   if not jax.sharding.get_abstract_mesh().empty:

@@ -26,7 +26,6 @@ from collections.abc import Callable
 import functools
 from typing import Any, NamedTuple, NoReturn, Optional
 
-import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -40,6 +39,7 @@ from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 from optax_tokacc import _window
 
 # The platforms where the host's close is written out (``close_now``).
@@ -56,9 +56,9 @@ class CallResult(NamedTuple):
   """What a call gives back once the window is closed or left open (the
   window's close itself is :class:`~optax_tokacc._base.Closed`)."""
 
-  updates: optax.Updates
+  updates: _typing.Updates
   window: _base.Window
-  inner_state: optax.OptState
+  inner_state: _typing.OptState
   closed: _base.Closed
   # Whether the window's buffer holds the updates where they are emitted
   # (a device's close on a GPU or CPU: ``_held_updates.released``).
@@ -78,15 +78,15 @@ class Context(NamedTuple):
 
   config: _base.Config
   place: _placement.Placement
-  grads: optax.Updates  # this micro-batch's: their tree and dtypes only
-  params: Optional[optax.Params]
+  grads: _typing.Updates  # this micro-batch's: their tree and dtypes only
+  params: Optional[_typing.Params]
   extra: Extra
 
 
 class _Sums(NamedTuple):
   """The window summed over the devices: what ``inner``'s step reads."""
 
-  sums: optax.Updates
+  sums: _typing.Updates
   divisor: jax.Array  # its count, or 1 where it has none (``_tokens``)
   mean_loss: jax.Array
 
@@ -95,7 +95,7 @@ class _Inner(NamedTuple):
   """``inner`` as the closing runs it: the shapes, dtypes and types of its
   updates, and its step (:func:`_step`, bound to its :class:`Context`)."""
 
-  shapes: optax.Updates
+  shapes: _typing.Updates
   step: Callable
 
 
@@ -144,7 +144,7 @@ def _mean(s: jax.Array, divisor: jax.Array) -> jax.Array:
 
 
 def _squares(
-  ctx: Context, sums: optax.Updates, divisor: jax.Array
+  ctx: Context, sums: _typing.Updates, divisor: jax.Array
 ) -> tuple[dict, jax.Array]:
   """The squares that the window's norms are taken from, and what those
   norms are divided by: of the sums, divided by an integer count; of the
@@ -160,10 +160,10 @@ def _squares(
 def _step(
   ctx: Context,
   summed: _Sums,
-  opt_state: optax.OptState,
-  params: Optional[optax.Params],
+  opt_state: _typing.OptState,
+  params: Optional[_typing.Params],
   in_place: bool = False,
-) -> tuple[optax.Updates, optax.OptState, _base.WindowNorms]:
+) -> tuple[_typing.Updates, _typing.OptState, _base.WindowNorms]:
   """``inner.update`` run once on the window's token-mean gradient, with
   ``value=`` the window's token-mean loss where ``ctx.extra`` says so, its
   state's dtypes kept, in the types optax's nonlinear updates take; the
@@ -247,7 +247,7 @@ def _after_squares(divisor: jax.Array, squares: dict) -> jax.Array:
 
 
 def close_now(
-  ctx: Context, window: _base.Window, inner_state: optax.OptState
+  ctx: Context, window: _base.Window, inner_state: _typing.OptState
 ) -> CallResult:
   """Closes the window (the host decided: ``close=True``): its reduction
   sits in the program beside the backward pass.
@@ -274,8 +274,8 @@ def close_now(
 
 
 def _written_out(
-  ctx: Context, window: _base.Window, inner_state: optax.OptState
-) -> tuple[optax.Updates, _base.Window, optax.OptState, _base.Closed]:
+  ctx: Context, window: _base.Window, inner_state: _typing.OptState
+) -> tuple[_typing.Updates, _base.Window, _typing.OptState, _base.Closed]:
   """:func:`close_now` without a loop: ``inner``'s step, its updates -0.0
   and its state kept unless the window emits (selects, which XLA fuses
   with that step); the window's count and loss zeroed, its sums left to
@@ -291,7 +291,7 @@ def _written_out(
 
 
 def keep_open(
-  ctx: Context, window: _base.Window, inner_state: optax.OptState
+  ctx: Context, window: _base.Window, inner_state: _typing.OptState
 ) -> CallResult:
   """The window left open (the host decided: ``close=False``): zero
   updates shaped like ``inner``'s (``_held_updates.zeros``, ``fold``),
@@ -307,7 +307,7 @@ def close_if(
   ctx: Context,
   close: jax.Array,
   window: _base.Window,
-  inner_state: optax.OptState,
+  inner_state: _typing.OptState,
 ) -> CallResult:
   """Closes the window if ``close``, which the device decides: see
   :func:`_close`."""
@@ -318,7 +318,7 @@ def _close(
   ctx: Context,
   close: Optional[jax.Array],
   window: _base.Window,
-  inner_state: optax.OptState,
+  inner_state: _typing.OptState,
   reduced: Optional[tuple[_Sums, _base.Closed]],
 ) -> CallResult:
   """Closes the window if ``close``, in a loop of 0 or 1 trips
@@ -401,9 +401,9 @@ def _if_emitted(
   place: _placement.Placement,
   emitted: jax.Array,
   step: Callable,
-  carry: chex.ArrayTree,
+  carry: _typing.ArrayTree,
   alone: bool,
-) -> chex.ArrayTree:
+) -> _typing.ArrayTree:
   """``step(carry)`` if the window emits, else ``carry``: a loop of 0 or 1
   trips (``place.loop_if``), but a ``cond`` on a TPU where the loop would
   carry the window's reduced sums beside the buffer (``alone`` False):
@@ -424,12 +424,12 @@ def _if_emitted(
   return jax.lax.platform_dependent(carry, **branches, default=looped)
 
 
-def _same(a: optax.Updates, b: optax.Updates) -> bool:
+def _same(a: _typing.Updates, b: _typing.Updates) -> bool:
   """Whether two trees are the same arrays (the same tracers)."""
   return all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def _inner(ctx: Context, inner_state: optax.OptState) -> _Inner:
+def _inner(ctx: Context, inner_state: _typing.OptState) -> _Inner:
   """``inner`` as the closing runs it: with ``loss`` passed it gets the
   window's loss unless it accepts no ``value`` keyword (``optax.contrib.sam``:
   its ``TypeError`` says so); without ``loss``, if ``inner`` needs
@@ -445,7 +445,7 @@ def _inner(ctx: Context, inner_state: optax.OptState) -> _Inner:
     _raise(e, None if with_loss else _inputs.needs_value_error(e))
 
 
-def _traced(ctx: Context, inner_state: optax.OptState) -> _Inner:
+def _traced(ctx: Context, inner_state: _typing.OptState) -> _Inner:
   """:class:`_Inner` from ``jax.eval_shape`` of its step on values typed
   as the window's sums will be; our error where the placement has one for
   ``inner`` failing there."""

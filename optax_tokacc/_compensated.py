@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
+from optax_tokacc import _typing
 
 
 def rounded(value: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
@@ -86,10 +87,10 @@ def _compensated_add(
 
 
 def accumulate(
-  sums: tuple[optax.Updates, optax.Updates],
-  addends: optax.Updates,
+  sums: tuple[_typing.Updates, _typing.Updates],
+  addends: _typing.Updates,
   compensated: bool,
-) -> tuple[optax.Updates, optax.Updates]:
+) -> tuple[_typing.Updates, _typing.Updates]:
   """Adds ``addends`` into the window's ``sums``, the pair ``(grad_sums,
   acc_compensation)``, and returns the new pair.
 
@@ -106,7 +107,7 @@ def accumulate(
   return jax.tree.transpose(jax.tree.structure(grad_sums), None, added)
 
 
-def window_sums(window: _base.Window, compensated: bool) -> optax.Updates:
+def window_sums(window: _base.Window, compensated: bool) -> _typing.Updates:
   """The window's sums (``_base.Window``): with compensation, ``total +
   error`` in >= float32."""
   if not compensated:

@@ -24,19 +24,19 @@ it. Elsewhere, and on a host's micro-step, the updates are zeros of
 parameter bit-identical.
 """
 
-import chex
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _placement
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 
 
 def holds_exactly(
   place: _placement.Placement,
-  grad_sums: optax.Updates,
-  updates: optax.Updates,
+  grad_sums: _typing.Updates,
+  updates: _typing.Updates,
 ) -> bool:
   """Whether the accumulator's buffer can hold ``updates`` exactly: same
   shapes, a dtype that holds theirs, and what the placement allows."""
@@ -52,9 +52,9 @@ def holds_exactly(
 def held(
   place: _placement.Placement,
   buffer: bool,
-  updates: optax.Updates,
-  holder: optax.Updates,
-) -> optax.Updates:
+  updates: _typing.Updates,
+  holder: _typing.Updates,
+) -> _typing.Updates:
   """``updates`` as the closing trip leaves them in ``holder``: written
   into the accumulator's buffer where it holds them exactly (``buffer``;
   cast like it, and typed like it where it is typed otherwise: partial
@@ -67,10 +67,10 @@ def held(
 
 def released(
   place: _placement.Placement,
-  buffer: optax.Updates,
-  shapes: optax.Updates,
+  buffer: _typing.Updates,
+  shapes: _typing.Updates,
   emitted: jax.Array,
-) -> optax.Updates:
+) -> _typing.Updates:
   """The updates from the ``buffer`` that held them: -0.0 unless ``emitted``
   (the buffer holds the window's sums on a micro-step), typed and cast like
   ``inner``'s. The value picked is the same on every device."""
@@ -81,7 +81,7 @@ def released(
   return jax.tree.map(release, buffer, shapes)
 
 
-def zeros(shapes: optax.Updates, fold: bool = False) -> optax.Updates:
+def zeros(shapes: _typing.Updates, fold: bool = False) -> _typing.Updates:
   """Zero updates of the given shapes, dtypes and shardings, varying over
   no axis (``zeros_like`` of a gradient would inherit its per-device
   variance and make the parameters vary). They are -0.0, so that adding
@@ -117,8 +117,8 @@ def _signed(zeros: jax.Array) -> jax.Array:
 
 
 def applied(
-  params: optax.Params, updates: optax.Updates, state: chex.ArrayTree
-) -> optax.Params:
+  params: _typing.Params, updates: _typing.Updates, state: _typing.ArrayTree
+) -> _typing.Params:
   """``optax.apply_updates(params, updates)`` where ``updates`` and the
   transform's ``state`` are what one device-decided call returned, whose
   buffer holds the updates where it emitted (``_multistep``'s ``held``):

@@ -22,15 +22,14 @@ is handled by the token rules of ``_tokens``.
 from collections.abc import Callable
 from typing import Any, Optional
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _errors
 from optax_tokacc import _tokens
+from optax_tokacc import _typing
 
 _REAL = (jnp.integer, jnp.floating)  # The dtypes of a real scalar.
 
@@ -114,7 +113,7 @@ def state_type(state: Any) -> None:
 
 
 def tree(
-  grads: optax.Updates, reference: Optional[chex.ArrayTree], what: str
+  grads: _typing.Updates, reference: Optional[_typing.ArrayTree], what: str
 ) -> None:
   """``grads`` must have the tree structure of ``reference`` (None: any)."""
   expected = jax.tree.structure(reference)
@@ -162,10 +161,10 @@ def needs_value_error(error: TypeError) -> Optional[TypeError]:
 
 def call_skip_fn(
   should_skip_update_fn: Callable,
-  grads: optax.Updates,
+  grads: _typing.Updates,
   gradient_step: jax.Array,
-  params: Optional[optax.Params],
-) -> tuple[jax.Array, chex.ArrayTree]:
+  params: Optional[_typing.Params],
+) -> tuple[jax.Array, _typing.ArrayTree]:
   """Calls ``should_skip_update_fn`` and checks what it returns."""
   result = should_skip_update_fn(grads, gradient_step, params)
   name = 'should_skip_update_fn(grads, step, params)'

@@ -30,17 +30,16 @@ from collections.abc import Callable
 import dataclasses
 from typing import Optional, final
 
-import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
-import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _errors
 from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 from optax_tokacc import _window_reduction
 from optax_tokacc._compat import varying_axes
 
@@ -58,8 +57,8 @@ class Manual(_placement.Placement):
   def of(
     cls,
     config: _base.Config,
-    params: Optional[optax.Params],
-    grads: Optional[optax.Updates],
+    params: Optional[_typing.Params],
+    grads: Optional[_typing.Updates],
     num_tokens: Optional[jax.typing.ArrayLike],
   ) -> 'Manual':
     """The placement of ``update`` (of ``init`` without ``grads``): checks
@@ -118,7 +117,7 @@ class Manual(_placement.Placement):
     first = jnp.all(jnp.stack([lax.axis_index(a) == 0 for a in same]))
     return jnp.where(first, x, jnp.zeros_like(x))
 
-  def gradient_shares(self, grads: optax.Updates) -> optax.Updates:
+  def gradient_shares(self, grads: _typing.Updates) -> _typing.Updates:
     return jax.tree.map(self.share_of, grads)
 
   def _over(self, x: jax.Array) -> tuple[str, ...]:
@@ -136,7 +135,7 @@ class Manual(_placement.Placement):
     return lax.pmax(flag.astype('int32'), over) > 0
 
   def reduce_window(
-    self, sums: optax.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
+    self, sums: _typing.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
     """Each value summed over its axes, the count and the loss with the
     leaves (``_window_reduction.sum_with_scalars``): in data parallelism,
@@ -173,8 +172,8 @@ class Manual(_placement.Placement):
     pred: jax.Array,
     true_fn: Callable,
     false_fn: Callable,
-    *ops: Optional[chex.ArrayTree],
-  ) -> chex.ArrayTree:
+    *ops: Optional[_typing.ArrayTree],
+  ) -> _typing.ArrayTree:
     """``lax.cond`` whose branches may differ in the axes their outputs
     vary over: each output is marked varying over the union of what the
     two branches give, as ``lax.cond`` requires."""
@@ -187,8 +186,8 @@ class Manual(_placement.Placement):
     return lax.cond(pred, matched(true_fn), matched(false_fn), *ops)
 
   def loop_if(
-    self, pred: jax.Array, fn: Callable, values: chex.ArrayTree
-  ) -> chex.ArrayTree:
+    self, pred: jax.Array, fn: Callable, values: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
     """:meth:`Placement.loop_if` whose ``fn`` may return values varying
     over more axes than its operand: the loop carries the union of both."""
     outs = jax.eval_shape(fn, values)
@@ -208,7 +207,7 @@ class Manual(_placement.Placement):
       return [frozenset()] * len(leaves)
     return [varying_axes(x) for x in leaves]
 
-  def squares(self, tree: optax.Updates, per_leaf: bool = False) -> dict:
+  def squares(self, tree: _typing.Updates, per_leaf: bool = False) -> dict:
     """Each leaf's squares summed over its shard, per set of manual axes
     it is split over (already in a manual region)."""
     over = self._split_axes(jax.tree.leaves(tree))
@@ -216,9 +215,9 @@ class Manual(_placement.Placement):
 
   def norms(
     self,
-    grads: optax.Updates,
+    grads: _typing.Updates,
     grad_squares: dict,
-    updates: optax.Updates,
+    updates: _typing.Updates,
     per_leaf: bool = False,
   ) -> _norms.Norms:
     """One ``psum`` of both trees' squares per set of axes (already in a
@@ -257,7 +256,7 @@ def check_untracked(axes: tuple[str, ...]) -> None:
 
 def grad_sum_axes(
   count: jax.Array,
-  grads: optax.Updates,
+  grads: _typing.Updates,
   param_axes: Optional[tuple],
   axes: tuple[str, ...],
   mean_loss: bool,

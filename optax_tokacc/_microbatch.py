@@ -31,11 +31,12 @@ import optax
 
 from optax_tokacc import _config
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 
 Batch = Any
-TokenLossFn = Callable[[optax.Params, Batch], tuple[jax.Array, jax.Array]]
+TokenLossFn = Callable[[_typing.Params, Batch], tuple[jax.Array, jax.Array]]
 TokenValueAndGradFn = Callable[
-  [optax.Params, Batch], tuple[tuple[jax.Array, jax.Array], optax.Updates]
+  [_typing.Params, Batch], tuple[tuple[jax.Array, jax.Array], _typing.Updates]
 ]
 
 

@@ -23,7 +23,6 @@ count, runs the wrapped optimizer once, and keeps its state's dtypes.
 import functools
 from typing import Any, Optional, Union
 
-import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -40,6 +39,7 @@ from optax_tokacc import _placement
 from optax_tokacc import _single
 from optax_tokacc import _state_checks
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 from optax_tokacc import _window
 
 
@@ -186,9 +186,9 @@ def token_weighted_multistep(
 
 def placement(
   config: _base.Config,
-  params: Optional[optax.Params],
+  params: Optional[_typing.Params],
   state: Optional[_base.TokenWeightedMultiStepState] = None,
-  grads: Optional[optax.Updates] = None,
+  grads: Optional[_typing.Updates] = None,
   num_tokens: Optional[jax.typing.ArrayLike] = None,
 ) -> _placement.Placement:
   """The placement of this trace (``_placement``): from ``axis_name``, and
@@ -206,7 +206,7 @@ def placement(
 
 
 def _init(
-  config: _base.Config, /, params: optax.Params
+  config: _base.Config, /, params: _typing.Params
 ) -> _base.TokenWeightedMultiStepState:
   _typed_sharding.check_supported(params, 'Parameters')
   place = placement(config, params)
@@ -241,10 +241,10 @@ def _init(
 def _judge(
   config: _base.Config,
   place: _placement.Placement,
-  grads: optax.Updates,
+  grads: _typing.Updates,
   gradient_step: jax.Array,
-  params: Optional[optax.Params],
-) -> tuple[Optional[jax.Array], chex.ArrayTree]:
+  params: Optional[_typing.Params],
+) -> tuple[Optional[jax.Array], _typing.ArrayTree]:
   """Whether to keep the micro-batch (None: always), and the skip state."""
   skip_fn = config.should_skip_update_fn
   if skip_fn is None:
@@ -255,11 +255,11 @@ def _judge(
 
 def update_and_apply(
   tx: optax.GradientTransformation,
-  grads: optax.Updates,
-  opt_state: optax.OptState,
-  params: optax.Params,
+  grads: _typing.Updates,
+  opt_state: _typing.OptState,
+  params: _typing.Params,
   **kwargs: Any,
-) -> tuple[optax.Params, optax.OptState]:
+) -> tuple[_typing.Params, _typing.OptState]:
   """``tx.update`` then ``optax.apply_updates``, in one call: the same
   parameters and state, bit for bit, and cheaper where it can be.
 
@@ -309,11 +309,11 @@ def update_and_apply(
 
 def applied_with_updates(
   tx: optax.GradientTransformation,
-  grads: optax.Updates,
-  opt_state: optax.OptState,
-  params: optax.Params,
+  grads: _typing.Updates,
+  opt_state: _typing.OptState,
+  params: _typing.Params,
   **kwargs: Any,
-) -> tuple[optax.Params, optax.OptState, optax.Updates]:
+) -> tuple[_typing.Params, _typing.OptState, _typing.Updates]:
   """:func:`update_and_apply`, with the updates the call returned too (what
   ``nnx.Optimizer.update`` returns; XLA drops them where nothing reads
   them)."""
@@ -340,11 +340,11 @@ def applied_with_updates(
 def _update(
   config: _base.Config,
   /,
-  updates: optax.Updates,
+  updates: _typing.Updates,
   state: _base.TokenWeightedMultiStepState,
-  params: Optional[optax.Params] = None,
+  params: Optional[_typing.Params] = None,
   **kwargs: Any,
-) -> tuple[optax.Updates, _base.TokenWeightedMultiStepState]:
+) -> tuple[_typing.Updates, _base.TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory and
   :func:`_call`)."""
   return _call(config, updates, state, params, **kwargs)[:2]
@@ -353,16 +353,16 @@ def _update(
 def _call(
   config: _base.Config,
   /,
-  updates: optax.Updates,
+  updates: _typing.Updates,
   state: _base.TokenWeightedMultiStepState,
-  params: Optional[optax.Params] = None,
+  params: Optional[_typing.Params] = None,
   *,
   num_tokens: Optional[jax.typing.ArrayLike] = None,
   loss: Optional[jax.typing.ArrayLike] = None,
   emit_now: Union[bool, jax.typing.ArrayLike] = False,
   close: Optional[bool] = None,
   **extra_args: Any,
-) -> tuple[optax.Updates, _base.TokenWeightedMultiStepState, bool]:
+) -> tuple[_typing.Updates, _base.TokenWeightedMultiStepState, bool]:
   """:func:`_update`, and whether the returned state's buffer holds the
   updates where they are emitted (on one device: ``update_and_apply``)."""
   # The inputs, checked once; then the placement; then the state.
@@ -423,7 +423,7 @@ def _next_state(
   mini_step: jax.Array,
   close: Union[bool, jax.Array],
   result: _closing.CallResult,
-  skip_state: chex.ArrayTree,
+  skip_state: _typing.ArrayTree,
 ) -> _base.TokenWeightedMultiStepState:
   """The state after this call: a closed window starts afresh (its
   count and loss zeroed where it closed, its sums before the next

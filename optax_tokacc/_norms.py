@@ -34,11 +34,11 @@ from typing import Any, NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _errors
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 
 # How the state stores a norm (``last_grad_norm``, ``last_update_norm``):
 # the global norm alone, or with ``window_norms='per_leaf'`` the pair of
@@ -68,7 +68,7 @@ def parse(value: Any) -> tuple[bool, bool]:
   )
 
 
-def nan(config: _base.Config, grads: optax.Updates) -> _base.WindowNorms:
+def nan(config: _base.Config, grads: _typing.Updates) -> _base.WindowNorms:
   """The norms of no window: NaN, in the trees ``config`` asks for, each
   its own array (``init``'s state is donated whole: a buffer held twice
   cannot be)."""
@@ -83,7 +83,7 @@ def nan(config: _base.Config, grads: optax.Updates) -> _base.WindowNorms:
 
 
 def of_window(
-  found: Norms, divisor: jax.Array, grads: optax.Updates, leaf_norms: bool
+  found: Norms, divisor: jax.Array, grads: _typing.Updates, leaf_norms: bool
 ) -> _base.WindowNorms:
   """The window's norms from its sums' and its updates' (``found``): the
   sums' over the window's count (``divisor``), as ``inner`` got them; each
@@ -146,7 +146,9 @@ def typed_split_axes(leaves: list, on_shares: bool) -> list[frozenset]:
   return over if typed else [frozenset()] * len(over)
 
 
-def typed_squares(tree: optax.Updates, per_leaf: bool, on_shares: bool) -> dict:
+def typed_squares(
+  tree: _typing.Updates, per_leaf: bool, on_shares: bool
+) -> dict:
   """``tree``'s squares summed on each device's share (:func:`local_squares`),
   partial sums typed unreduced over the axes :func:`typed_split_axes` gives,
   so that :func:`typed_norms` sums them in one collective."""
@@ -163,8 +165,8 @@ def typed_squares(tree: optax.Updates, per_leaf: bool, on_shares: bool) -> dict:
 
 def typed_norms(
   on_each_device: Callable,
-  grads: optax.Updates,
-  updates: optax.Updates,
+  grads: _typing.Updates,
+  updates: _typing.Updates,
   squares: tuple[dict, dict],
   on_shares: bool,
 ) -> Norms:
@@ -184,7 +186,7 @@ def typed_norms(
 
 
 def local_squares(
-  tree: optax.Updates, over: list, per_leaf: bool = False
+  tree: _typing.Updates, over: list, per_leaf: bool = False
 ) -> dict:
   """``{axes: v}``: per set of mesh axes in ``over`` (one entry per leaf:
   the axes its sum is split over), a float32 vector ``v``: the squares of

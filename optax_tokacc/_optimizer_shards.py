@@ -34,15 +34,16 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 
 
 def inner_shard_specs(
-  params: optax.Params,
-  param_specs: _typed_sharding.Specs,
+  params: _typing.Params,
+  param_specs: _typing.Specs,
   shard_over: _base.AxisName,
   axis_name: Optional[_base.AxisName],
   mesh: Optional[jax.sharding.Mesh],
-) -> _typed_sharding.Specs:
+) -> _typing.Specs:
   """The specs of ``inner``'s parameter-shaped state, per parameter, with
   ``shard_optimizer_over=shard_over``: the parameter's spec, sharded over
   the axes on its first dimension that is not already split and that the
@@ -82,7 +83,7 @@ def inner_shard_specs(
   return jax.tree.map(shard, params, param_specs)
 
 
-def _mesh(params: optax.Params) -> _typed_sharding.MeshLike:
+def _mesh(params: _typing.Params) -> _typed_sharding.MeshLike:
   """The mesh of ``jax.set_mesh``, else that of the parameters (plain
   arrays are typed on JAX's empty mesh)."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -109,8 +110,8 @@ class ShardTarget(NamedTuple):
 
 def shard_targets(
   inner: optax.GradientTransformation,
-  inner_state: optax.OptState,
-  grads: optax.Updates,
+  inner_state: _typing.OptState,
+  grads: _typing.Updates,
   axes: frozenset,
 ) -> tuple:
   """Per gradient leaf, the :class:`ShardTarget` of the shards of its
@@ -138,8 +139,8 @@ def _scattered(
 
 def _targets(
   inner: optax.GradientTransformation,
-  inner_state: optax.OptState,
-  grads: optax.Updates,
+  inner_state: _typing.OptState,
+  grads: _typing.Updates,
   axes: frozenset,
 ) -> tuple:
   """Per gradient leaf, the ``ShardTarget`` its parameter's state gives."""

@@ -29,7 +29,6 @@ from collections.abc import Callable
 import dataclasses
 from typing import Optional, final
 
-import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -41,6 +40,7 @@ from optax_tokacc import _inputs
 from optax_tokacc import _optimizer_shards
 from optax_tokacc import _placement
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 from optax_tokacc import _window_reduction
 
 
@@ -69,9 +69,9 @@ class PartialSums(_placement.Placement):
     cls,
     config: _base.Config,
     axes: frozenset,
-    params: Optional[optax.Params],
+    params: Optional[_typing.Params],
     state: Optional[_base.TokenWeightedMultiStepState] = None,
-    grads: Optional[optax.Updates] = None,
+    grads: Optional[_typing.Updates] = None,
   ) -> 'PartialSums':
     """The placement of ``init`` (from the parameters' types) or of
     ``update`` (from the state's, and the shards of ``inner``'s state)."""
@@ -105,17 +105,17 @@ class PartialSums(_placement.Placement):
     return grad * factor
 
   def on_each_device(
-    self, fn: Callable, args: tuple, like: chex.ArrayTree
-  ) -> chex.ArrayTree:
+    self, fn: Callable, args: tuple, like: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
     return _typed_sharding.local(fn, args, _typed_sharding.type_specs(like))
 
   def skip_decision(
     self,
     skip_fn: Callable,
-    grads: optax.Updates,
+    grads: _typing.Updates,
     gradient_step: jax.Array,
-    params: Optional[optax.Params],
-  ) -> tuple[jax.Array, chex.ArrayTree]:
+    params: Optional[_typing.Params],
+  ) -> tuple[jax.Array, _typing.ArrayTree]:
     """Gradients kept as partial sums are judged on every device's share
     and rejected everywhere if any device rejects them: a scalar
     all-reduce per micro-step. That is exact for ``skip_not_finite`` (a sum
@@ -151,7 +151,7 @@ class PartialSums(_placement.Placement):
     return _typed_sharding.local(lambda v: lax.psum(fn(v), axes), (x,), jax.P())
 
   def reduce_window(
-    self, sums: optax.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
+    self, sums: _typing.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
     """On each device's share, each leaf summed over the axes it is
     unreduced over (reduce-scattered into its target, if any: the rest of
@@ -183,7 +183,7 @@ class PartialSums(_placement.Placement):
       reduce, (leaves, acc_tokens, acc_loss), out_specs
     )
 
-  def reduced_types(self, grads: optax.Updates) -> optax.Updates:
+  def reduced_types(self, grads: _typing.Updates) -> _typing.Updates:
     """Whole where summed whole, else the shards of the target."""
     leaves, treedef = jax.tree.flatten(grads)
     targets = self.targets or (None,) * len(leaves)
@@ -205,8 +205,8 @@ class PartialSums(_placement.Placement):
     )
 
   def typed_like(
-    self, tree: chex.ArrayTree, reference: chex.ArrayTree
-  ) -> chex.ArrayTree:
+    self, tree: _typing.ArrayTree, reference: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
     """Shards all-gathered where ``reference`` is whole (the updates of
     ``inner``'s shards), then typed like it."""
 

@@ -39,15 +39,14 @@ import abc
 from collections.abc import Callable
 from typing import Optional
 
-import chex
 import jax
 import jax.numpy as jnp
-import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _inputs
 from optax_tokacc import _norms
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 
 
 class Placement(abc.ABC):
@@ -74,7 +73,7 @@ class Placement(abc.ABC):
 
   @abc.abstractmethod
   def reduce_window(
-    self, sums: optax.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
+    self, sums: _typing.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
     """The window's one reduction: its sums, its count as exact parts
     (``_tokens.to_parts``) and its loss, summed over the devices."""
@@ -104,7 +103,7 @@ class Placement(abc.ABC):
     its shares."""
     return jnp.zeros([], dtype)
 
-  def gradient_shares(self, grads: optax.Updates) -> optax.Updates:
+  def gradient_shares(self, grads: _typing.Updates) -> _typing.Updates:
     """A micro-batch's gradients as this device's shares of them."""
     return grads
 
@@ -114,8 +113,8 @@ class Placement(abc.ABC):
     return grad * factor
 
   def on_each_device(
-    self, fn: Callable, args: tuple, like: chex.ArrayTree
-  ) -> chex.ArrayTree:
+    self, fn: Callable, args: tuple, like: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
     """``fn(*args)`` on each device's share; its outputs are typed like
     ``like`` (a tree of values, or of their shapes)."""
     return jax.tree.map(self.retype_same_values, fn(*args), like)
@@ -123,10 +122,10 @@ class Placement(abc.ABC):
   def skip_decision(
     self,
     skip_fn: Callable,
-    grads: optax.Updates,
+    grads: _typing.Updates,
     gradient_step: jax.Array,
-    params: Optional[optax.Params],
-  ) -> tuple[jax.Array, chex.ArrayTree]:
+    params: Optional[_typing.Params],
+  ) -> tuple[jax.Array, _typing.ArrayTree]:
     """``should_skip_update_fn``'s decision on the micro-batch, the same
     on every device, and its skip state."""
     return _inputs.call_skip_fn(skip_fn, grads, gradient_step, params)
@@ -150,15 +149,15 @@ class Placement(abc.ABC):
     pred: jax.Array,
     true_fn: Callable,
     false_fn: Callable,
-    *ops: Optional[chex.ArrayTree],
-  ) -> chex.ArrayTree:
+    *ops: Optional[_typing.ArrayTree],
+  ) -> _typing.ArrayTree:
     """``lax.cond``, where the two branches' outputs may differ in the
     types this placement gives them."""
     return jax.lax.cond(pred, true_fn, false_fn, *ops)
 
   def loop_if(
-    self, pred: jax.Array, fn: Callable, values: chex.ArrayTree
-  ) -> chex.ArrayTree:
+    self, pred: jax.Array, fn: Callable, values: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
     """``fn(values)`` if ``pred``, else ``values`` as they are: a loop of 0
     or 1 trips on a flag (``lax.while_loop``), ``fn`` returning values
     typed as its operand. A trip not taken reads and writes nothing: XLA:GPU copies
@@ -176,16 +175,16 @@ class Placement(abc.ABC):
     defers (``_norms.typed_split_axes``)."""
     return False
 
-  def squares(self, tree: optax.Updates, per_leaf: bool = False) -> dict:
+  def squares(self, tree: _typing.Updates, per_leaf: bool = False) -> dict:
     """``tree``'s squares summed on each device's share, for
     :meth:`norms` (``_norms.local_squares``)."""
     return _norms.typed_squares(tree, per_leaf, self.shares_typed())
 
   def norms(
     self,
-    grads: optax.Updates,
+    grads: _typing.Updates,
     grad_squares: dict,
-    updates: optax.Updates,
+    updates: _typing.Updates,
     per_leaf: bool = False,
   ) -> _norms.Norms:
     """The L2 norms of ``grads``, given by its :meth:`squares`, and of
@@ -201,7 +200,7 @@ class Placement(abc.ABC):
   # What ``inner`` sees: a placement that shards ``inner``'s state
   # (``PartialSums`` with ``shard_optimizer_over``) overrides these three.
 
-  def reduced_types(self, grads: optax.Updates) -> optax.Updates:
+  def reduced_types(self, grads: _typing.Updates) -> _typing.Updates:
     """Values typed as :meth:`reduce_window` types the window's sums (for
     their types only: ``jax.eval_shape`` of ``inner``)."""
     return jax.tree.map(self.summed_now, grads)
@@ -212,8 +211,8 @@ class Placement(abc.ABC):
     return None
 
   def typed_like(
-    self, tree: chex.ArrayTree, reference: chex.ArrayTree
-  ) -> chex.ArrayTree:
+    self, tree: _typing.ArrayTree, reference: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
     """``tree``, whole values such as ``inner``'s updates, typed and
     laid out like ``reference`` (the parameters, ``inner``'s state)."""
     return _typed_sharding.like(tree, reference)
@@ -237,7 +236,7 @@ class Placement(abc.ABC):
     """``x``, held whole and alike on every device, typed like ``like``."""
     return _typed_sharding.retype_same_values(x, like)
 
-  def inner_types(self, tree: chex.ArrayTree) -> chex.ArrayTree:
+  def inner_types(self, tree: _typing.ArrayTree) -> _typing.ArrayTree:
     """``tree`` in the types that optax's nonlinear updates take (reduced
     types dropped, free)."""
     return _typed_sharding.without_reduced(tree)

@@ -34,7 +34,6 @@ import dataclasses
 import functools
 from typing import Optional
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,10 +42,11 @@ from optax_tokacc import _base
 from optax_tokacc import _compensated
 from optax_tokacc import _tokens
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 
 PER_DEVICE = _base.PER_DEVICE_FIELDS
 State = _base.TokenWeightedMultiStepState  # arrays, or their shapes
-Tree = chex.ArrayTree
+Tree = _typing.ArrayTree
 Leaf = _typed_sharding.ArrayOrShape
 
 

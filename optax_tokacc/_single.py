@@ -23,11 +23,11 @@ they are kept as they come.
 from typing import final
 
 import jax
-import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
+from optax_tokacc import _typing
 
 
 @final
@@ -39,6 +39,6 @@ class Single(_placement.Placement):
     return self.summed_now(x)
 
   def reduce_window(
-    self, sums: optax.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
+    self, sums: _typing.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
     return _base.Reduced(sums, _tokens.to_parts(acc_tokens), acc_loss)

@@ -33,6 +33,7 @@ import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _norms
+from optax_tokacc import _typing
 
 # Pickles of states written before 0.6 name the class by this module.
 TokenWeightedMultiStepState = _base.TokenWeightedMultiStepState
@@ -44,7 +45,7 @@ def _reads_abstract(read: Callable) -> Callable:
   shapes and dtypes, as for a traced state inside ``jax.eval_shape``."""
 
   @functools.wraps(read)
-  def reads(opt_state: optax.OptState) -> Any:
+  def reads(opt_state: _typing.OptState) -> Any:
     if _base.is_abstract(opt_state):
       return jax.eval_shape(read, opt_state)
     return read(opt_state)
@@ -57,7 +58,9 @@ def is_state(x: Any) -> bool:
   return isinstance(x, _base.TokenWeightedMultiStepState)
 
 
-def find_state(opt_state: optax.OptState) -> _base.TokenWeightedMultiStepState:
+def find_state(
+  opt_state: _typing.OptState,
+) -> _base.TokenWeightedMultiStepState:
   """The :class:`~optax_tokacc.TokenWeightedMultiStepState` inside an optimizer state.
 
   Args:
@@ -92,7 +95,7 @@ def find_state(opt_state: optax.OptState) -> _base.TokenWeightedMultiStepState:
 
 
 @_reads_abstract
-def has_updated(opt_state: optax.OptState) -> jax.Array:
+def has_updated(opt_state: _typing.OptState) -> jax.Array:
   """Whether the call that returned ``opt_state`` emitted an optimizer update.
 
   False after a micro-step, a rejected micro-batch, and a window that was
@@ -124,7 +127,7 @@ def has_updated(opt_state: optax.OptState) -> jax.Array:
 
 
 @_reads_abstract
-def window_loss(opt_state: optax.OptState) -> jax.Array:
+def window_loss(opt_state: _typing.OptState) -> jax.Array:
   """Token-mean loss of the last emitted window, over all devices.
 
   .. math::
@@ -161,7 +164,7 @@ def window_loss(opt_state: optax.OptState) -> jax.Array:
 
 
 @_reads_abstract
-def window_metrics(opt_state: optax.OptState) -> _base.WindowMetrics:
+def window_metrics(opt_state: _typing.OptState) -> _base.WindowMetrics:
   """The last emitted window's metrics, as full-batch training logs them.
 
   Computed once, when the window closes, in every placement: its token-mean
@@ -227,8 +230,8 @@ def window_metrics(opt_state: optax.OptState) -> _base.WindowMetrics:
 
 
 def apply_if_updated(
-  params: optax.Params, updates: optax.Updates, opt_state: optax.OptState
-) -> optax.Params:
+  params: _typing.Params, updates: _typing.Updates, opt_state: _typing.OptState
+) -> _typing.Params:
   """Applies ``updates`` to ``params``; kept from 0.1, now ``apply_updates``.
 
   In 0.1 this applied the updates only after an emitting step, which lost

@@ -24,19 +24,19 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from optax_tokacc import _base
 from optax_tokacc import _inputs
 from optax_tokacc import _norms
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 
 
 def state_matches(
   config: _base.Config,
-  grads: optax.Updates,
+  grads: _typing.Updates,
   state: _base.TokenWeightedMultiStepState,
-  params: Optional[optax.Params],
+  params: Optional[_typing.Params],
 ) -> None:
   """Refuses a state made (or restored) for another configuration, or for
   gradients of another tree, shape, dtype or (explicit sharding) type.

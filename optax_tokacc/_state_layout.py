@@ -34,6 +34,7 @@ from optax_tokacc import _base
 from optax_tokacc import _optimizer_shards
 from optax_tokacc import _state
 from optax_tokacc import _typed_sharding
+from optax_tokacc import _typing
 
 
 class _WindowSpecs(NamedTuple):
@@ -76,10 +77,10 @@ def _window_specs(
 
 def _state_specs_like_params(
   tx: optax.GradientTransformation,
-  abstract: optax.OptState,
-  specs: _typed_sharding.Specs,
-  params: optax.Params,
-) -> _typed_sharding.Specs:
+  abstract: _typing.OptState,
+  specs: _typing.Specs,
+  params: _typing.Params,
+) -> _typing.Specs:
   """The specs of ``tx``'s state: parameter-shaped leaves take ``specs``'
   (a ``MaskedNode`` of ``optax.masked`` or ``multi_transform`` stays
   one); the others (scalars, adafactor's factored moments) are
@@ -112,7 +113,7 @@ def _traced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def state_partition_specs(
   tx: optax.GradientTransformation,
-  params: optax.Params,
+  params: _typing.Params,
   *,
   param_specs: Optional[Any] = None,
   axis_name: Optional[_base.AxisName] = None,
@@ -190,12 +191,12 @@ def state_partition_specs(
 
 def _full_layout(
   tx: optax.GradientTransformation,
-  params: optax.Params,
-  param_specs: Optional[_typed_sharding.Specs],
+  params: _typing.Params,
+  param_specs: Optional[_typing.Specs],
   axis_name: Optional[_base.AxisName],
   shard_over: Optional[_base.AxisName],
   mesh: Optional[jax.sharding.Mesh],
-) -> _typed_sharding.Specs:
+) -> _typing.Specs:
   """:func:`state_partition_specs` but ``manual_axes``: the full layout."""
   # None: the specs in the parameters' types
   param_specs = (
@@ -229,14 +230,14 @@ def _full_layout(
   return jax.tree.map(with_window, specs, inner_specs, is_leaf=_state.is_state)
 
 
-def _inner_states(specs: _typed_sharding.Specs) -> list:
+def _inner_states(specs: _typing.Specs) -> list:
   nodes = jax.tree.leaves(specs, is_leaf=_state.is_state)
   return [n.inner_state for n in nodes if _state.is_state(n)]
 
 
 def state_shardings(
   tx: optax.GradientTransformation,
-  params: optax.Params,
+  params: _typing.Params,
   mesh: jax.sharding.Mesh,
   *,
   param_specs: Optional[Any] = None,
@@ -280,13 +281,13 @@ def state_shardings(
 
 def init_sharded(
   tx: optax.GradientTransformation,
-  params: optax.Params,
+  params: _typing.Params,
   mesh: jax.sharding.Mesh,
   *,
   param_specs: Optional[Any] = None,
   axis_name: Optional[_base.AxisName] = None,
   shard_optimizer_over: Optional[Any] = None,
-) -> optax.OptState:
+) -> _typing.OptState:
   """``tx.init(params)`` laid out on ``mesh`` (global arrays).
 
   With ``axis_name`` the state is initialized inside ``jax.shard_map`` over
@@ -350,10 +351,10 @@ def init_sharded(
 
 def _typed_init(
   tx: optax.GradientTransformation,
-  specs: _typed_sharding.Specs,
+  specs: _typing.Specs,
   mesh: jax.sharding.Mesh,
-  params: optax.Params,
-) -> optax.OptState:
+  params: _typing.Params,
+) -> _typing.OptState:
   """``tx.init(params)``, on an explicit mesh each leaf typed as ``specs``
   says. ``jax.jit``'s ``out_shardings`` lay the arrays out, but do not type
   what a trace around the call sees (``jax.eval_shape`` of a step that

@@ -26,14 +26,13 @@ splitting a count into exact parts) runs on each device's partial sum inside a
 fully manual ``shard_map`` with ``check_vma=False``, which moves no data.
 """
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Optional, Union
+from collections.abc import Callable, Sequence
+from typing import Optional, Union
 
-import chex
 import jax
 import jax.numpy as jnp
-import optax
 
+from optax_tokacc import _typing
 from optax_tokacc._compat import EXPLICIT_SHARDING as SUPPORTED
 from optax_tokacc._compat import EXPLICIT_SHARDING_JAX as MIN_JAX
 from optax_tokacc._compat import partitions
@@ -44,7 +43,6 @@ ArrayOrShape = Union[jax.typing.ArrayLike, jax.ShapeDtypeStruct]
 # The mesh in a type: an array's is abstract, a shape's may be concrete.
 MeshLike = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
 # A ``PartitionSpec``, or a pytree of them (``shard_map``'s ``in_specs``).
-Specs = Union[jax.P, Iterable['Specs'], Mapping[Any, 'Specs']]
 
 
 def spec(x: ArrayOrShape, *, unreduced: bool = True) -> Optional[jax.P]:
@@ -104,7 +102,7 @@ def unreduced(x: ArrayOrShape) -> frozenset:
   return deferred(getattr(spec(x), 'unreduced', None), mesh_of(x))
 
 
-def reduce_trivial(*trees: Optional[chex.ArrayTree]) -> tuple:
+def reduce_trivial(*trees: Optional[_typing.ArrayTree]) -> tuple:
   """``trees`` with every unreduced axis of size 1 reduced (no data moves):
   a partial sum over one device is the sum."""
 
@@ -129,7 +127,7 @@ def sharded(x: ArrayOrShape) -> frozenset:
   return frozenset(jax.tree.leaves(partitions(spec(x) or jax.P())))
 
 
-def check_supported(tree: chex.ArrayTree, what: str) -> None:
+def check_supported(tree: _typing.ArrayTree, what: str) -> None:
   """Refuses reduced or unreduced types on a JAX that cannot run them."""
   for leaf in jax.tree.leaves(tree):
     if not SUPPORTED and (reduced(leaf) or unreduced(leaf)):
@@ -140,7 +138,7 @@ def check_supported(tree: chex.ArrayTree, what: str) -> None:
       )
 
 
-def data_axes(params: optax.Params) -> frozenset:
+def data_axes(params: _typing.Params) -> frozenset:
   """The axes whose gradient reduction is deferred: those over which some
   parameter is typed reduced."""
   leaves = jax.tree.leaves(params)
@@ -201,7 +199,7 @@ def to_type(x: jax.typing.ArrayLike, new_spec: jax.P) -> jax.Array:
   return x if spec(x) == new_spec else jax.reshard(x, new_spec)
 
 
-def without_reduced(tree: chex.ArrayTree) -> chex.ArrayTree:
+def without_reduced(tree: _typing.ArrayTree) -> _typing.ArrayTree:
   """``tree`` with reduced axes dropped from every type (free): what
   optax's nonlinear updates can take."""
 
@@ -211,7 +209,9 @@ def without_reduced(tree: chex.ArrayTree) -> chex.ArrayTree:
   return jax.tree.map(plain, tree)
 
 
-def like(tree: chex.ArrayTree, reference: chex.ArrayTree) -> chex.ArrayTree:
+def like(
+  tree: _typing.ArrayTree, reference: _typing.ArrayTree
+) -> _typing.ArrayTree:
   """``tree`` typed like ``reference``, leaf by leaf, where ``reference``
   is typed reduced (free: the values are already replicated)."""
 
@@ -222,7 +222,9 @@ def like(tree: chex.ArrayTree, reference: chex.ArrayTree) -> chex.ArrayTree:
   return jax.tree.map(retype, tree, reference)
 
 
-def local(fn: Callable, args: tuple, out_specs: Specs) -> chex.ArrayTree:
+def local(
+  fn: Callable, args: tuple, out_specs: _typing.Specs
+) -> _typing.ArrayTree:
   """``fn(*args)`` on each device's share, partial sums included.
 
   A fully manual ``shard_map`` with ``check_vma=False``: ``fn`` sees every
@@ -240,7 +242,7 @@ def local(fn: Callable, args: tuple, out_specs: Specs) -> chex.ArrayTree:
   )(*args)
 
 
-def type_specs(tree: chex.ArrayTree) -> Specs:
+def type_specs(tree: _typing.ArrayTree) -> _typing.Specs:
   """The specs of a tree's types, ``P()`` where a type carries none or
   only replication."""
   return jax.tree.map(lambda x: jax.P() if untyped(x) else spec(x), tree)

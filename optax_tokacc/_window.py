@@ -33,12 +33,13 @@ from optax_tokacc import _base
 from optax_tokacc import _compensated
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
+from optax_tokacc import _typing
 
 
 def micro_batch(
   config: _base.Config,
   place: _placement.Placement,
-  grads: optax.Updates,
+  grads: _typing.Updates,
   num_tokens: jax.typing.ArrayLike,
   loss: Optional[jax.typing.ArrayLike],
   keep: Optional[jax.Array],

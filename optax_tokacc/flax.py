@@ -42,6 +42,7 @@ import optax
 
 import optax_tokacc
 from optax_tokacc import _multistep
+from optax_tokacc import _typing
 
 # The key of flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT.
 _OVERWRITE_WITH_GRADIENT = '_overwrite_with_gradient'
@@ -182,7 +183,7 @@ class TrainState(train_state.TrainState, _Accumulating):
   def apply_gradients(
     self,
     *,
-    grads: optax.Updates,
+    grads: _typing.Updates,
     num_tokens: jax.typing.ArrayLike,
     loss: Optional[jax.typing.ArrayLike] = None,
     **kwargs: Any,
