@@ -26,6 +26,7 @@ Every test has a wall-clock limit (:func:`limit_s`), kept by
 
 import faulthandler
 import os
+import pathlib
 import sys
 
 import jax
@@ -109,9 +110,24 @@ def limit_s(item: pytest.Item) -> float:
   return limit + marker.args[0]
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+    '--program-digests',
+    metavar='DIR',
+    help='record a digest of every compiled program the tests read, per '
+    'test, in DIR (tests/program_digests.py compares two such records)',
+  )
+
+
 def pytest_configure(config):
   # stderr as it is now: pytest captures fd 2 around each test
   config.stash[WATCHDOG_FD] = os.dup(sys.stderr.fileno())
+  directory = config.getoption('program_digests')
+  if directory:
+    import program_digests  # noqa: PLC0415 (only when asked)
+
+    recorder = program_digests.Recorder(pathlib.Path(directory))
+    config.pluginmanager.register(recorder, 'program_digests')
 
 
 def pytest_unconfigure(config):
