@@ -430,19 +430,27 @@ def _same(a: _typing.Updates, b: _typing.Updates) -> bool:
 
 
 def _inner(ctx: Context, inner_state: _typing.OptState) -> _Inner:
-  """``inner`` as the closing runs it: with ``loss`` passed it gets the
-  window's loss unless it accepts no ``value`` keyword (``optax.contrib.sam``:
-  its ``TypeError`` says so); without ``loss``, if ``inner`` needs
-  ``value``, the error names ``loss``."""
+  """``inner`` as the closing runs it: given the window's loss as ``value=``
+  where ``loss`` was passed, unless ``inner`` raises a ``TypeError`` with it
+  and runs without it (``optax.contrib.sam``'s update takes no ``value``).
+  Where ``loss`` was not passed, an ``inner`` that raises a ``TypeError``
+  and runs with a ``value`` gets the error that names ``loss``. Both are
+  decided by tracing ``inner`` the other way, not by reading its error."""
   try:
     return _traced(ctx, inner_state)
   except TypeError as e:
-    with_loss = ctx.extra.with_loss
-    if with_loss and "unexpected keyword argument 'value'" in str(e):
-      return _traced(
-        ctx._replace(extra=ctx.extra._replace(with_loss=False)), inner_state
-      )
-    _raise(e, None if with_loss else _inputs.needs_value_error(e))
+    error = e
+  with_loss = ctx.extra.with_loss
+  other = ctx._replace(extra=ctx.extra._replace(with_loss=not with_loss))
+  try:
+    found = _traced(other, inner_state)
+  except Exception:  # neither way: inner's first error stands
+    found = None
+  if found is None:
+    raise error
+  if with_loss:
+    return found
+  raise _inputs.needs_value_error(error) from error
 
 
 def _traced(ctx: Context, inner_state: _typing.OptState) -> _Inner:
@@ -460,8 +468,21 @@ def _traced(ctx: Context, inner_state: _typing.OptState) -> _Inner:
     )
     shapes = jax.eval_shape(step, summed, inner_state, ctx.params)[0]
   except Exception as e:
-    _raise(e, place.refusal_of(e))
+    _raise(e, place.refusal_of(e, functools.partial(_runs_on, ctx)))
   return _Inner(shapes, step)
+
+
+def _runs_on(ctx: Context, place: _placement.Placement) -> bool:
+  """Whether ``inner`` traces on ``place`` (another layout of the same
+  gradients), from the state its ``init`` makes there."""
+  try:
+    sums = place.reduced_types(ctx.grads)
+    _traced(
+      ctx._replace(place=place), jax.eval_shape(ctx.config.inner.init, sums)
+    )
+  except Exception:  # it fails there too
+    return False
+  return True
 
 
 def _raise(error: Exception, ours: Optional[Exception]) -> NoReturn:

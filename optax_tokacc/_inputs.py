@@ -147,15 +147,12 @@ def extra_args(extra: dict[str, Any]) -> None:
       )
 
 
-def needs_value_error(error: TypeError) -> Optional[TypeError]:
-  """Our error for ``inner`` asking for ``value`` (or an objective function)
-  when ``loss`` was not passed; None for an unrelated ``TypeError``."""
-  message = str(error)
-  if 'value' not in message and not any(n in message for n in _OBJECTIVE_FNS):
-    return None
+def needs_value_error(error: TypeError) -> TypeError:
+  """Our error for ``inner``, which raised ``error`` without ``value`` and
+  runs with it, when ``loss`` was not passed."""
   return TypeError(
     "inner needs value=: pass the micro-batch's loss as loss= to tx.update "
-    f'(inner raised: {message}).'
+    f'(inner raised: {error}).'
   )
 
 

@@ -194,9 +194,12 @@ class PartialSums(_placement.Placement):
       for x, t in zip(leaves, targets)
     )
 
-  def refusal_of(self, error: Exception) -> Optional[Exception]:
-    """``inner`` failing on the shards of its state (a sharding error)."""
-    if not self.targets or 'shard' not in str(error).lower():
+  def refusal_of(
+    self, error: Exception, runs_on: Callable[[_placement.Placement], bool]
+  ) -> Optional[Exception]:
+    """``inner`` failing on the shards of its state, where it runs on the
+    whole gradients (tried, not read from ``error``)."""
+    if not self.targets or not runs_on(dataclasses.replace(self, targets=())):
       return None
     return ValueError(
       'inner cannot run on the shards of its state (shard_optimizer_over): it'

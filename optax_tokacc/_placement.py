@@ -205,9 +205,13 @@ class Placement(abc.ABC):
     their types only: ``jax.eval_shape`` of ``inner``)."""
     return jax.tree.map(self.summed_now, grads)
 
-  def refusal_of(self, error: Exception) -> Optional[Exception]:
-    """Our error for ``inner`` failing to trace here (None: its own)."""
-    del error
+  def refusal_of(
+    self, error: Exception, runs_on: Callable[['Placement'], bool]
+  ) -> Optional[Exception]:
+    """Our error for ``inner`` failing to trace here with ``error`` (None:
+    its own). ``runs_on(place)``: whether ``inner`` traces on another
+    placement of the same gradients."""
+    del error, runs_on
     return None
 
   def typed_like(

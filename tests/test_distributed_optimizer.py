@@ -352,6 +352,32 @@ def test_an_inner_that_needs_whole_gradients_is_refused():
   assert 'needs whole gradients' in str(error.value)
 
 
+def test_an_inner_failing_on_shards_in_its_own_words_is_refused():
+  """Regression (issue 56): an ``inner`` that fails on the shards of its
+  state and runs on whole gradients is refused with the error that names
+  ``shard_optimizer_over``, whatever its own error says (the refusal comes
+  from tracing ``inner`` on whole gradients, not from reading its error)."""
+
+  def needs_whole():
+    adam = optax.adam(0.1)  # whose moments shard over 'data'
+
+    def update(updates, state, params=None, **extra):
+      del extra
+      if any(
+        any(jax.typeof(x).sharding.spec) for x in jax.tree.leaves(updates)
+      ):
+        raise ValueError('these gradients are in pieces')
+      return adam.update(updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(adam.init, update)
+
+  with pytest.raises(ValueError, match='shard_optimizer_over') as error:
+    one_window(needs_whole, ('data',))
+  assert 'needs whole gradients' in str(error.value)
+  assert 'in pieces' in str(error.value)  # inner's own words, kept
+  one_window(needs_whole, None)  # runs on whole gradients
+
+
 REFUSED_LAYOUTS = {
   # mu and nu of w over 'data' on different dimensions
   'two_ways': ('ddp', (P('data', None), P(None, 'data'))),

@@ -400,6 +400,41 @@ def test_inner_that_takes_no_value_gets_none():
   helpers.assert_within_round_off(params, expected)
 
 
+def sgd_with_extra_args(refuses):
+  """SGD whose update takes extra keyword args and raises a ``TypeError`` in
+  its own words (not Python's) when ``refuses(extra)``."""
+  sgd = optax.sgd(0.05)
+
+  def update(updates, state, params=None, **extra):
+    if refuses(extra):
+      raise TypeError('this optimizer was given the wrong objective')
+    return sgd.update(updates, state, params)
+
+  return optax.GradientTransformationExtraArgs(sgd.init, update)
+
+
+def test_inner_that_refuses_value_in_its_own_words_runs_without_it():
+  """Regression (issue 56): ``inner`` that rejects ``value=`` with its own
+  ``TypeError`` runs without it when ``loss=`` is passed, as an ``inner``
+  whose update takes no ``value`` does (the error's text is not read)."""
+  inner = sgd_with_extra_args(lambda extra: 'value' in extra)
+  windows = helpers.make_windows((K,) * 2, NUM_DEVICES, seed=3)
+  expected = helpers.full_batch(optax.sgd(0.05), helpers.init_params(), windows)
+  params, _ = single_device(tokacc.token_weighted_multistep(inner, K), windows)
+  helpers.assert_within_round_off(params, expected)
+
+
+def test_inner_needing_value_in_its_own_words_names_loss():
+  """Regression (issue 56): ``inner`` that fails without ``value=`` with its
+  own ``TypeError`` gets the error that names ``loss=`` (the error's text is
+  not read: ``inner`` runs with a value)."""
+  inner = sgd_with_extra_args(lambda extra: 'value' not in extra)
+  tx = tokacc.token_weighted_multistep(inner, K)
+  with pytest.raises(TypeError, match=r'inner needs value=.*loss=') as error:
+    _update_once(tx)
+  assert 'wrong objective' in str(error.value)  # inner's own words
+
+
 # The rules of the window (issue 22).
 
 PARAMS = {'w': jnp.zeros(2)}
