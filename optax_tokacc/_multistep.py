@@ -131,10 +131,10 @@ def token_weighted_multistep(
     window_norms: whether the closing step computes the window's gradient
       and update norms (:func:`window_metrics`). False leaves them NaN and
       saves two passes over the parameters' size at each close, and the
-      norms' scalar collectives where the gradient is split: a host-closed
-      step (``close=True``), which XLA cannot fuse the norms into, costs
-      up to 1.12x the hand-written ideal's window with them (CPU,
-      ``docs/performance.md``). ``'per_leaf'``: each leaf's norms too
+      norms' scalar collectives where the gradient is split (most where
+      the host closes, ``close=True``: XLA cannot fuse the norms into that
+      step; the cost per target is in ``docs/performance.md``).
+      ``'per_leaf'``: each leaf's norms too
       (``window_metrics(state).grad_norms``, ``.update_norms``: trees like
       the parameters), from the same squares and in the same collective
       (a vector of one entry per leaf where the gradient is split).

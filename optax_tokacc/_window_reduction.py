@@ -103,8 +103,8 @@ def _summed_with(
   flattening makes is a temporary of that leaf's size, so only a leaf of
   at most :data:`CARRIER_BYTES` carries them (a bias, a norm's scale, a
   shard); beside larger leaves only, the scalars rely on XLA's combining
-  (which XLA:GPU and XLA:TPU within a slice did in every program compiled
-  for issue 54)."""
+  (which XLA:GPU, and XLA:TPU within a slice, do in every program of the
+  accelerator tier: ``tests/accelerators``)."""
   fits = [
     i
     for i, x in enumerate(sums)
