@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_tokacc import _base
+from optax_tokacc import _checkpoint_0_5
 from optax_tokacc import _checkpoint_target
 from optax_tokacc import _errors
 from optax_tokacc import _shares
@@ -207,7 +208,7 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
       if _is_saved(saved):
         saved = saved._replace(state=_without_scratch(saved.state))
         return _restore_state(saved, ref)
-      return _restore_0_5(_without_scratch(saved), ref)
+      return _checkpoint_0_5.restore(_without_scratch(saved), ref)
     return _shares.restore_leaf(saved, ref)
 
   with _checkpoint_target.on_its_mesh(like):
@@ -228,19 +229,6 @@ def _without_scratch(state: _typing.ArrayTree) -> _typing.ArrayTree:
   window = (state.grad_sums, state.acc_compensation)
   grad_sums, acc_compensation = jax.tree.map(jnp.zeros_like, window)
   return state._replace(grad_sums=grad_sums, acc_compensation=acc_compensation)
-
-
-def _restore_0_5(
-  saved: _typing.ArrayTree, ref: _base.TokenWeightedMultiStepState
-) -> _base.TokenWeightedMultiStepState:
-  """A state in the form 0.5's ``to_checkpoint`` saved (no rows record),
-  restored on as many devices as it was saved on."""
-  if not _state.is_state(saved):
-    raise ValueError(
-      f'from_checkpoint: got {type(saved).__name__} where like holds a '
-      'TokenWeightedMultiStepState: restore into tokacc.checkpoint_target.'
-    )
-  return jax.tree.map(_shares.restore_leaf, saved, ref)
 
 
 def _restore_state(

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_tokacc import _base
+from optax_tokacc import _checkpoint_0_5
 from optax_tokacc import _shares
 from optax_tokacc import _state
 from optax_tokacc import _typed_sharding
@@ -129,15 +130,15 @@ def checkpoint_target(like: Any, metadata: Any) -> Any:
     ShapeDtypeStruct(shape=(1, 3), dtype=float32)
   """
   saved = paths(getattr(metadata, 'item_metadata', metadata))
-  rows, legacy = set(), {}
+  rows, of_0_5 = set(), {}
 
   def target_of(path, node):
     if not _state.is_state(node):
       return _shares.leaf_rows(node)
     prefix = tuple(map(path_key, path))
-    if prefix + ('state', 'mini_step') not in saved:  # written by 0.5
-      legacy[prefix] = jnp.shape(_shares.leaf_rows(node.acc_tokens))
-      return jax.tree.map(_shares.leaf_rows, node)
+    if _checkpoint_0_5.saved_by_0_5(prefix, saved):
+      of_0_5[prefix] = node
+      return _checkpoint_0_5.target(node)
     form = _shares.save_state(node)
     per_device = paths(_shares.per_device(form.state))
     rows.update(prefix + ('state',) + sub for sub in per_device)
@@ -159,7 +160,7 @@ def checkpoint_target(like: Any, metadata: Any) -> Any:
     if (
       dtype != jnp.result_type(x) or shape != jnp.shape(x) and not rows_as_saved
     ):
-      _refuse_leaf(path, shape, dtype, x, legacy, saved)
+      _refuse_leaf(path, shape, dtype, x, of_0_5, saved)
     out.append(_abstract(x, shape if rows_as_saved else None))
   return jax.tree.unflatten(jax.tree.structure(target), out)
 
@@ -227,20 +228,13 @@ def _refuse_leaf(
   shape: tuple[int, ...],
   dtype: jnp.dtype,
   x: _typed_sharding.ArrayOrShape,
-  legacy: dict,
+  of_0_5: dict,
   saved: dict,
 ) -> None:
   """The error for a saved leaf that does not fit its target ``x``."""
-  for prefix, now in legacy.items():
+  for prefix, state in of_0_5.items():
     if path[: len(prefix)] == prefix:
-      before = saved[prefix + ('acc_tokens',)].shape
-      raise ValueError(
-        f'checkpoint_target: {where(prefix)} was saved by optax_tokacc 0.5 '
-        f'with the window of {before[0] if before else 1} device(s), and is '
-        f'restored onto {now[0] if now else 1}: 0.5 did not record how to '
-        'merge its shares. Restore it on the devices it was saved on, then '
-        'save it again with this version: it then moves to any number.'
-      )
+      raise _checkpoint_0_5.refusal(prefix, state, saved, where(prefix))
   raise ValueError(
     f'checkpoint_target: {where(path)} was saved as {dtype}{list(shape)}, '
     f'and is {jnp.result_type(x)}{list(jnp.shape(x))} here: the checkpoint '
