@@ -1005,19 +1005,11 @@ def test_two_programs_in_all():
   twice over many windows, whatever their lengths."""
   tx = accumulate(helpers.adamw(), EVERY_K, None)
   traces = []
+  train_step = helpers.train_step(tx)
 
   def step(params, state, batch, close):
     traces.append(close)
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=helpers.token_count(batch),
-      loss=loss,
-      close=close,
-    )
-    return optax.apply_updates(params, updates), state
+    return train_step(params, state, batch, close=close)
 
   step = jax.jit(step, static_argnames='close')
   windows = helpers.make_windows(SIZES * 2, NUM_DEVICES)
