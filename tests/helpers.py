@@ -339,13 +339,14 @@ def train_step(
   decision).
 
   ``step(params, opt_state, batch, **update_kwargs)`` takes the gradient
-  of ``loss_fn`` (summed over the batch's counted tokens) and hands it to
-  ``tx.update`` with ``num_tokens=count_fn(batch)``, ``loss=`` the loss
-  (``None``, ``update``'s default, unless ``with_loss``) and
-  ``update_kwargs`` (``emit_now``, ``close``); it applies the updates with
-  ``optax.apply_updates``, or ``apply_fn(params, updates, opt_state)``
-  (``optax_tokacc.apply_if_updated``). It returns the new parameters and
-  state, and the updates after them with ``with_updates``.
+  of ``loss_fn`` (by default the loss summed over the batch's counted
+  tokens) and hands it to ``tx.update`` with ``num_tokens=count_fn(batch)``,
+  ``loss=`` the loss (``None``, ``update``'s default, unless
+  ``with_loss``) and ``update_kwargs`` (``emit_now``, ``close``); it
+  applies the updates with ``optax.apply_updates``, or ``apply_fn(params,
+  updates, opt_state)`` (``optax_tokacc.apply_if_updated``). It returns
+  the new parameters and state, and the updates after them with
+  ``with_updates``.
   """
 
   def step(params, opt_state, batch, **update_kwargs):
