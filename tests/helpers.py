@@ -32,7 +32,9 @@ compares with it. The two references that are not full-batch training:
 ``split_reference`` (plain SGD beside the accumulator, every micro-step)
 and, on the linear model, ``linear_reference`` (float64 SGD and an
 elementwise bound). The tests that give gradients directly (small
-integers) use ``DIVISION_RTOL`` and the budget's ``closing_steps``.
+integers) use ``DIVISION_RTOL`` and the budget's ``closing_steps``; those
+that train through a step as users write it (the gradient, ``update``,
+the updates applied) build it with ``train_step``.
 
 The tests run against whatever ``optax_tokacc`` Python imports: the
 checkout (``pip install -e``), or an installed wheel with a copy of
@@ -318,6 +320,54 @@ def plateau_inner():
 def plateau_scale(opt_state):
   """The learning-rate scale of ``plateau_inner``'s state."""
   return float(opt_state[1].scale)
+
+
+# The training step as users write it.
+
+
+def train_step(
+  tx,
+  loss_fn=loss_sum,
+  *,
+  count_fn=token_count,
+  with_loss=True,
+  apply_fn=None,
+  with_updates=False,
+):
+  """A micro-step of ``tx`` as users write it, to be jitted by the caller
+  (``jax.jit(train_step(tx))``; ``static_argnames='close'`` for the host's
+  decision).
+
+  ``step(params, opt_state, batch, **update_kwargs)`` takes the gradient
+  of ``loss_fn`` (by default the loss summed over the batch's counted
+  tokens) and hands it to ``tx.update`` with ``num_tokens=count_fn(batch)``,
+  ``loss=`` the loss (``None``, ``update``'s default, unless
+  ``with_loss``) and ``update_kwargs`` (``emit_now``, ``close``); it
+  applies the updates with ``optax.apply_updates``, or ``apply_fn(params,
+  updates, opt_state)`` (``optax_tokacc.apply_if_updated``). It returns
+  the new parameters and state, and the updates after them with
+  ``with_updates``.
+  """
+
+  def step(params, opt_state, batch, **update_kwargs):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(
+      grads,
+      opt_state,
+      params,
+      num_tokens=count_fn(batch),
+      loss=loss if with_loss else None,
+      **update_kwargs,
+    )
+    if apply_fn is None:
+      new_params = optax.apply_updates(params, updates)
+    else:
+      new_params = apply_fn(params, updates, opt_state)
+    if with_updates:
+      return new_params, opt_state, updates
+    return new_params, opt_state
+
+  return step
 
 
 # The reference: full-batch training, and the round-off bound.

@@ -153,6 +153,13 @@ def _one_update(tx, params, state, grads, **kwargs):
   ).trace(grads, state, params)
 
 
+def _placed_params(mesh, layout):
+  """``helpers.init_params()`` on ``mesh`` as ``EXPLICIT_LAYOUTS[layout]``
+  places them."""
+  specs = placements.EXPLICIT_LAYOUTS[layout].specs
+  return placements.place_params(helpers.init_params(), mesh, specs)
+
+
 def _ddp_grads(params):
   x = jax.device_put(jnp.ones((8, 8)), P('data'))
 
@@ -171,14 +178,8 @@ def test_unreduced_gradients_with_a_state_of_replicated_params():
   tx = tokacc.token_weighted_multistep(helpers.sgd(), K)
   mesh = placements.explicit_ddp_mesh()
   with jax.set_mesh(mesh):
-    replicated = placements.place_params(
-      helpers.init_params(),
-      mesh,
-      placements.EXPLICIT_LAYOUTS['replicated'].specs,
-    )
-    reduced = placements.place_params(
-      helpers.init_params(), mesh, placements.EXPLICIT_LAYOUTS['ddp'].specs
-    )
+    replicated = _placed_params(mesh, 'replicated')
+    reduced = _placed_params(mesh, 'ddp')
     state = tx.init(replicated)
     with pytest.raises(TypeError, match=r'U:data.*accumulator.*tx\.init'):
       _one_update(tx, reduced, state, _ddp_grads(reduced))
@@ -194,9 +195,7 @@ def test_state_restored_with_another_type():
   tx = tokacc.token_weighted_multistep(helpers.sgd(), K)
   mesh = placements.explicit_ddp_mesh()
   with jax.set_mesh(mesh):
-    params = placements.place_params(
-      helpers.init_params(), mesh, placements.EXPLICIT_LAYOUTS['ddp'].specs
-    )
+    params = _placed_params(mesh, 'ddp')
     state = tx.init(params)
     broken = state._replace(acc_tokens=jnp.zeros([], jnp.int32))
     with pytest.raises(TypeError, match='restored with another type'):
@@ -234,9 +233,7 @@ def test_from_checkpoint_refuses_a_tree_of_other_shapes():
   tx = tokacc.token_weighted_multistep(helpers.sgd(), K)
   mesh = placements.explicit_ddp_mesh()
   with jax.set_mesh(mesh):
-    params = placements.place_params(
-      helpers.init_params(), mesh, placements.EXPLICIT_LAYOUTS['ddp'].specs
-    )
+    params = _placed_params(mesh, 'ddp')
     state = tx.init(params)
     saved = tokacc.to_checkpoint(state).state
     assert saved.grad_sums['w'].shape == (4, 8, 8)

@@ -56,15 +56,7 @@ def micro_batch(step):
 
 @functools.cache
 def make_step(tx):
-  @jax.jit
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, opt_state = tx.update(
-      grads, opt_state, params, num_tokens=helpers.token_count(batch), loss=loss
-    )
-    return tokacc.apply_if_updated(params, updates, opt_state), opt_state
-
-  return step
+  return jax.jit(helpers.train_step(tx, apply_fn=tokacc.apply_if_updated))
 
 
 def train(step, train_state, start, stop):

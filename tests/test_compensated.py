@@ -43,6 +43,13 @@ def one_window(accumulator_dtype, compensated, grads, tokens):
     compensated=compensated,
   )
   params = {'w': jnp.zeros(grads.shape[1:], grads.dtype)}
+  return scan_window(tx, params, grads, tokens)
+
+
+def scan_window(tx, params, grads, tokens):
+  """``tx.update`` on ``{'w': grads[i]}`` with ``tokens[i]`` for each
+  micro-step ``i``, in a ``lax.scan``: the last update of ``w``, and the
+  state."""
 
   def micro_step(state, batch):
     grad, num_tokens = batch
@@ -175,15 +182,8 @@ def test_compensated_with_axis_name_sums_over_devices():
   params = {'w': jnp.zeros(8)}
 
   def run(grads, tokens):
-    def micro_step(state, batch):
-      grad, num_tokens = batch
-      updates, state = tx.update(
-        {'w': grad}, state, params, num_tokens=num_tokens
-      )
-      return state, updates['w']
-
-    _, updates = lax.scan(micro_step, tx.init(params), (grads, tokens))
-    return updates[-1]
+    last_update, _ = scan_window(tx, params, grads, tokens)
+    return last_update
 
   updates = jax.pmap(run, axis_name='data', in_axes=1)(
     jnp.asarray(grads, jnp.float32), jnp.asarray(tokens)

@@ -202,16 +202,7 @@ def reference(case):
 def test_composition_equals_plain_training(case, apply):
   make_tx, _, with_nan = CASES[case]
   tx = make_tx()
-  apply_fn = APPLY[apply]
-
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=helpers.token_count(batch), loss=loss
-    )
-    return apply_fn(params, updates, state), state
-
+  step = jax.jit(helpers.train_step(tx, apply_fn=APPLY[apply]))
   params = jax.tree.map(jnp.asarray, helpers.init_params())
   state = tx.init(params)
   expected = reference(case)
@@ -320,19 +311,7 @@ def max_difference(tree, other):
 @pytest.mark.parametrize(('name', 'with_loss'), INNER_CASES)
 def test_inner_optimizer_equals_full_batch(name, with_loss):
   tx = acc(INNER_OPTIMIZERS[name]())
-
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=helpers.token_count(batch),
-      loss=loss if with_loss else None,
-    )
-    return optax.apply_updates(params, updates), state
-
+  step = jax.jit(helpers.train_step(tx, with_loss=with_loss))
   params = jax.tree.map(jnp.asarray, helpers.init_params())
   state = tx.init(params)
   expected = inner_reference(name)

@@ -741,19 +741,10 @@ def partial_count(batch):
 
 
 def partial_step(tx, with_loss):
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(partial_loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=partial_count(batch),
-      **({'loss': loss} if with_loss else {}),
-    )
-    return optax.apply_updates(params, updates), state
-
-  return step
+  step = helpers.train_step(
+    tx, partial_loss_sum, count_fn=partial_count, with_loss=with_loss
+  )
+  return jax.jit(step)
 
 
 def partial_windows(window_sizes):

@@ -600,6 +600,14 @@ def bit_for_bit_without_fma(name):
 # Windows that emit nothing.
 
 
+def host_closed(step, params, state, windows):
+  """``step`` (:func:`split_step`) over ``windows``, the host closing each
+  at its last micro-batch: the parameters and state after them."""
+  for batch, close in micro_steps(windows, 'h' * len(windows)):
+    params, state, _ = step(params, state, batch, close)
+  return params, state
+
+
 # Where the host's close is written out: on a GPU, and here in its place.
 CLOSE_FORMS = {'in_loop': None, 'written_out': ('cpu',)}
 
@@ -620,9 +628,7 @@ def test_closing_a_window_without_tokens(form, monkeypatch):
     tx = accumulate(helpers.adamw(), EVERY_K, None)
     step = split_step(tx)
     params = device_params(np.float64)
-    state = tx.init(params)
-    for batch, close in micro_steps(windows[:1], 'h'):
-      params, state, _ = step(params, state, batch, close)
+    params, state = host_closed(step, params, tx.init(params), windows[:1])
     before_params, before = params, state
     for batch, close in micro_steps([empty], 'h'):
       params, state, updates = step(params, state, batch, close)
@@ -638,8 +644,7 @@ def test_closing_a_window_without_tokens(form, monkeypatch):
         getattr(state, field), getattr(before, field), field
       )
     assert not bool(tokacc.has_updated(state)) and int(state.mini_step) == 0
-    for batch, close in micro_steps(windows[2:], 'h'):
-      params, state, _ = step(params, state, batch, close)
+    params, state = host_closed(step, params, state, windows[2:])
     assert int(state.gradient_step) == 2
     chex.assert_trees_all_close(params, expected, atol=F64_TOLERANCE)
 
@@ -659,10 +664,9 @@ def test_closing_a_window_with_an_invalid_count(form, monkeypatch):
     tx = accumulate(helpers.sgd(), EVERY_K, None)
     step = split_step(tx)
     params = device_params(np.float64)
-    state = tx.init(params)
-    for batch, close in micro_steps(windows[:1], 'h'):
-      params, state, _ = step(params, state, batch, close)
-    before_params, before = params, state
+    before_params, before = host_closed(
+      step, params, tx.init(params), windows[:1]
+    )
     for count in (-3.0, 2.5):
       params, state = before_params, before
       for m, (batch, close) in enumerate(micro_steps([windows[1]], 'h')):
@@ -676,8 +680,7 @@ def test_closing_a_window_with_an_invalid_count(form, monkeypatch):
       helpers.assert_same_bits(
         state.inner_state, before.inner_state, 'inner state'
       )
-      for batch, close in micro_steps(windows[2:], 'h'):
-        params, state, _ = step(params, state, batch, close)
+      params, state = host_closed(step, params, state, windows[2:])
       assert int(state.gradient_step) == 2
       chex.assert_trees_all_close(params, expected, atol=F64_TOLERANCE)
 
@@ -1005,19 +1008,11 @@ def test_two_programs_in_all():
   twice over many windows, whatever their lengths."""
   tx = accumulate(helpers.adamw(), EVERY_K, None)
   traces = []
+  train_step = helpers.train_step(tx)
 
   def step(params, state, batch, close):
     traces.append(close)
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=helpers.token_count(batch),
-      loss=loss,
-      close=close,
-    )
-    return optax.apply_updates(params, updates), state
+    return train_step(params, state, batch, close=close)
 
   step = jax.jit(step, static_argnames='close')
   windows = helpers.make_windows(SIZES * 2, NUM_DEVICES)

@@ -67,20 +67,12 @@ def test_long_run_with_empty_and_non_finite_micro_batches():
   )
   initial = jax.tree.map(jnp.asarray, helpers.init_params())
   params = initial
+  step = helpers.train_step(tx, apply_fn=tokacc.apply_if_updated)
 
   @jax.jit
   def run(params, data):
     def micro_step(carry, batch):
-      params, state = carry
-      loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-      updates, state = tx.update(
-        grads,
-        state,
-        params,
-        num_tokens=helpers.token_count(batch),
-        loss=loss,
-      )
-      params = tokacc.apply_if_updated(params, updates, state)
+      params, state = step(*carry, batch)
       return (params, state), (state.emitted, state.last_tokens)
 
     return lax.scan(micro_step, (params, tx.init(params)), data)

@@ -23,6 +23,7 @@ from optax_tokacc import _typed_sharding
 
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 2
+NUM_DEVICES = NUM_PROCESSES * LOCAL_DEVICES
 # Per worker process: 83 s on 2 loaded cores (load 17), 58 s CPU for the
 # module; 600 s is 7x (issue 33).
 TIMEOUT_S = 600
@@ -40,8 +41,10 @@ def free_port():
     return sock.getsockname()[1]
 
 
-def run_workers(out, mode='ddp'):
-  """Runs the worker processes to completion; kills them all on failure."""
+def run_workers(tmp_path, mode='ddp'):
+  """Runs the worker processes to completion (kills them all on failure);
+  returns the arrays they saved."""
+  out = tmp_path / 'result.npz'
   port = free_port()
   env = helpers.subprocess_env()
   env.pop('XLA_FLAGS', None)
@@ -83,16 +86,14 @@ def run_workers(out, mode='ddp'):
       f'multi-host workers failed (exit codes {codes}):\n'
       + '\n----\n'.join(output[-3000:] for output in outputs)
     )
+  return dict(np.load(out))
 
 
 def test_two_processes_equal_full_batch(tmp_path):
-  out = tmp_path / 'result.npz'
-  run_workers(out)
-  result = dict(np.load(out))
-  num_devices = NUM_PROCESSES * LOCAL_DEVICES
-  assert int(result['num_devices']) == num_devices
+  result = run_workers(tmp_path)
+  assert int(result['num_devices']) == NUM_DEVICES
 
-  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, NUM_DEVICES)
   expected = adamw_full_batch(windows)
   for prefix in ('shard_map', 'jit'):
     assert_equals_full_batch(result, prefix, expected)
@@ -101,13 +102,10 @@ def test_two_processes_equal_full_batch(tmp_path):
 def test_two_processes_hsdp_equal_full_batch(tmp_path):
   """HSDP, each process one replica: partial-manual (``axis_name='replica'``,
   ``fsdp`` by GSPMD) and fully manual (``axis_name=('replica', 'fsdp')``)."""
-  out = tmp_path / 'result.npz'
-  run_workers(out, mode='hsdp')
-  result = dict(np.load(out))
-  num_devices = NUM_PROCESSES * LOCAL_DEVICES
-  assert int(result['num_devices']) == num_devices
+  result = run_workers(tmp_path, mode='hsdp')
+  assert int(result['num_devices']) == NUM_DEVICES
 
-  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, NUM_DEVICES)
   expected = adamw_full_batch(windows)
   for layout in worker.MULTIHOST_HSDP_LAYOUTS:
     assert_equals_full_batch(result, layout, expected)
@@ -118,11 +116,8 @@ def test_two_processes_explicit_ddp_equal_full_batch(tmp_path):
   over the data axis of both processes' devices."""
   if not _typed_sharding.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
-  out = tmp_path / 'result.npz'
-  run_workers(out, mode='explicit')
-  result = dict(np.load(out))
-  num_devices = NUM_PROCESSES * LOCAL_DEVICES
-  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  result = run_workers(tmp_path, mode='explicit')
+  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, NUM_DEVICES)
   assert_equals_full_batch(result, 'explicit', adamw_full_batch(windows))
 
 
@@ -152,18 +147,15 @@ def test_two_processes_zero1_equal_full_batch(tmp_path):
   A hang in a collective fails the test after ``TIMEOUT_S``."""
   if not _typed_sharding.SUPPORTED:
     pytest.skip('reduced/unreduced types need jax >= 0.10')
-  out = tmp_path / 'result.npz'
-  run_workers(out, mode='zero1')
-  result = dict(np.load(out))
-  num_devices = NUM_PROCESSES * LOCAL_DEVICES
-  assert int(result['num_devices']) == num_devices
+  result = run_workers(tmp_path, mode='zero1')
+  assert int(result['num_devices']) == NUM_DEVICES
   features = helpers.FEATURES
   assert tuple(result['zero1_mu_shard_w']) == (
-    features // num_devices,
+    features // NUM_DEVICES,
     features,
   )
-  assert tuple(result['zero1_mu_shard_v']) == (features // num_devices,)
-  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  assert tuple(result['zero1_mu_shard_v']) == (features // NUM_DEVICES,)
+  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, NUM_DEVICES)
   assert_equals_full_batch(result, 'zero1', adamw_full_batch(windows))
 
 
@@ -171,11 +163,8 @@ def test_two_processes_token_budget_equal_full_batch(tmp_path):
   """``tokens_per_update`` counts the tokens of both processes' devices:
   the windows close where the global counts say, as in full-batch
   training on those windows."""
-  out = tmp_path / 'result.npz'
-  run_workers(out, mode='budget')
-  result = dict(np.load(out))
-  num_devices = NUM_PROCESSES * LOCAL_DEVICES
-  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, num_devices)
+  result = run_workers(tmp_path, mode='budget')
+  windows = helpers.make_windows(worker.MULTIHOST_WINDOW_SIZES, NUM_DEVICES)
   stream = [batch for window in windows for batch in window]
   counts = [int(np.sum(batch['mask'])) for batch in stream]
   sizes = helpers.budget_window_sizes(

@@ -36,13 +36,7 @@ def make_windows(token_counts=TOKEN_COUNTS, dtype=np.float32):
 def train_accumulated(
   tx, params, windows, *, use_jit=True, loss_fn=helpers.loss_sum
 ):
-  def step(params, state, batch):
-    grads = jax.grad(loss_fn)(params, batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=helpers.token_count(batch)
-    )
-    return optax.apply_updates(params, updates), state
-
+  step = helpers.train_step(tx, loss_fn, with_loss=False)
   if use_jit:
     step = jax.jit(step)
   state = tx.init(params)
@@ -150,15 +144,10 @@ def test_matches_multisteps_with_equal_tokens(optimizer_name):
   tx = tokacc.token_weighted_multistep(
     optimizer(), every_k_schedule=3, loss_reduction='mean'
   )
-
-  @jax.jit
-  def step(params, state, batch):
-    grads = jax.grad(helpers.loss_mean)(params, batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=helpers.token_count(batch)
-    )
-    return optax.apply_updates(params, updates), state, updates
-
+  step = helpers.train_step(
+    tx, helpers.loss_mean, with_loss=False, with_updates=True
+  )
+  step = jax.jit(step)
   state = tx.init(params)
   batches = [batch for window in windows for batch in window]
   largest_updates = []
@@ -439,15 +428,7 @@ def test_window_loss_and_apply_if_updated():
   params = helpers.init_params()
   tx = tokacc.token_weighted_multistep(optax.adam(0.05), every_k_schedule=4)
   expected_params = helpers.full_batch(optax.adam(0.05), params, windows)
-
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=helpers.token_count(batch), loss=loss
-    )
-    return tokacc.apply_if_updated(params, updates, state), state
-
+  step = jax.jit(helpers.train_step(tx, apply_fn=tokacc.apply_if_updated))
   state = tx.init(params)
   for window in windows:
     full = helpers.concat(window)
@@ -469,15 +450,12 @@ def test_compiles_once():
   traces = []
   params = helpers.init_params()
   tx = tokacc.token_weighted_multistep(optax.adamw(0.01), every_k_schedule=3)
+  train_step = helpers.train_step(tx)
 
   @jax.jit
   def step(params, state, batch):
     traces.append(None)
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=helpers.token_count(batch), loss=loss
-    )
-    return optax.apply_updates(params, updates), state
+    return train_step(params, state, batch)
 
   state = tx.init(params)
   for seed in range(20):
@@ -541,15 +519,8 @@ def test_float_token_weights_with_float_token_dtype():
   tx = tokacc.token_weighted_multistep(
     optax.adam(0.05), 4, token_dtype=jnp.float32
   )
-
-  @jax.jit
-  def step(params, state, batch):
-    grads = jax.grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=jnp.sum(batch['mask'])
-    )
-    return optax.apply_updates(params, updates), state
-
+  step = helpers.train_step(tx, count_fn=float_count, with_loss=False)
+  step = jax.jit(step)
   state = tx.init(params)
   for window in windows:
     for batch in window:
@@ -687,22 +658,12 @@ def jitted_step(
   with_loss=True,
   **update_kwargs,
 ):
-  """A jitted micro-step; cached, so that each setting compiles once."""
-
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=count_fn(batch),
-      loss=loss if with_loss else None,
-      **update_kwargs,
-    )
-    return optax.apply_updates(params, updates), state, updates
-
-  return step
+  """A jitted micro-step returning ``(params, state, updates)``, its
+  ``update_kwargs`` bound; cached, so that each setting compiles once."""
+  step = helpers.train_step(
+    tx, loss_fn, count_fn=count_fn, with_loss=with_loss, with_updates=True
+  )
+  return jax.jit(functools.partial(step, **update_kwargs))
 
 
 def train(tx, params, micro_batches, **step_kwargs):
@@ -753,19 +714,7 @@ def test_emit_now_closes_the_window(kind):
   tx = adam_tx()
   windows = small_windows()
   short = [windows[0][:2], windows[1]]  # the first closed after two
-
-  @jax.jit
-  def traced_step(params, state, batch, close):
-    grads = jax.grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=helpers.token_count(batch),
-      emit_now=close,
-    )
-    return optax.apply_updates(params, updates), state, updates
-
+  traced_step = jax.jit(helpers.train_step(tx, with_loss=False))
   step = jitted_step(tx)
   flag = True if kind == 'python_bool' else np.bool_(True)
   close_step = jitted_step(tx, emit_now=flag)
@@ -773,7 +722,8 @@ def test_emit_now_closes_the_window(kind):
   state = tx.init(params)
   for i, batch in enumerate(flatten(short)):
     if kind == 'traced_bool':
-      params, state, _ = traced_step(params, state, batch, jnp.asarray(i == 1))
+      emit_now = jnp.asarray(i == 1)
+      params, state = traced_step(params, state, batch, emit_now=emit_now)
     else:
       params, state, _ = (close_step if i == 1 else step)(params, state, batch)
   assert int(state.gradient_step) == 2

@@ -53,15 +53,7 @@ def train_accumulated(optimizer, params, windows):
   """``token_weighted_multistep`` of ``optimizer`` over ``windows``, one
   jitted step per micro-batch."""
   tx = tokacc.token_weighted_multistep(optimizer, every_k_schedule=K)
-
-  @jax.jit
-  def step(params, state, batch):
-    grads = jax.grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=helpers.token_count(batch)
-    )
-    return optax.apply_updates(params, updates), state
-
+  step = jax.jit(helpers.train_step(tx, with_loss=False))
   state = tx.init(params)
   for window in windows:
     for batch in window:

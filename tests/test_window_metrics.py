@@ -191,33 +191,13 @@ def train_recorded(run, windows):
   return [[params, one_copy(metrics)] for params, metrics in records]
 
 
-def single_step(tx):
-  @functools.partial(jax.jit, static_argnames='close')
-  def step(params, state, batch, emit_now=False, close=None):
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    if close is not None:
-      emit_now = False
-    updates, state = tx.update(
-      grads,
-      state,
-      params,
-      num_tokens=helpers.token_count(batch),
-      loss=loss,
-      emit_now=emit_now,
-      close=close,
-    )
-    return optax.apply_updates(params, updates), state
-
-  return step
-
-
 def run_single(windows, host_closes, window_norms=True):
   tx = tokacc.token_weighted_multistep(
     momentum_sgd(), K, window_norms=window_norms
   )
   params = jax.tree.map(jnp.asarray, helpers.init_params())
   state = tx.init(params)
-  step = single_step(tx)
+  step = jax.jit(helpers.train_step(tx), static_argnames='close')
   on_step, records = recorder(windows)
   on_step(params, state)
   for w, window in enumerate(windows):
@@ -226,8 +206,8 @@ def run_single(windows, host_closes, window_norms=True):
       if host_closes:
         params, state = step(params, state, batch, close=last)
       else:
-        emit_now = w == len(windows) - 1 and last
-        params, state = step(params, state, batch, jnp.asarray(emit_now))
+        emit_now = jnp.asarray(w == len(windows) - 1 and last)
+        params, state = step(params, state, batch, emit_now=emit_now)
       on_step(params, state)
   return records
 

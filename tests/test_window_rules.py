@@ -57,15 +57,7 @@ def single_device(tx, windows, on_window=None):
   """Trains on one device, every micro-batch whole; returns final params
   and state. ``on_window(params, state, micro_steps)`` after each emitted
   update, with the number of micro-steps taken so far."""
-
-  @jax.jit
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(helpers.loss_sum)(params, batch)
-    updates, state = tx.update(
-      grads, state, params, num_tokens=helpers.token_count(batch), loss=loss
-    )
-    return optax.apply_updates(params, updates), state
-
+  step = jax.jit(helpers.train_step(tx))
   params = jax.tree.map(jnp.asarray, helpers.init_params())
   state = tx.init(params)
   micro_batches = [batch for window in windows for batch in window]
