@@ -23,22 +23,19 @@ live and how they are reduced is the placement's (``_placement``).
 """
 
 from collections.abc import Callable
-import functools
-from typing import Any, NamedTuple, NoReturn, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
-from optax_tokacc import _compat
 from optax_tokacc import _compensated
 from optax_tokacc import _held_updates
-from optax_tokacc import _inputs
+from optax_tokacc import _inner_step
 from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
-from optax_tokacc import _typed_sharding
 from optax_tokacc import _typing
 from optax_tokacc import _window
 
@@ -47,9 +44,6 @@ WRITTEN_OUT_ON = ('cuda', 'rocm')
 # The platforms where a window reduced over devices emits in a ``cond``,
 # not a loop (``_if_emitted``).
 BRANCHED_ON = ('tpu',)
-# The platforms where the means wait for the norms' squares
-# (``_after_squares``).
-ORDERED_ON = ('cpu',)
 
 
 class CallResult(NamedTuple):
@@ -65,40 +59,6 @@ class CallResult(NamedTuple):
   held: bool = False
 
 
-class Extra(NamedTuple):
-  """What ``inner.update`` gets beside its three arguments."""
-
-  args: dict[str, Any]  # the extra args passed to ``tx.update``
-  with_loss: bool  # whether it gets ``value=``, the window's loss
-
-
-class Context(NamedTuple):
-  """What closing a window (or keeping it open) reads beside the window and
-  ``inner``'s state: the same for every way to close it."""
-
-  config: _base.Config
-  place: _placement.Placement
-  grads: _typing.Updates  # this micro-batch's: their tree and dtypes only
-  params: Optional[_typing.Params]
-  extra: Extra
-
-
-class _Sums(NamedTuple):
-  """The window summed over the devices: what ``inner``'s step reads."""
-
-  sums: _typing.Updates
-  divisor: jax.Array  # its count, or 1 where it has none (``_tokens``)
-  mean_loss: jax.Array
-
-
-class _Inner(NamedTuple):
-  """``inner`` as the closing runs it: the shapes, dtypes and types of its
-  updates, and its step (:func:`_step`, bound to its :class:`Context`)."""
-
-  shapes: _typing.Updates
-  step: Callable
-
-
 def _open(config: _base.Config, window: _base.Window) -> _base.Closed:
   """What a call that leaves the window open gives: nothing emitted."""
   return _base.Closed(
@@ -110,7 +70,9 @@ def _open(config: _base.Config, window: _base.Window) -> _base.Closed:
   )
 
 
-def _reduce(ctx: Context, window: _base.Window) -> tuple[_Sums, _base.Closed]:
+def _reduce(
+  ctx: _inner_step.Context, window: _base.Window
+) -> tuple[_inner_step.Sums, _base.Closed]:
   """The window summed over the devices (its one reduction), and what
   closing it gives."""
   config = ctx.config
@@ -128,126 +90,11 @@ def _reduce(ctx: Context, window: _base.Window) -> tuple[_Sums, _base.Closed]:
     mean_loss=mean_loss,
     norms=_norms.nan(config, sums),
   )
-  return _Sums(sums, divisor, mean_loss), closed
-
-
-def _mean(s: jax.Array, divisor: jax.Array) -> jax.Array:
-  """A sum over its count: one reciprocal, multiplied, in the sum's
-  dtype, at least float32, or the count's if wider (float64 weights)."""
-  # One reciprocal: the same arithmetic in every program (XLA turns a
-  # division by a broadcast scalar into this in some programs only: host-
-  # and device-closed windows differed by a rounding).
-  wide = jnp.promote_types(
-    jnp.promote_types(s.dtype, jnp.float32), divisor.dtype
-  )
-  return s.astype(wide) * (1 / divisor.astype(wide))
-
-
-def _squares(
-  ctx: Context, sums: _typing.Updates, divisor: jax.Array
-) -> tuple[dict, jax.Array]:
-  """The squares that the window's norms are taken from, and what those
-  norms are divided by: of the sums, divided by an integer count; of the
-  mean under a floating one, whose sums of small weights have squares
-  below float32's range (and of large ones above it)."""
-  if jnp.issubdtype(divisor.dtype, jnp.integer):
-    return ctx.place.squares(sums, ctx.config.leaf_norms), divisor
-  means = jax.tree.map(lambda s: _mean(s, divisor), sums)
-  squares = ctx.place.squares(means, ctx.config.leaf_norms)
-  return squares, jnp.ones_like(divisor)
-
-
-def _step(
-  ctx: Context,
-  summed: _Sums,
-  opt_state: _typing.OptState,
-  params: Optional[_typing.Params],
-  in_place: bool = False,
-) -> tuple[_typing.Updates, _typing.OptState, _base.WindowNorms]:
-  """``inner.update`` run once on the window's token-mean gradient, with
-  ``value=`` the window's token-mean loss where ``ctx.extra`` says so, its
-  state's dtypes kept, in the types optax's nonlinear updates take; the
-  updates come typed like the parameters, so that ``optax.apply_updates``
-  keeps their type. ``in_place``: the updates are written into the sums'
-  own buffer (:func:`_after_squares`)."""
-  config, place = ctx.config, ctx.place
-  if config.norms:
-    # Taken before ``inner`` runs: a norm of the mean taken beside it kept
-    # the sums alive, and the buffer that holds the updates was copied (a
-    # parameter-sized temporary). On a GPU, of the sums as a value of
-    # their own (an optimization barrier): XLA:GPU kept them alive through
-    # ``inner`` otherwise; the CPU copies them for a barrier, and XLA:TPU
-    # moves more around one. One barrier per leaf: jax 0.10 types one
-    # barrier's outputs as varying over every axis any operand varies over.
-    def barrier(sums):
-      return jax.tree.map(jax.lax.optimization_barrier, sums)
-
-    kept_apart = jax.lax.platform_dependent(
-      summed.sums, cuda=barrier, rocm=barrier, default=lambda sums: sums
-    )
-    squares, squares_divisor = _squares(ctx, kept_apart, summed.divisor)
-  if config.norms and in_place:
-    divisor = _after_squares(summed.divisor, squares)
-  else:
-    divisor = summed.divisor
-  value = {'value': summed.mean_loss} if ctx.extra.with_loss else {}
-  means = jax.tree.map(lambda s: _mean(s, divisor), summed.sums)
-  mean_grads = optax.tree.cast_like(means, ctx.grads)
-  plain_inner = place.inner_types(opt_state)
-  with jax.named_scope(_base.INNER_UPDATE_SCOPE):
-    updates, new_inner = config.inner.update(
-      mean_grads,
-      plain_inner,
-      place.inner_types(params),
-      **ctx.extra.args,
-      **value,
-    )
-  new_inner = optax.tree.cast_like(new_inner, opt_state)
-  norms = _norms.nan(config, ctx.grads)
-  if config.norms:
-    found = place.norms(summed.sums, squares, updates, config.leaf_norms)
-    norms = _norms.of_window(
-      found, squares_divisor, ctx.grads, config.leaf_norms
-    )
-  if params is not None:
-    updates = place.typed_like(updates, params)
-  return updates, place.typed_like(new_inner, opt_state), norms
-
-
-def _after_squares(divisor: jax.Array, squares: dict) -> jax.Array:
-  """``divisor`` on the CPU (``ORDERED_ON``) as a value XLA computes once
-  the ``squares`` are summed: plus the count of negative squares (none),
-  the same value, since a window that reaches ``inner`` has a positive
-  count. The means are divided by it, so the squares' reads of the sums
-  come before ``inner``'s updates are written into the sums' buffer;
-  XLA:CPU copied every leaf of the sums otherwise (an optimization
-  barrier orders nothing there). Used only where the updates are written
-  into the sums' own buffer (nothing reduced: a sharded window's squares
-  would be summed over devices before the means, a collective of their
-  own); ``divisor`` as it is where the squares are typed otherwise than
-  the count (each device's share in ``shard_map``, a sharding in the
-  type)."""
-
-  def ordered(both):
-    divisor, squares = both
-    leaves = jax.tree.leaves(squares)
-    axes = _compat.varying_axes(divisor)
-    if not all(
-      _typed_sharding.untyped(s) and _compat.varying_axes(s) <= axes
-      for s in leaves
-    ):
-      return divisor
-    negative = sum(jnp.sum(s < 0, dtype=divisor.dtype) for s in leaves)
-    return divisor + negative
-
-  branches = {platform: ordered for platform in ORDERED_ON}
-  return jax.lax.platform_dependent(
-    (divisor, squares), **branches, default=lambda both: both[0]
-  )
+  return _inner_step.Sums(sums, divisor, mean_loss), closed
 
 
 def close_now(
-  ctx: Context, window: _base.Window, inner_state: _typing.OptState
+  ctx: _inner_step.Context, window: _base.Window, inner_state: _typing.OptState
 ) -> CallResult:
   """Closes the window (the host decided: ``close=True``): its reduction
   sits in the program beside the backward pass.
@@ -274,13 +121,13 @@ def close_now(
 
 
 def _written_out(
-  ctx: Context, window: _base.Window, inner_state: _typing.OptState
+  ctx: _inner_step.Context, window: _base.Window, inner_state: _typing.OptState
 ) -> tuple[_typing.Updates, _base.Window, _typing.OptState, _base.Closed]:
   """:func:`close_now` without a loop: ``inner``'s step, its updates -0.0
   and its state kept unless the window emits (selects, which XLA fuses
   with that step); the window's count and loss zeroed, its sums left to
   the next window's first micro-step (``_window.restart_if``)."""
-  inner = _inner(ctx, inner_state)
+  inner = _inner_step.inner_of(ctx, inner_state)
   summed, closed = _reduce(ctx, window)
   updates, new_inner, norms = inner.step(summed, inner_state, ctx.params)
   emitted = closed.emitted
@@ -291,12 +138,12 @@ def _written_out(
 
 
 def keep_open(
-  ctx: Context, window: _base.Window, inner_state: _typing.OptState
+  ctx: _inner_step.Context, window: _base.Window, inner_state: _typing.OptState
 ) -> CallResult:
   """The window left open (the host decided: ``close=False``): zero
   updates shaped like ``inner``'s (``_held_updates.zeros``, ``fold``),
   and no ``inner`` work."""
-  shapes = _inner(ctx, inner_state).shapes
+  shapes = _inner_step.inner_of(ctx, inner_state).shapes
   closed = _open(ctx.config, window)
   return CallResult(
     _held_updates.zeros(shapes, fold=True), window, inner_state, closed
@@ -304,7 +151,7 @@ def keep_open(
 
 
 def close_if(
-  ctx: Context,
+  ctx: _inner_step.Context,
   close: jax.Array,
   window: _base.Window,
   inner_state: _typing.OptState,
@@ -315,11 +162,11 @@ def close_if(
 
 
 def _close(
-  ctx: Context,
+  ctx: _inner_step.Context,
   close: Optional[jax.Array],
   window: _base.Window,
   inner_state: _typing.OptState,
-  reduced: Optional[tuple[_Sums, _base.Closed]],
+  reduced: Optional[tuple[_inner_step.Sums, _base.Closed]],
 ) -> CallResult:
   """Closes the window if ``close``, in a loop of 0 or 1 trips
   (``place.loop_if``): an open micro-step reads and writes nothing of it.
@@ -337,7 +184,7 @@ def _close(
   which runs the closing trip out of a loop.
   """
   config, place = ctx.config, ctx.place
-  inner = _inner(ctx, inner_state)
+  inner = _inner_step.inner_of(ctx, inner_state)
   buffer = _held_updates.holds_exactly(place, window.grad_sums, inner.shapes)
 
   def closing(carry):
@@ -427,66 +274,3 @@ def _if_emitted(
 def _same(a: _typing.Updates, b: _typing.Updates) -> bool:
   """Whether two trees are the same arrays (the same tracers)."""
   return all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def _inner(ctx: Context, inner_state: _typing.OptState) -> _Inner:
-  """``inner`` as the closing runs it: given the window's loss as ``value=``
-  where ``loss`` was passed, unless ``inner`` raises a ``TypeError`` with it
-  and runs without it (``optax.contrib.sam``'s update takes no ``value``).
-  Where ``loss`` was not passed, an ``inner`` that raises a ``TypeError``
-  and runs with a ``value`` gets the error that names ``loss``. Both are
-  decided by tracing ``inner`` the other way, not by reading its error."""
-  try:
-    return _traced(ctx, inner_state)
-  except TypeError as e:
-    error = e
-  with_loss = ctx.extra.with_loss
-  other = ctx._replace(extra=ctx.extra._replace(with_loss=not with_loss))
-  try:
-    found = _traced(other, inner_state)
-  except Exception:  # neither way: inner's first error stands
-    found = None
-  if found is None:
-    raise error
-  if with_loss:
-    return found
-  raise _inputs.needs_value_error(error) from error
-
-
-def _traced(ctx: Context, inner_state: _typing.OptState) -> _Inner:
-  """:class:`_Inner` from ``jax.eval_shape`` of its step on values typed
-  as the window's sums will be; our error where the placement has one for
-  ``inner`` failing there."""
-  config, place = ctx.config, ctx.place
-  step = functools.partial(_step, ctx)
-  try:
-    sums = place.reduced_types(ctx.grads)  # unused values: for their types
-    summed = _Sums(
-      sums,
-      divisor=jax.ShapeDtypeStruct([], config.token_dtype),
-      mean_loss=jax.ShapeDtypeStruct([], config.loss_dtype),
-    )
-    shapes = jax.eval_shape(step, summed, inner_state, ctx.params)[0]
-  except Exception as e:
-    _raise(e, place.refusal_of(e, functools.partial(_runs_on, ctx)))
-  return _Inner(shapes, step)
-
-
-def _runs_on(ctx: Context, place: _placement.Placement) -> bool:
-  """Whether ``inner`` traces on ``place`` (another layout of the same
-  gradients), from the state its ``init`` makes there."""
-  try:
-    sums = place.reduced_types(ctx.grads)
-    _traced(
-      ctx._replace(place=place), jax.eval_shape(ctx.config.inner.init, sums)
-    )
-  except Exception:  # it fails there too
-    return False
-  return True
-
-
-def _raise(error: Exception, ours: Optional[Exception]) -> NoReturn:
-  """Raises ``ours`` (our error for ``error``), or ``error`` where None."""
-  if ours is None:
-    raise error
-  raise ours from error

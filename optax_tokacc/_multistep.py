@@ -31,6 +31,7 @@ from optax_tokacc import _base
 from optax_tokacc import _closing
 from optax_tokacc import _config
 from optax_tokacc import _held_updates
+from optax_tokacc import _inner_step
 from optax_tokacc import _inputs
 from optax_tokacc import _manual
 from optax_tokacc import _norms
@@ -387,8 +388,8 @@ def _call(
   window = _window.restart_if(place, state.mini_step == 0, window)
   window = _window.add(config, place, window, micro)
   mini_step = _mini_step(place, state.mini_step, keep)
-  extra = _closing.Extra(extra_args, with_loss=loss is not None)
-  ctx = _closing.Context(config, place, grads, params, extra)
+  extra = _inner_step.Extra(extra_args, with_loss=loss is not None)
+  ctx = _inner_step.Context(config, place, grads, params, extra)
   if close is None:  # the device decides, in one lax.cond
     close = _window.should_close(
       config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now

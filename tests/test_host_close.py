@@ -1032,7 +1032,7 @@ def test_two_programs_in_all():
 # and the same window closed by the device (``close=None``) give bit for bit
 # the same updates and state, on one device and data parallel (``shard_map``
 # with ``axis_name``, explicit DDP, ZeRO-1). The window's mean is one
-# computation in both programs (``_closing._step``'s ``mean``: before, XLA
+# computation in both programs (``_inner_step._step``'s ``mean``: before, XLA
 # rewrote the host program's division into a multiplication by the
 # reciprocal inside the device program's ``cond`` only, and 3 of 32
 # elements differed by up to 2.4e-7). The parameters are the user's

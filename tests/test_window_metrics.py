@@ -696,7 +696,7 @@ def test_closing_step_holds_no_parameter_sized_temporary():
   scalars, under 0.75x. With biases, XLA:CPU copied every leaf of the
   sums where the squares were read beside ``inner``'s in-place write
   (0.50x against 0.33x): their reads are ordered before it by a value the
-  means depend on (``_closing._after_squares``)."""
+  means depend on (``_inner_step._after_squares``)."""
   params = {f'w{i}': jnp.full((512, 512), 0.01) for i in range(4)}
   params.update({f'b{i}': jnp.zeros(512) for i in range(4)})
 
