@@ -142,6 +142,15 @@ def compare(before: dict, after: dict) -> list[str]:
   return lines
 
 
+def unmatched(before: dict, after: dict) -> tuple[int, int]:
+  """How many distinct programs of each side the other side compiled
+  nowhere: a module's fixture compiles under the first of its tests to run
+  in each process, which xdist may change, so a program is looked for
+  under every node id, and counted once."""
+  found = [{d for v in side.values() for d in v} for side in (before, after)]
+  return len(found[0] - found[1]), len(found[1] - found[0])
+
+
 def main(argv: list[str]) -> int:
   if len(argv) != 2:
     raise SystemExit(__doc__)
@@ -152,6 +161,11 @@ def main(argv: list[str]) -> int:
   print(
     f'{len(before.keys() & after.keys())} node ids, {programs} programs '
     f'on both sides: {len(different)} node ids with a different program'
+  )
+  gone, new = unmatched(before, after)
+  print(
+    f'programs compiled nowhere on the other side: {gone} before, {new} '
+    'after (a changed program, or a test only one side has)'
   )
   return 1 if different else 0
 

@@ -57,3 +57,11 @@ def test_compare_names_the_tests_whose_programs_differ():
   lines = program_digests.compare(before, after)
   assert lines == ['DIFFERENT t::b: 1 differ, 1 -> 1 programs']
   assert program_digests.compare(before, before) == []
+
+
+def test_a_program_attributed_to_another_test_is_matched():
+  """A fixture's programs are recorded under the first test that runs: a
+  program found under another node id on the other side is no change."""
+  before = {'t::a': ['1'], 't::b': []}
+  after = {'t::a': [], 't::b': ['1', '2'], 't::c': ['1']}  # '1' twice
+  assert program_digests.unmatched(before, after) == (0, 1)
