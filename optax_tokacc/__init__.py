@@ -36,7 +36,6 @@ from optax_tokacc._checkpoint_target import checkpoint_target
 from optax_tokacc._losses import token_cross_entropy
 from optax_tokacc._microbatch import microbatched_value_and_grad
 from optax_tokacc._multistep import token_weighted_multistep
-from optax_tokacc._multistep import update_and_apply
 from optax_tokacc._state import apply_if_updated
 from optax_tokacc._state import find_state
 from optax_tokacc._state import has_updated
@@ -45,6 +44,7 @@ from optax_tokacc._state import window_metrics
 from optax_tokacc._state_layout import init_sharded
 from optax_tokacc._state_layout import state_partition_specs
 from optax_tokacc._state_layout import state_shardings
+from optax_tokacc._update_and_apply import update_and_apply
 
 __version__ = '0.5.0'
 

@@ -30,7 +30,6 @@ import optax
 from optax_tokacc import _base
 from optax_tokacc import _closing
 from optax_tokacc import _config
-from optax_tokacc import _held_updates
 from optax_tokacc import _inner_step
 from optax_tokacc import _inputs
 from optax_tokacc import _manual
@@ -181,7 +180,7 @@ def token_weighted_multistep(
     window_norms=window_norms,
   )
   return optax.GradientTransformationExtraArgs(
-    functools.partial(_init, config), functools.partial(_update, config)
+    functools.partial(_init, config), functools.partial(update, config)
   )
 
 
@@ -254,91 +253,7 @@ def _judge(
   return jnp.logical_not(skip), skip_state
 
 
-def update_and_apply(
-  tx: optax.GradientTransformation,
-  grads: _typing.Updates,
-  opt_state: _typing.OptState,
-  params: _typing.Params,
-  **kwargs: Any,
-) -> tuple[_typing.Params, _typing.OptState]:
-  """``tx.update`` then ``optax.apply_updates``, in one call: the same
-  parameters and state, bit for bit, and cheaper where it can be.
-
-  Where ``tx`` is :func:`token_weighted_multistep`'s transformation itself
-  (not in a chain) and the device decides the window (no ``close=``), on
-  one device, on a GPU or CPU, the updates are added from the
-  accumulator's buffer, which holds them, in a loop of 0 or 1 trips on
-  whether the call emitted: an open micro-step then reads and writes
-  nothing of the parameters. ``optax.apply_updates`` adds the returned
-  updates (zeros on an open micro-step) to every parameter on every call,
-  a parameter-sized pass that XLA cannot remove, since only the device
-  knows which calls close a window. Everywhere else this is
-  ``tx.update`` then ``optax.apply_updates``. The linen ``TrainState`` and
-  the nnx ``Optimizer`` of :mod:`optax_tokacc.flax` use it.
-
-  Args:
-    tx: the optimizer: any ``optax.GradientTransformation``.
-    grads: the micro-batch's gradients.
-    opt_state: ``tx``'s state.
-    params: the parameters.
-    **kwargs: further keyword arguments of ``tx.update`` (``num_tokens``,
-      ``loss``, ...).
-
-  Returns:
-    ``(params, opt_state)`` after the call.
-
-  Raises:
-    TypeError: if ``tx`` is not an ``optax.GradientTransformation``.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, optax_tokacc as tokacc
-    >>> tx = tokacc.token_weighted_multistep(optax.sgd(1.0), 1)
-    >>> params = {'w': jnp.zeros(2)}
-    >>> state = tx.init(params)
-    >>> grads = {'w': jnp.ones(2)}
-    >>> params, state = tokacc.update_and_apply(
-    ...   tx, grads, state, params, num_tokens=1
-    ... )
-    >>> params['w']
-    Array([-1., -1.], dtype=float32)
-  """
-  params, state, _ = applied_with_updates(
-    tx, grads, opt_state, params, **kwargs
-  )
-  return params, state
-
-
-def applied_with_updates(
-  tx: optax.GradientTransformation,
-  grads: _typing.Updates,
-  opt_state: _typing.OptState,
-  params: _typing.Params,
-  **kwargs: Any,
-) -> tuple[_typing.Params, _typing.OptState, _typing.Updates]:
-  """:func:`update_and_apply`, with the updates the call returned too (what
-  ``nnx.Optimizer.update`` returns; XLA drops them where nothing reads
-  them)."""
-  if not isinstance(tx, optax.GradientTransformation):
-    raise TypeError(
-      'update_and_apply(tx, ...): tx must be an optax.GradientTransformation'
-      f' (for example tokacc.token_weighted_multistep(...)); got'
-      f' {type(tx).__name__}.'
-    )
-  update = tx.update
-  if isinstance(update, functools.partial) and update.func is _update:
-    updates, state, held = _call(
-      *update.args, grads, opt_state, params, **kwargs
-    )
-    if held:
-      return _held_updates.applied(params, updates, state), state, updates
-    return optax.apply_updates(params, updates), state, updates
-  updates, state = update(grads, opt_state, params, **kwargs)
-  return optax.apply_updates(params, updates), state, updates
-  updates, state = update(grads, opt_state, params, **kwargs)
-  return optax.apply_updates(params, updates), state
-
-
-def _update(
+def update(
   config: _base.Config,
   /,
   updates: _typing.Updates,
@@ -347,11 +262,11 @@ def _update(
   **kwargs: Any,
 ) -> tuple[_typing.Updates, _base.TokenWeightedMultiStepState]:
   """One micro-step; closes the window on the k-th (see the factory and
-  :func:`_call`)."""
-  return _call(config, updates, state, params, **kwargs)[:2]
+  :func:`call`)."""
+  return call(config, updates, state, params, **kwargs)[:2]
 
 
-def _call(
+def call(
   config: _base.Config,
   /,
   updates: _typing.Updates,
@@ -364,7 +279,7 @@ def _call(
   close: Optional[bool] = None,
   **extra_args: Any,
 ) -> tuple[_typing.Updates, _base.TokenWeightedMultiStepState, bool]:
-  """:func:`_update`, and whether the returned state's buffer holds the
+  """:func:`update`, and whether the returned state's buffer holds the
   updates where they are emitted (on one device: ``update_and_apply``)."""
   # The inputs, checked once; then the placement; then the state.
   _inputs.state_type(state)

@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import optax
 
 import optax_tokacc
-from optax_tokacc import _multistep
 from optax_tokacc import _typing
+from optax_tokacc import _update_and_apply
 
 # The key of flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT.
 _OVERWRITE_WITH_GRADIENT = '_overwrite_with_gradient'
@@ -352,7 +352,7 @@ class Optimizer(nnx.Optimizer, _Accumulating):
     params = pure(nnx.state(model, self.wrt, **graph))
     grads = pure(nnx.state(grads, self.wrt, **graph))
     args = (self.tx, grads, pure(self.opt_state), params)
-    params, opt_state, updates = _multistep.applied_with_updates(
+    params, opt_state, updates = _update_and_apply.applied_with_updates(
       *args, **pure(kwargs)
     )
     nnx.update(model, params)
