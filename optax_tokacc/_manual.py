@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from optax_tokacc import _base
 from optax_tokacc import _errors
+from optax_tokacc import _inputs
 from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _typed_sharding
@@ -120,6 +121,29 @@ class Manual(_placement.Placement):
   def gradient_shares(self, grads: _typing.Updates) -> _typing.Updates:
     return jax.tree.map(self.share_of, grads)
 
+  def scalar_zeros(self, dtype: jax.typing.DTypeLike) -> jax.Array:
+    return jnp.zeros([], dtype)
+
+  def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
+    return grad * factor
+
+  def on_each_device(
+    self, fn: Callable, args: tuple, like: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
+    """``fn(*args)`` here: already on each device's share."""
+    return jax.tree.map(self.retype_same_values, fn(*args), like)
+
+  def skip_decision(
+    self,
+    skip_fn: Callable,
+    grads: _typing.Updates,
+    gradient_step: jax.Array,
+    params: Optional[_typing.Params],
+  ) -> tuple[jax.Array, _typing.ArrayTree]:
+    """Each device's own decision: a rejected micro-batch still advances
+    the window (:meth:`rejected_micro_batch_advances`)."""
+    return _inputs.call_skip_fn(skip_fn, grads, gradient_step, params)
+
   def _over(self, x: jax.Array) -> tuple[str, ...]:
     """The axes to sum a per-device value over: those it varies over."""
     varying = varying_axes(x) if self.tracked else self.axes
@@ -188,7 +212,7 @@ class Manual(_placement.Placement):
   def loop_if(
     self, pred: jax.Array, fn: Callable, values: _typing.ArrayTree
   ) -> _typing.ArrayTree:
-    """:meth:`Placement.loop_if` whose ``fn`` may return values varying
+    """:func:`_placement.flag_loop`, whose ``fn`` may return values varying
     over more axes than its operand: the loop carries the union of both."""
     outs = jax.eval_shape(fn, values)
     target = jax.tree.map(
@@ -198,7 +222,21 @@ class Manual(_placement.Placement):
     def matched(tree):
       return jax.tree.map(make_varying, tree, target)
 
-    return super().loop_if(pred, lambda v: matched(fn(v)), matched(values))
+    return _placement.flag_loop(pred, lambda v: matched(fn(v)), matched(values))
+
+  def reduced_types(self, grads: _typing.Updates) -> _typing.Updates:
+    return jax.tree.map(self.summed_now, grads)
+
+  def refusal_of(
+    self, error: Exception, runs_on: Callable[[_placement.Placement], bool]
+  ) -> Optional[Exception]:
+    del error, runs_on
+    return None
+
+  def typed_like(
+    self, tree: _typing.ArrayTree, reference: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
+    return _typed_sharding.like(tree, reference)
 
   def _split_axes(self, leaves: list) -> list[frozenset]:
     """Per leaf, the manual axes it varies over (is split over; none

@@ -37,6 +37,7 @@ import optax
 from optax_tokacc import _base
 from optax_tokacc import _errors
 from optax_tokacc import _inputs
+from optax_tokacc import _norms
 from optax_tokacc import _optimizer_shards
 from optax_tokacc import _placement
 from optax_tokacc import _typed_sharding
@@ -53,8 +54,8 @@ class PartialSums(_placement.Placement):
   window is reduce-scattered into (``_optimizer_shards.ShardTarget``), or
   None where it is summed whole; empty: every leaf summed whole.
 
-  It keeps the interface's defaults where ``jax.jit``'s one program makes
-  a value the same everywhere: the state is the shares (its types say
+  It does as whole values do where ``jax.jit``'s one program makes a value
+  the same everywhere: the state is the shares (its types say
   which are partial sums), the gradients arrive as partial sums or whole,
   ``emit_now`` and the skip decision (:meth:`skip_decision`) are every
   device's, so a rejected micro-batch is no micro-step.
@@ -226,8 +227,59 @@ class PartialSums(_placement.Placement):
       jax.tree.map(gather, tree, reference), reference
     )
 
-  def shares_typed(self) -> bool:
-    return True
+  def rejected_micro_batch_advances(self) -> bool:
+    return False  # every device's decision: a rejected one is no micro-step
+
+  def local_state(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
+    return state  # the shares, typed unreduced
+
+  def global_state(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
+    return state
+
+  def gradient_shares(self, grads: _typing.Updates) -> _typing.Updates:
+    return grads  # partial sums, or whole
+
+  def on_any_device(self, flag: jax.Array) -> jax.Array:
+    return flag  # one program: the same everywhere
+
+  def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
+    """Where they are typed alike (split alike)."""
+    return _typed_sharding.same_layout(acc, update)
+
+  def cond(
+    self,
+    pred: jax.Array,
+    true_fn: Callable,
+    false_fn: Callable,
+    *ops: Optional[_typing.ArrayTree],
+  ) -> _typing.ArrayTree:
+    return lax.cond(pred, true_fn, false_fn, *ops)
+
+  def loop_if(
+    self, pred: jax.Array, fn: Callable, values: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
+    return _placement.flag_loop(pred, fn, values)
+
+  def squares(self, tree: _typing.Updates, per_leaf: bool = False) -> dict:
+    """Summed in a manual region whatever JAX defers: the shares are
+    typed as partial sums (``_norms.typed_split_axes``)."""
+    return _norms.typed_squares(tree, per_leaf, True)
+
+  def norms(
+    self,
+    grads: _typing.Updates,
+    grad_squares: dict,
+    updates: _typing.Updates,
+    per_leaf: bool = False,
+  ) -> _norms.Norms:
+    squares = (grad_squares, self.squares(updates, per_leaf))
+    return _norms.typed_norms(
+      self.on_each_device, grads, updates, squares, True
+    )
 
 
 def _reduced_spec(

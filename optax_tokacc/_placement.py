@@ -29,21 +29,21 @@ is chosen once per trace, at the top of ``init`` and ``update``
   reduce-scattered into the optimizer's shards where ``shard_optimizer_over``
   shards them.
 
-Each concrete placement is final and overrides only what it does
-differently from whole values, the interface's defaults. A new layout is a
-new placement, not an edit of the algebra. The norms' arithmetic is
+The interface is abstract-or-final: a method is abstract, or written once
+here and never overridden, so that what a placement does is read in its
+own class. Each concrete placement is final. A new layout is a new
+placement, not an edit of the algebra. The norms' arithmetic is
 ``_norms``'.
 """
 
 import abc
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, final
 
 import jax
 import jax.numpy as jnp
 
 from optax_tokacc import _base
-from optax_tokacc import _inputs
 from optax_tokacc import _norms
 from optax_tokacc import _typed_sharding
 from optax_tokacc import _typing
@@ -58,13 +58,8 @@ class Placement(abc.ABC):
   each device's share (:meth:`on_each_device`); the window is summed over
   the devices once, when it closes (:meth:`reduce_window`), and
   ``inner``'s updates are typed like the parameters again
-  (:meth:`typed_like`).
-
-  Every method but the two abstract ones has the behaviour of whole
-  values (one device, or global arrays under ``jax.jit``: nothing to
-  reduce, no device to ask) as its default; a placement overrides what it
-  does differently (``_manual``, ``_partial_sums``), and ``_single`` only
-  says how a value becomes its share and how the window is reduced.
+  (:meth:`typed_like`). The last four methods are the same in every
+  placement.
   """
 
   @abc.abstractmethod
@@ -78,47 +73,47 @@ class Placement(abc.ABC):
     """The window's one reduction: its sums, its count as exact parts
     (``_tokens.to_parts``) and its loss, summed over the devices."""
 
+  @abc.abstractmethod
   def rejected_micro_batch_advances(self) -> bool:
     """Whether a micro-batch that ``should_skip_update_fn`` rejects still
     counts as a micro-step: where devices may decide differently, so that
-    they close their windows together (whole values: one decision, and a
-    rejected micro-batch is not a micro-step)."""
-    return False
+    they close their windows together."""
 
+  @abc.abstractmethod
   def local_state(
     self, state: _base.TokenWeightedMultiStepState
   ) -> _base.TokenWeightedMultiStepState:
     """The state as the algebra reads it: this device's share."""
-    return state
 
+  @abc.abstractmethod
   def global_state(
     self, state: _base.TokenWeightedMultiStepState
   ) -> _base.TokenWeightedMultiStepState:
     """The inverse of :meth:`local_state`: the state as ``update``
     returns it."""
-    return state
 
+  @abc.abstractmethod
   def scalar_zeros(self, dtype: jax.typing.DTypeLike) -> jax.Array:
     """A zero count or loss of the window, typed as this placement holds
     its shares."""
-    return jnp.zeros([], dtype)
 
+  @abc.abstractmethod
   def gradient_shares(self, grads: _typing.Updates) -> _typing.Updates:
     """A micro-batch's gradients as this device's shares of them."""
-    return grads
 
+  @abc.abstractmethod
   def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
     """``grad * factor`` for a scalar ``factor`` the same on every
     device, in the types of ``grad``."""
-    return grad * factor
 
+  @abc.abstractmethod
   def on_each_device(
     self, fn: Callable, args: tuple, like: _typing.ArrayTree
   ) -> _typing.ArrayTree:
     """``fn(*args)`` on each device's share; its outputs are typed like
     ``like`` (a tree of values, or of their shapes)."""
-    return jax.tree.map(self.retype_same_values, fn(*args), like)
 
+  @abc.abstractmethod
   def skip_decision(
     self,
     skip_fn: Callable,
@@ -128,22 +123,21 @@ class Placement(abc.ABC):
   ) -> tuple[jax.Array, _typing.ArrayTree]:
     """``should_skip_update_fn``'s decision on the micro-batch, the same
     on every device, and its skip state."""
-    return _inputs.call_skip_fn(skip_fn, grads, gradient_step, params)
 
+  @abc.abstractmethod
   def sum_over_devices(self, fn: Callable, x: jax.Array) -> jax.Array:
     """``fn`` of each device's share of ``x``, summed over the devices."""
-    return fn(x)
 
+  @abc.abstractmethod
   def on_any_device(self, flag: jax.Array) -> jax.Array:
     """Whether ``flag`` is true on any device."""
-    return flag
 
+  @abc.abstractmethod
   def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
     """Whether an accumulator leaf's buffer may hold an update's value (the
-    closing step writes the updates there: see ``_closing``): where they
-    are typed alike (split alike)."""
-    return _typed_sharding.same_layout(acc, update)
+    closing step writes the updates there: see ``_closing``)."""
 
+  @abc.abstractmethod
   def cond(
     self,
     pred: jax.Array,
@@ -153,33 +147,21 @@ class Placement(abc.ABC):
   ) -> _typing.ArrayTree:
     """``lax.cond``, where the two branches' outputs may differ in the
     types this placement gives them."""
-    return jax.lax.cond(pred, true_fn, false_fn, *ops)
 
+  @abc.abstractmethod
   def loop_if(
     self, pred: jax.Array, fn: Callable, values: _typing.ArrayTree
   ) -> _typing.ArrayTree:
-    """``fn(values)`` if ``pred``, else ``values`` as they are: a loop of 0
-    or 1 trips on a flag (``lax.while_loop``), ``fn`` returning values
-    typed as its operand. A trip not taken reads and writes nothing: XLA:GPU copies
-    the operands a ``cond``'s branch returns, and flattens a ``cond``
-    whose branches look cheap into selects; neither happens to a loop."""
+    """``fn(values)`` if ``pred``, else ``values`` as they are
+    (:func:`flag_loop`), ``fn`` returning values typed as this placement
+    carries them."""
 
-    def body(carry):
-      return jnp.zeros_like(pred), fn(carry[1])
-
-    return jax.lax.while_loop(lambda carry: carry[0], body, (pred, values))[1]
-
-  def shares_typed(self) -> bool:
-    """Whether the window's shares are typed as partial sums (unreduced),
-    so that the norms' squares are summed in a manual region whatever JAX
-    defers (``_norms.typed_split_axes``)."""
-    return False
-
+  @abc.abstractmethod
   def squares(self, tree: _typing.Updates, per_leaf: bool = False) -> dict:
     """``tree``'s squares summed on each device's share, for
-    :meth:`norms` (``_norms.local_squares``)."""
-    return _norms.typed_squares(tree, per_leaf, self.shares_typed())
+    :meth:`norms` (``_norms``)."""
 
+  @abc.abstractmethod
   def norms(
     self,
     grads: _typing.Updates,
@@ -191,56 +173,68 @@ class Placement(abc.ABC):
     ``updates``, from each device's share of the squares: one ``psum``
     of all of them per set of mesh axes they are split over; each leaf's
     too where ``per_leaf``."""
-    squares = (grad_squares, self.squares(updates, per_leaf))
-    on_shares = self.shares_typed()
-    return _norms.typed_norms(
-      self.on_each_device, grads, updates, squares, on_shares
-    )
 
-  # What ``inner`` sees: a placement that shards ``inner``'s state
-  # (``PartialSums`` with ``shard_optimizer_over``) overrides these three.
+  # What ``inner`` sees.
 
+  @abc.abstractmethod
   def reduced_types(self, grads: _typing.Updates) -> _typing.Updates:
     """Values typed as :meth:`reduce_window` types the window's sums (for
     their types only: ``jax.eval_shape`` of ``inner``)."""
-    return jax.tree.map(self.summed_now, grads)
 
+  @abc.abstractmethod
   def refusal_of(
     self, error: Exception, runs_on: Callable[['Placement'], bool]
   ) -> Optional[Exception]:
     """Our error for ``inner`` failing to trace here with ``error`` (None:
     its own). ``runs_on(place)``: whether ``inner`` traces on another
     placement of the same gradients."""
-    del error, runs_on
-    return None
 
+  @abc.abstractmethod
   def typed_like(
     self, tree: _typing.ArrayTree, reference: _typing.ArrayTree
   ) -> _typing.ArrayTree:
     """``tree``, whole values such as ``inner``'s updates, typed and
     laid out like ``reference`` (the parameters, ``inner``'s state)."""
-    return _typed_sharding.like(tree, reference)
 
-  # The members below are the same in every placement.
+  # The same in every placement.
 
+  @final
   def gradient_zeros(
     self, param: jax.typing.ArrayLike, dtype: jax.typing.DTypeLike
   ) -> jax.Array:
     """The accumulator's zeros for ``param``'s gradient, typed like it."""
     return _typed_sharding.gradient_zeros(param, dtype)
 
+  @final
   def summed_now(self, x: jax.Array) -> jax.Array:
     """``x`` summed over the devices that hold parts of it, now (a value
     typed unreduced is reduced; any other is already whole)."""
     return _typed_sharding.reduce_now(x)
 
+  @final
   def retype_same_values(
     self, x: jax.Array, like: _typed_sharding.ArrayOrShape
   ) -> jax.Array:
     """``x``, held whole and alike on every device, typed like ``like``."""
     return _typed_sharding.retype_same_values(x, like)
 
+  @final
   def inner_types(self, tree: _typing.ArrayTree) -> _typing.ArrayTree:
     """``tree`` in the types that optax's nonlinear updates take (reduced
     types dropped, free)."""
     return _typed_sharding.without_reduced(tree)
+
+
+def flag_loop(
+  pred: jax.Array, fn: Callable, values: _typing.ArrayTree
+) -> _typing.ArrayTree:
+  """``fn(values)`` if ``pred``, else ``values`` as they are: a loop of 0 or
+  1 trips on a flag (``lax.while_loop``), ``fn`` returning values typed as
+  its operand. A trip not taken reads and writes nothing: XLA:GPU copies
+  the operands a ``cond``'s branch returns, and flattens a ``cond`` whose
+  branches look cheap into selects; neither happens to a loop."""
+
+  def body(carry):
+    return jnp.zeros_like(pred), fn(carry[1])
+
+  return jax.lax.while_loop(lambda carry: carry[0], body, (pred, values))[1]

@@ -20,20 +20,24 @@ parameters are not typed reduced). Values may carry types of sharding;
 they are kept as they come.
 """
 
-from typing import final
+from collections.abc import Callable
+from typing import Optional, final
 
 import jax
+import jax.numpy as jnp
 
 from optax_tokacc import _base
+from optax_tokacc import _inputs
+from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
+from optax_tokacc import _typed_sharding
 from optax_tokacc import _typing
 
 
 @final
 class Single(_placement.Placement):
-  """Every value is whole: nothing to reduce, no device to ask (the
-  interface's defaults)."""
+  """Every value is whole: nothing to reduce, no device to ask."""
 
   def share_of(self, x: jax.Array) -> jax.Array:
     return self.summed_now(x)
@@ -42,3 +46,92 @@ class Single(_placement.Placement):
     self, sums: _typing.Updates, acc_tokens: jax.Array, acc_loss: jax.Array
   ) -> _base.Reduced:
     return _base.Reduced(sums, _tokens.to_parts(acc_tokens), acc_loss)
+
+  def rejected_micro_batch_advances(self) -> bool:
+    return False  # one decision: a rejected micro-batch is no micro-step
+
+  def local_state(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
+    return state
+
+  def global_state(
+    self, state: _base.TokenWeightedMultiStepState
+  ) -> _base.TokenWeightedMultiStepState:
+    return state
+
+  def scalar_zeros(self, dtype: jax.typing.DTypeLike) -> jax.Array:
+    return jnp.zeros([], dtype)
+
+  def gradient_shares(self, grads: _typing.Updates) -> _typing.Updates:
+    return grads
+
+  def scale(self, grad: jax.Array, factor: jax.Array) -> jax.Array:
+    return grad * factor
+
+  def on_each_device(
+    self, fn: Callable, args: tuple, like: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
+    return jax.tree.map(self.retype_same_values, fn(*args), like)
+
+  def skip_decision(
+    self,
+    skip_fn: Callable,
+    grads: _typing.Updates,
+    gradient_step: jax.Array,
+    params: Optional[_typing.Params],
+  ) -> tuple[jax.Array, _typing.ArrayTree]:
+    return _inputs.call_skip_fn(skip_fn, grads, gradient_step, params)
+
+  def sum_over_devices(self, fn: Callable, x: jax.Array) -> jax.Array:
+    return fn(x)
+
+  def on_any_device(self, flag: jax.Array) -> jax.Array:
+    return flag
+
+  def buffer_holds(self, acc: jax.Array, update: jax.Array) -> bool:
+    """Where they are typed alike (split alike)."""
+    return _typed_sharding.same_layout(acc, update)
+
+  def cond(
+    self,
+    pred: jax.Array,
+    true_fn: Callable,
+    false_fn: Callable,
+    *ops: Optional[_typing.ArrayTree],
+  ) -> _typing.ArrayTree:
+    return jax.lax.cond(pred, true_fn, false_fn, *ops)
+
+  def loop_if(
+    self, pred: jax.Array, fn: Callable, values: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
+    return _placement.flag_loop(pred, fn, values)
+
+  def squares(self, tree: _typing.Updates, per_leaf: bool = False) -> dict:
+    return _norms.typed_squares(tree, per_leaf, False)
+
+  def norms(
+    self,
+    grads: _typing.Updates,
+    grad_squares: dict,
+    updates: _typing.Updates,
+    per_leaf: bool = False,
+  ) -> _norms.Norms:
+    squares = (grad_squares, self.squares(updates, per_leaf))
+    return _norms.typed_norms(
+      self.on_each_device, grads, updates, squares, False
+    )
+
+  def reduced_types(self, grads: _typing.Updates) -> _typing.Updates:
+    return jax.tree.map(self.summed_now, grads)
+
+  def refusal_of(
+    self, error: Exception, runs_on: Callable[[_placement.Placement], bool]
+  ) -> Optional[Exception]:
+    del error, runs_on
+    return None
+
+  def typed_like(
+    self, tree: _typing.ArrayTree, reference: _typing.ArrayTree
+  ) -> _typing.ArrayTree:
+    return _typed_sharding.like(tree, reference)
