@@ -21,7 +21,6 @@ a state restores only on as many devices as it was saved on.
 """
 
 import jax
-import jax.numpy as jnp
 
 from optax_tokacc import _base
 from optax_tokacc import _shares
@@ -42,15 +41,12 @@ def target(state: _base.TokenWeightedMultiStepState) -> _typing.ArrayTree:
 
 
 def refusal(
-  prefix: tuple[str, ...],
-  state: _base.TokenWeightedMultiStepState,
-  saved: dict,
-  where: str,
+  prefix: tuple[str, ...], now: tuple[int, ...], saved: dict, where: str
 ) -> ValueError:
   """The error for such a state at ``prefix`` (named ``where``) whose window
-  was saved on another number of devices than ``state``'s."""
+  was saved on another number of devices than its :func:`target` holds
+  (``now``: the shape of the target's ``acc_tokens``)."""
   before = saved[prefix + ('acc_tokens',)].shape
-  now = jnp.shape(_shares.leaf_rows(state.acc_tokens))
   return ValueError(
     f'checkpoint_target: {where} was saved by optax_tokacc 0.5 '
     f'with the window of {before[0] if before else 1} device(s), and is '

@@ -137,8 +137,10 @@ def checkpoint_target(like: Any, metadata: Any) -> Any:
       return _shares.leaf_rows(node)
     prefix = tuple(map(path_key, path))
     if _checkpoint_0_5.saved_by_0_5(prefix, saved):
-      of_0_5[prefix] = node
-      return _checkpoint_0_5.target(node)
+      found = _checkpoint_0_5.target(node)
+      # its shape, not the value: abstract, it is traced here only
+      of_0_5[prefix] = jnp.shape(found.acc_tokens)
+      return found
     form = _shares.save_state(node)
     per_device = paths(_shares.per_device(form.state))
     rows.update(prefix + ('state',) + sub for sub in per_device)
@@ -232,9 +234,9 @@ def _refuse_leaf(
   saved: dict,
 ) -> None:
   """The error for a saved leaf that does not fit its target ``x``."""
-  for prefix, state in of_0_5.items():
+  for prefix, now in of_0_5.items():
     if path[: len(prefix)] == prefix:
-      raise _checkpoint_0_5.refusal(prefix, state, saved, where(prefix))
+      raise _checkpoint_0_5.refusal(prefix, now, saved, where(prefix))
   raise ValueError(
     f'checkpoint_target: {where(path)} was saved as {dtype}{list(shape)}, '
     f'and is {jnp.result_type(x)}{list(jnp.shape(x))} here: the checkpoint '

@@ -516,6 +516,14 @@ def test_a_checkpoint_of_0_5_resumes_on_its_own_devices(tmp_path, layout):
   other = build(layout, 2, 'plain')
   with pytest.raises(ValueError, match=r'0\.5 with the window of 4 .* onto 2'):
     restore(tmp_path / 'ckpt', other)
+  # Ahead of time (``like`` abstract): the same refusal, not a leaked tracer.
+  like = jax.eval_shape(lambda: (other.unstack(other.params), other.state))
+  metadata = checkpointer.metadata(tmp_path / 'ckpt')
+  with placements.mesh_context(other.mesh):
+    with pytest.raises(
+      ValueError, match=r'0\.5 with the window of 4 .* onto 2'
+    ):
+      tokacc.checkpoint_target(like, metadata)
 
 
 def test_a_state_restored_for_another_k_closes_its_window_at_that_k(tmp_path):
