@@ -124,7 +124,7 @@ def pytest_configure(config):
   config.stash[WATCHDOG_FD] = os.dup(sys.stderr.fileno())
   directory = config.getoption('program_digests')
   if directory:
-    import program_digests  # noqa: PLC0415 (only when asked)
+    import program_digests  # only when asked: it patches testing.hlo
 
     recorder = program_digests.Recorder(pathlib.Path(directory))
     config.pluginmanager.register(recorder, 'program_digests')
