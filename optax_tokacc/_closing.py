@@ -15,15 +15,17 @@
 """Closing the window: its one reduction, and ``inner`` run once.
 
 On the device (``close=None``) the closing step is a loop of 0 or 1 trips
-(:func:`close_if`): micro-steps run no optimizer work and no collective,
-and the accumulator's buffer holds the updates. On
-the host's decision (a Python ``close``) the window is closed or left open
-without a conditional (:func:`close_now`, :func:`keep_open`). Where the sums
-live and how they are reduced is the placement's (``_placement``).
+(:func:`close_if`): micro-steps run no optimizer work and no collective.
+On the host's decision (a Python ``close``) the window is closed or left
+open without a conditional (:func:`close_now`, :func:`keep_open`). Where
+the sums live and how they are reduced is the placement's
+(``_placement``); where the closing step holds its updates,
+``_held_updates``'.
 """
 
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +57,7 @@ class CallResult(NamedTuple):
   inner_state: _typing.OptState
   closed: _base.Closed
   # Whether the window's buffer holds the updates where they are emitted
-  # (a device's close on a GPU or CPU: ``_held_updates.released``).
+  # (a device's close on a GPU or CPU: ``_held_updates.InBuffer``).
   held: bool = False
 
 
@@ -101,23 +103,42 @@ def close_now(
 
   On a GPU ``inner``'s step is written out (:func:`_written_out`), so that
   XLA fuses it with the parameters' update (``optax.apply_updates`` in the
-  same program). Elsewhere the rest is :func:`close_if`'s closing trip,
-  whose ``inner`` step (and the norms' squares) runs in a loop of 1 trip as
-  where the device closes: it rounds alike wherever the window closes
-  (written out, the CPU sums the squares in another order), and XLA:TPU
-  writes less around a loop than around selects."""
+  same program). Elsewhere it is :func:`close_if`'s closing trip
+  (:func:`_in_trip`)."""
 
-  def in_trips(window, inner_state):
-    return _close(ctx, None, window, inner_state, _reduce(ctx, window))[:4]
+  def in_trip(window, inner_state):
+    return _in_trip(ctx, window, inner_state)
 
   def written_out(window, inner_state):
     return _written_out(ctx, window, inner_state)
 
   written = {platform: written_out for platform in WRITTEN_OUT_ON}
   updates, window, inner_state, closed = jax.lax.platform_dependent(
-    window, inner_state, **written, default=in_trips
+    window, inner_state, **written, default=in_trip
   )
   return CallResult(updates, window, inner_state, closed)
+
+
+def _in_trip(
+  ctx: _inner_step.Context, window: _base.Window, inner_state: _typing.OptState
+) -> tuple[_typing.Updates, _base.Window, _typing.OptState, _base.Closed]:
+  """:func:`close_now` as :func:`close_if`'s closing trip, out of a loop:
+  its ``inner`` step (and the norms' squares) runs in a loop of 1 trip as
+  where the device closes, so it rounds alike wherever the window closes
+  (written out, the CPU sums the squares in another order), and XLA:TPU
+  writes less around a loop than around selects."""
+  reduced = _reduce(ctx, window)
+  inner = _inner_step.inner_of(ctx, inner_state)
+  held = _held_updates.of(ctx.place, window.grad_sums, inner.shapes)
+  updates = held.carried()
+  carry = (window, inner_state, _open(ctx.config, window), updates)
+  found = _trip(ctx, inner, held, lambda window: reduced, carry)
+  window, inner_state, closed, updates = found
+  updates = held.released(window, updates, closed.emitted)
+  # closed for certain: a flag XLA cannot fold
+  close = jax.lax.optimization_barrier(jnp.asarray(True))
+  window = _window.restarted_if(ctx.place, close, window)
+  return updates, window, inner_state, closed
 
 
 def _written_out(
@@ -156,92 +177,102 @@ def close_if(
   window: _base.Window,
   inner_state: _typing.OptState,
 ) -> CallResult:
-  """Closes the window if ``close``, which the device decides: see
-  :func:`_close`."""
-  return _close(ctx, close, window, inner_state, None)
+  """Closes the window if ``close``, which the device decides, in a loop of
+  0 or 1 trips (``place.loop_if``): an open micro-step reads and writes
+  nothing of it.
 
-
-def _close(
-  ctx: _inner_step.Context,
-  close: Optional[jax.Array],
-  window: _base.Window,
-  inner_state: _typing.OptState,
-  reduced: Optional[tuple[_inner_step.Sums, _base.Closed]],
-) -> CallResult:
-  """Closes the window if ``close``, in a loop of 0 or 1 trips
-  (``place.loop_if``): an open micro-step reads and writes nothing of it.
-
-  Returns a :class:`CallResult`. The updates have the shapes and dtypes of
-  ``inner``'s (``jax.eval_shape``, as in ``optax.MultiSteps``). Where the
-  accumulator's buffer can hold them exactly, the closing trip writes them
-  there and the call reads them back (``_held_updates``): the buffer goes
-  on holding them until the next window's first micro-step zeroes it
-  (``_window.restart_if``). Elsewhere the loop carries the updates, zeros
-  where it takes no trip. A window without tokens or with an invalid count
-  emits no updates and keeps the inner state: a nested loop, which reads
-  nothing of the inner state where it is not taken. ``reduced``: the
-  window's reduction made by the host's closing step (``close`` None),
-  which runs the closing trip out of a loop.
+  The updates have the shapes and dtypes of ``inner``'s (``jax.eval_shape``,
+  as in ``optax.MultiSteps``). Where the accumulator's buffer can hold them
+  exactly, the closing trip writes them there and the call reads them back
+  (``_held_updates.InBuffer``): the buffer goes on holding them until the
+  next window's first micro-step zeroes it (``_window.restart_if``).
+  Elsewhere the loop carries them, zeros where it takes no trip
+  (``_held_updates.Carried``).
   """
-  config, place = ctx.config, ctx.place
+  place = ctx.place
   inner = _inner_step.inner_of(ctx, inner_state)
-  buffer = _held_updates.holds_exactly(place, window.grad_sums, inner.shapes)
-
-  def closing(carry):
-    window, inner_state, _, updates = carry
-    summed, closed = reduced or _reduce(ctx, window)
-    held = window.grad_sums if buffer else updates
-    # Where the buffer is the sums themselves (nothing to reduce), the
-    # loop carries it once: carried twice, XLA copies it.
-    alone = buffer and _same(summed.sums, held)
-
-    def step(carry):
-      summed, held, inner_state, _ = carry
-      found, new_inner, norms = inner.step(
-        summed, inner_state, ctx.params, alone
-      )
-      held = _held_updates.held(
-        place, buffer, found, summed.sums if alone else held
-      )
-      if alone:
-        return summed._replace(sums=held), (), new_inner, norms
-      return summed, held, new_inner, norms
-
-    norms = _norms.nan(config, summed.sums)
-    carry = (summed, () if alone else held, inner_state, norms)
-    summed, held, inner_state, norms = _if_emitted(
-      place, closed.emitted, step, carry, alone
-    )
-    held = summed.sums if alone else held
-    window = _window.counts_restarted(place, window)
-    if buffer:
-      window, updates = window._replace(grad_sums=held), ()
-    else:
-      updates = held
-    # Values the trip hands on unchanged become the loop's
-    # body consts (jax forwards them), and XLA reduces an unreduced const
-    # before the loop, on every call: hand them on as new values.
-    passed = {'acc_compensation': window.acc_compensation}
-    if not buffer:
-      passed['grad_sums'] = window.grad_sums
-    window = window._replace(**jax.lax.optimization_barrier(passed))
-    return window, inner_state, closed._replace(norms=norms), updates
-
-  updates = () if buffer else _held_updates.zeros(inner.shapes)
-  carry = (window, inner_state, _open(config, window), updates)
-  if reduced is None:
-    window, inner_state, closed, updates = place.loop_if(close, closing, carry)
-  else:  # closed for certain: the window's trip, out of a loop
-    window, inner_state, closed, updates = closing(carry)
-  if buffer:
-    updates = _held_updates.released(
-      place, window.grad_sums, inner.shapes, closed.emitted
-    )
-  held = buffer and close is not None
-  if close is None:  # closed for certain: a flag XLA cannot fold
-    close = jax.lax.optimization_barrier(jnp.asarray(True))
+  held = _held_updates.of(place, window.grad_sums, inner.shapes)
+  updates = held.carried()
+  carry = (window, inner_state, _open(ctx.config, window), updates)
+  reduce = functools.partial(_reduce, ctx)
+  closing = functools.partial(_trip, ctx, inner, held, reduce)
+  window, inner_state, closed, updates = place.loop_if(close, closing, carry)
+  updates = held.released(window, updates, closed.emitted)
   window = _window.restarted_if(place, close, window)
-  return CallResult(updates, window, inner_state, closed, held)
+  return CallResult(updates, window, inner_state, closed, held.in_buffer())
+
+
+def _trip(
+  ctx: _inner_step.Context,
+  inner: _inner_step.Inner,
+  held: _held_updates.HeldUpdates,
+  reduce: Callable,
+  carry: tuple,
+) -> tuple:
+  """The closing trip: the window reduced (``reduce``), ``inner``'s step
+  if it emits, its count and loss zeroed, the updates left where ``held``
+  holds them. A window without tokens or with an invalid count emits no
+  updates and keeps the inner state: a nested loop, which reads nothing of
+  the inner state where it is not taken."""
+  window, inner_state, _, updates = carry
+  summed, closed = reduce(window)
+  holder = held.holder(window, updates)
+  norms = _norms.nan(ctx.config, summed.sums)
+  place, emitted = ctx.place, closed.emitted
+  if held.in_sums(summed.sums, holder):
+    # Nothing reduced: the loop carries the sums once, and ``inner``'s
+    # updates are written into them; a loop everywhere, which moves less
+    # than a ``cond``.
+    carry = (summed, (), inner_state, norms)
+    step = _into_sums(ctx, inner, held)
+    summed, _, inner_state, norms = place.loop_if(emitted, step, carry)
+    holder = summed.sums
+  else:
+    carry = (summed, holder, inner_state, norms)
+    step = _beside(ctx, inner, held)
+    _, holder, inner_state, norms = _if_emitted(place, emitted, step, carry)
+  window = _window.counts_restarted(place, window)
+  window, updates = held.kept(window, holder)
+  # Values the trip hands on unchanged become the loop's body consts (jax
+  # forwards them), and XLA reduces an unreduced const before the loop, on
+  # every call: hand them on as new values.
+  passed = jax.lax.optimization_barrier(held.passed(window))
+  window = window._replace(**passed)
+  return window, inner_state, closed._replace(norms=norms), updates
+
+
+def _beside(
+  ctx: _inner_step.Context,
+  inner: _inner_step.Inner,
+  held: _held_updates.HeldUpdates,
+) -> Callable:
+  """``inner``'s step, its updates written into the holder the loop
+  carries beside the reduced sums."""
+
+  def step(carry):
+    summed, holder, inner_state, _ = carry
+    found, new_inner, norms = inner.step(summed, inner_state, ctx.params)
+    return summed, held.written(found, holder), new_inner, norms
+
+  return step
+
+
+def _into_sums(
+  ctx: _inner_step.Context,
+  inner: _inner_step.Inner,
+  held: _held_updates.HeldUpdates,
+) -> Callable:
+  """``inner``'s step where the holder is the reduced sums themselves,
+  which the loop carries once (carried twice, XLA copies it): its updates
+  written into the sums' own buffer (``in_place``)."""
+
+  def step(carry):
+    summed, _, inner_state, _ = carry
+    found, new_inner, norms = inner.step(summed, inner_state, ctx.params, True)
+    sums = held.written(found, summed.sums)
+    return summed._replace(sums=sums), (), new_inner, norms
+
+  return step
 
 
 def _if_emitted(
@@ -249,28 +280,17 @@ def _if_emitted(
   emitted: jax.Array,
   step: Callable,
   carry: _typing.ArrayTree,
-  alone: bool,
 ) -> _typing.ArrayTree:
   """``step(carry)`` if the window emits, else ``carry``: a loop of 0 or 1
-  trips (``place.loop_if``), but a ``cond`` on a TPU where the loop would
-  carry the window's reduced sums beside the buffer (``alone`` False):
-  XLA:TPU keeps both alive through a loop, one parameter-sized buffer
-  more. Where the buffer is the sums, its loop moves less than a
-  ``cond``."""
+  trips (``place.loop_if``), but a ``cond`` on a TPU, where the loop would
+  carry the window's reduced sums beside the buffer: XLA:TPU keeps both
+  alive through a loop, one parameter-sized buffer more."""
 
   def looped(carry):
     return place.loop_if(emitted, step, carry)
-
-  if alone:
-    return looped(carry)
 
   def branched(carry):
     return place.cond(emitted, step, lambda carry: carry, carry)
 
   branches = {platform: branched for platform in BRANCHED_ON}
   return jax.lax.platform_dependent(carry, **branches, default=looped)
-
-
-def _same(a: _typing.Updates, b: _typing.Updates) -> bool:
-  """Whether two trees are the same arrays (the same tracers)."""
-  return all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
