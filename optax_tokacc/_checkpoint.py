@@ -35,6 +35,7 @@ from optax_tokacc import _base
 from optax_tokacc import _checkpoint_0_5
 from optax_tokacc import _checkpoint_target
 from optax_tokacc import _errors
+from optax_tokacc import _layouts
 from optax_tokacc import _shares
 from optax_tokacc import _state
 from optax_tokacc import _typing
@@ -107,7 +108,7 @@ def to_checkpoint(tree: Any) -> Any:
     with _checkpoint_target.on_its_mesh(tree):
       return jax.tree.map(
         lambda x: (
-          _shares.save_state(x) if _state.is_state(x) else _shares.leaf_rows(x)
+          _shares.save_state(x) if _state.is_state(x) else _layouts.leaf_rows(x)
         ),
         tree,
         is_leaf=_state.is_state,
@@ -209,7 +210,7 @@ def from_checkpoint(tree: Any, like: Any) -> Any:
         saved = saved._replace(state=_without_scratch(saved.state))
         return _restore_state(saved, ref)
       return _checkpoint_0_5.restore(_without_scratch(saved), ref)
-    return _shares.restore_leaf(saved, ref)
+    return _layouts.restore_leaf(saved, ref)
 
   with _checkpoint_target.on_its_mesh(like):
     return jax.tree.map(restore, tree, like, is_leaf=_is_state_form)
@@ -238,7 +239,7 @@ def _restore_state(
   state = saved.state
   _check_like(state, ref)
   counts = [
-    _shares.leading(x) for x in jax.tree.leaves(_shares.per_device(state))
+    _layouts.leading(x) for x in jax.tree.leaves(_layouts.per_device(state))
   ]
   recorded = [int(n) for n in np.asarray(saved.rows)]
   now = _shares.row_counts(ref)
@@ -259,8 +260,8 @@ def _check_like(
   ref: _base.TokenWeightedMultiStepState,
 ) -> None:
   """``state`` must be a saved state of ``ref``'s configuration."""
-  per_device = _checkpoint_target.paths(_shares.per_device(state))
-  targets = _checkpoint_target.paths(_shares.per_device(ref))
+  per_device = _checkpoint_target.paths(_layouts.per_device(state))
+  targets = _checkpoint_target.paths(_layouts.per_device(ref))
   same_tree = jax.tree.structure(state) == jax.tree.structure(ref)
   if not same_tree or set(per_device) != set(targets):
     raise ValueError(

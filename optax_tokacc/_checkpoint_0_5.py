@@ -23,7 +23,7 @@ a state restores only on as many devices as it was saved on.
 import jax
 
 from optax_tokacc import _base
-from optax_tokacc import _shares
+from optax_tokacc import _layouts
 from optax_tokacc import _state
 from optax_tokacc import _typing
 
@@ -37,7 +37,7 @@ def saved_by_0_5(prefix: tuple[str, ...], saved: dict) -> bool:
 def target(state: _base.TokenWeightedMultiStepState) -> _typing.ArrayTree:
   """What orbax restores such a state into: its leaves, as 0.5 saved them
   on the devices at hand."""
-  return jax.tree.map(_shares.leaf_rows, state)
+  return jax.tree.map(_layouts.leaf_rows, state)
 
 
 def refusal(
@@ -66,4 +66,4 @@ def restore(
       f'from_checkpoint: got {type(saved).__name__} where like holds a '
       'TokenWeightedMultiStepState: restore into tokacc.checkpoint_target.'
     )
-  return jax.tree.map(_shares.restore_leaf, saved, ref)
+  return jax.tree.map(_layouts.restore_leaf, saved, ref)

@@ -31,6 +31,7 @@ import numpy as np
 
 from optax_tokacc import _base
 from optax_tokacc import _checkpoint_0_5
+from optax_tokacc import _layouts
 from optax_tokacc import _shares
 from optax_tokacc import _state
 from optax_tokacc import _typed_sharding
@@ -134,7 +135,7 @@ def checkpoint_target(like: Any, metadata: Any) -> Any:
 
   def target_of(path, node):
     if not _state.is_state(node):
-      return _shares.leaf_rows(node)
+      return _layouts.leaf_rows(node)
     prefix = tuple(map(path_key, path))
     if _checkpoint_0_5.saved_by_0_5(prefix, saved):
       found = _checkpoint_0_5.target(node)
@@ -142,7 +143,7 @@ def checkpoint_target(like: Any, metadata: Any) -> Any:
       of_0_5[prefix] = jnp.shape(found.acc_tokens)
       return found
     form = _shares.save_state(node)
-    per_device = paths(_shares.per_device(form.state))
+    per_device = paths(_layouts.per_device(form.state))
     rows.update(prefix + ('state',) + sub for sub in per_device)
     return form
 

@@ -15,7 +15,7 @@
 """The placement under ``pmap`` and ``shard_map`` with ``axis_name``.
 
 Each device holds its share of the window; the state's per-device fields
-carry a leading slot axis (``Manual.local_state``). A value that
+carry a leading slot axis (``_layouts.Slots``). A value that
 arrives the same on every device of some data axes (already summed: the
 gradient of a parameter not marked varying, a count the caller summed) is
 held by the first device along them (:meth:`Manual.share_of`), so that every
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from optax_tokacc import _base
 from optax_tokacc import _errors
 from optax_tokacc import _inputs
+from optax_tokacc import _layouts
 from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _typed_sharding
@@ -88,25 +89,9 @@ class Manual(_placement.Placement):
   def rejected_micro_batch_advances(self) -> bool:
     return True  # devices may decide differently: they close together
 
-  def local_state(
-    self, state: _base.TokenWeightedMultiStepState
-  ) -> _base.TokenWeightedMultiStepState:
-    """This device's share: the per-device fields without their slot axis
-    (a leading axis of length 1, so that the global state stacks the
-    devices' shares and ``shard_map`` / ``pmap`` need no written layout)."""
-    for name in _base.PER_DEVICE_FIELDS:
-      for leaf in jax.tree.leaves(getattr(state, name)):
-        if jnp.shape(leaf)[:1] != (1,):
-          raise ValueError(
-            f'state.{name} needs a leading device-slot axis of length 1; got '
-            f'{jnp.shape(leaf)}: use tokacc.init_sharded or jax.pmap(tx.init).'
-          )
-    return _base.map_per_device(lambda x: x[0], state)
-
-  def global_state(
-    self, state: _base.TokenWeightedMultiStepState
-  ) -> _base.TokenWeightedMultiStepState:
-    return _base.map_per_device(lambda x: jnp.asarray(x)[None], state)
+  @property
+  def layout(self) -> _layouts.Layout:
+    return _layouts.Slots(self.axes)
 
   def share_of(self, x: jax.Array) -> jax.Array:
     """``x`` as this device's share: where it is the same on every device

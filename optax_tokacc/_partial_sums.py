@@ -37,6 +37,7 @@ import optax
 from optax_tokacc import _base
 from optax_tokacc import _errors
 from optax_tokacc import _inputs
+from optax_tokacc import _layouts
 from optax_tokacc import _norms
 from optax_tokacc import _optimizer_shards
 from optax_tokacc import _placement
@@ -230,15 +231,9 @@ class PartialSums(_placement.Placement):
   def rejected_micro_batch_advances(self) -> bool:
     return False  # every device's decision: a rejected one is no micro-step
 
-  def local_state(
-    self, state: _base.TokenWeightedMultiStepState
-  ) -> _base.TokenWeightedMultiStepState:
-    return state  # the shares, typed unreduced
-
-  def global_state(
-    self, state: _base.TokenWeightedMultiStepState
-  ) -> _base.TokenWeightedMultiStepState:
-    return state
+  @property
+  def layout(self) -> _layouts.Layout:
+    return _layouts.Typed()
 
   def gradient_shares(self, grads: _typing.Updates) -> _typing.Updates:
     return grads  # partial sums, or whole

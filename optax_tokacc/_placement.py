@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_tokacc import _base
+from optax_tokacc import _layouts
 from optax_tokacc import _norms
 from optax_tokacc import _typed_sharding
 from optax_tokacc import _typing
@@ -53,13 +54,13 @@ class Placement(abc.ABC):
   """Where a window's sums live and how they are reduced.
 
   The state the algebra reads holds this device's share of the window
-  (:meth:`local_state`); a micro-batch's values are added as shares
+  (:meth:`local_state`, as its :attr:`layout` keeps it); a micro-batch's values are added as shares
   (:meth:`share_of`, :meth:`gradient_shares`); what is not linear runs on
   each device's share (:meth:`on_each_device`); the window is summed over
   the devices once, when it closes (:meth:`reduce_window`), and
   ``inner``'s updates are typed like the parameters again
-  (:meth:`typed_like`). The last four methods are the same in every
-  placement.
+  (:meth:`typed_like`). The methods marked ``typing.final`` are the same
+  in every placement.
   """
 
   @abc.abstractmethod
@@ -79,18 +80,26 @@ class Placement(abc.ABC):
     counts as a micro-step: where devices may decide differently, so that
     they close their windows together."""
 
+  @property
   @abc.abstractmethod
+  def layout(self) -> _layouts.Layout:
+    """Where this placement keeps the per-device fields: in its trace, in
+    the global state's specs, and in a checkpoint (``_layouts``)."""
+
+  @final
   def local_state(
     self, state: _base.TokenWeightedMultiStepState
   ) -> _base.TokenWeightedMultiStepState:
     """The state as the algebra reads it: this device's share."""
+    return self.layout.local(state)
 
-  @abc.abstractmethod
+  @final
   def global_state(
     self, state: _base.TokenWeightedMultiStepState
   ) -> _base.TokenWeightedMultiStepState:
     """The inverse of :meth:`local_state`: the state as ``update``
     returns it."""
+    return self.layout.global_(state)
 
   @abc.abstractmethod
   def scalar_zeros(self, dtype: jax.typing.DTypeLike) -> jax.Array:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from optax_tokacc import _base
 from optax_tokacc import _inputs
+from optax_tokacc import _layouts
 from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
@@ -50,15 +51,9 @@ class Single(_placement.Placement):
   def rejected_micro_batch_advances(self) -> bool:
     return False  # one decision: a rejected micro-batch is no micro-step
 
-  def local_state(
-    self, state: _base.TokenWeightedMultiStepState
-  ) -> _base.TokenWeightedMultiStepState:
-    return state
-
-  def global_state(
-    self, state: _base.TokenWeightedMultiStepState
-  ) -> _base.TokenWeightedMultiStepState:
-    return state
+  @property
+  def layout(self) -> _layouts.Layout:
+    return _layouts.Typed()
 
   def scalar_zeros(self, dtype: jax.typing.DTypeLike) -> jax.Array:
     return jnp.zeros([], dtype)

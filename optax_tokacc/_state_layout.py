@@ -24,55 +24,18 @@ along which the parameter is not sharded.
 
 from collections.abc import Callable
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
+from optax_tokacc import _layouts
 from optax_tokacc import _optimizer_shards
 from optax_tokacc import _state
 from optax_tokacc import _typed_sharding
 from optax_tokacc import _typing
-
-
-class _WindowSpecs(NamedTuple):
-  """How the per-device fields are laid out (:func:`_window_specs`)."""
-
-  of_gradient: Callable[[jax.P], jax.P]  # an accumulator leaf's, from its
-  # parameter's spec
-  of_scalars: jax.P  # the window's count and loss
-
-
-def _window_specs(
-  axis_name: Optional[_base.AxisName], specs: list[jax.P]
-) -> _WindowSpecs:
-  """How the per-device fields are laid out, from the parameters' ``specs``:
-  the map of the accumulator's specs, and the spec of the scalars.
-
-  With ``axis_name``, behind a slot axis split over the data axes along
-  which the parameter is not sharded. Under explicit sharding, the
-  accumulator typed like the gradients (reduced axes turned unreduced),
-  the window's count and loss like the gradient of a scalar reduced over
-  every axis some parameter is reduced over; partial sums over one device
-  are the sum."""
-  if axis_name is not None:
-    axes = _base.axis_names(axis_name)
-
-    def slot(spec):
-      split = jax.tree.leaves(_typed_sharding.partitions(spec))
-      return jax.P(tuple(a for a in axes if a not in split), *spec)
-
-    return _WindowSpecs(slot, slot(jax.P()))
-  mesh = jax.sharding.get_abstract_mesh()
-
-  def like_gradient(spec):
-    unreduced = _typed_sharding.deferred(spec.reduced, mesh)
-    return jax.P(*_typed_sharding.partitions(spec), unreduced=unreduced)
-
-  data_axes = frozenset().union(*(s.reduced for s in specs))
-  return _WindowSpecs(like_gradient, like_gradient(jax.P(reduced=data_axes)))
 
 
 def _state_specs_like_params(
@@ -215,15 +178,20 @@ def _full_layout(
         f'shard_optimizer_over={shard_over!r}: inner keeps no '
         'parameter-shaped state the axes divide: nothing to shard; leave it out.'
       )
-  window = _window_specs(axis_name, jax.tree.leaves(param_specs))
+  layout = (
+    _layouts.Typed()
+    if axis_name is None
+    else _layouts.Slots(_base.axis_names(axis_name))
+  )
+  scalars = layout.scalar_spec(jax.tree.leaves(param_specs))
 
   def with_window(node, inner_node):
     if not _state.is_state(node):
       return node
     # skip_state's scalars: replicated, or slots
-    return _base.map_per_device(window.of_gradient, node)._replace(
-      acc_tokens=window.of_scalars,
-      acc_loss=window.of_scalars,
+    return _base.map_per_device(layout.gradient_spec, node)._replace(
+      acc_tokens=scalars,
+      acc_loss=scalars,
       inner_state=inner_node.inner_state,
     )
 

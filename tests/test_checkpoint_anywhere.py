@@ -48,7 +48,7 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _shares
+from optax_tokacc import _layouts
 
 K = 4
 WINDOW_SIZES = (K, K, K)
@@ -486,7 +486,7 @@ def as_saved_by_0_5(tree):
   """What 0.5's ``to_checkpoint`` saved: every unreduced leaf as its rows
   of partial sums (this function is still the leaf rule of 0.6), the state
   otherwise as it is, and no record of the rows."""
-  return jax.tree.map(_shares.leaf_rows, tree)
+  return jax.tree.map(_layouts.leaf_rows, tree)
 
 
 @pytest.mark.parametrize('layout', ['explicit_ddp', 'shard_map'])

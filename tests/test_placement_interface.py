@@ -19,45 +19,99 @@ final, and none asks which placement it is."""
 
 import inspect
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
+import optax_tokacc as tokacc
+from optax_tokacc import _layouts
 from optax_tokacc import _manual
 from optax_tokacc import _partial_sums
 from optax_tokacc import _placement
 from optax_tokacc import _single
+from tests import placements as pl
 
 PLACEMENTS = (_single.Single, _manual.Manual, _partial_sums.PartialSums)
+LAYOUTS = (_layouts.Slots, _layouts.Pmap, _layouts.Typed)
+INTERFACES = {
+  'placement': (_placement.Placement, PLACEMENTS),
+  'layout': (_layouts.Layout, LAYOUTS),
+}
 
 
-def interface_methods() -> dict:
+def interface_methods(interface) -> dict:
   return {
     name: value
-    for name, value in vars(_placement.Placement).items()
-    if inspect.isfunction(value)
+    for name, value in vars(interface).items()
+    if inspect.isfunction(value) or isinstance(value, (property, classmethod))
   }
 
 
-def test_every_method_is_abstract_or_never_overridden():
-  abstract = _placement.Placement.__abstractmethods__
-  for name in interface_methods():
+@pytest.mark.parametrize('kind', INTERFACES)
+def test_every_method_is_abstract_or_never_overridden(kind):
+  interface, implementations = INTERFACES[kind]
+  abstract = interface.__abstractmethods__
+  for name in interface_methods(interface):
     if name in abstract:
       continue
-    overriding = [p.__name__ for p in PLACEMENTS if name in vars(p)]
+    overriding = [p.__name__ for p in implementations if name in vars(p)]
     assert not overriding, (
-      f'{name}: concrete in Placement, overridden in {overriding}'
+      f'{name}: concrete in {interface.__name__}, overridden in {overriding}'
     )
 
 
-@pytest.mark.parametrize('placement', PLACEMENTS, ids=lambda p: p.__name__)
-def test_each_placement_is_final_and_complete(placement):
-  assert getattr(placement, '__final__', False), placement
-  assert not placement.__abstractmethods__
-  assert placement.__bases__ == (_placement.Placement,)
+@pytest.mark.parametrize(
+  'implementation, interface',
+  [(i, kind[0]) for kind in INTERFACES.values() for i in kind[1]],
+  ids=lambda x: x.__name__,
+)
+def test_each_implementation_is_final_and_complete(implementation, interface):
+  assert getattr(implementation, '__final__', False), implementation
+  assert not implementation.__abstractmethods__
+  assert implementation.__bases__ == (interface,)
 
 
 def test_no_method_asks_which_placement_it_is():
   """No predicate of the placement's kind in the interface (``shares_typed``
   was one: the norms' form is each placement's own ``squares`` and
   ``norms``)."""
-  kinds = [n for n in interface_methods() if n.startswith(('is_', 'shares_'))]
+  names = interface_methods(_placement.Placement)
+  kinds = [n for n in names if n.startswith(('is_', 'shares_'))]
   assert not kinds, kinds
+
+
+PARAMS = {'w': jnp.arange(8.0).reshape(4, 2), 'v': jnp.ones(2)}
+
+
+def layout_read(state):
+  return type(_layouts.of_state(state))
+
+
+def test_a_bare_state_tells_its_placements_layout():
+  """Issue 56: each placement owns its layout, and a state without its
+  placement (a checkpoint's) tells that layout by the form of its fields
+  alone: the saved format records nothing else."""
+  tx = tokacc.token_weighted_multistep(optax.adam(0.1), 3)
+  assert layout_read(tx.init(PARAMS)) is type(_single.Single().layout)
+
+  tx = tokacc.token_weighted_multistep(optax.adam(0.1), 3, axis_name='data')
+  sharded = tokacc.init_sharded(tx, PARAMS, pl.data_mesh(4), axis_name='data')
+  assert layout_read(sharded) is type(_manual.Manual(('data',)).layout)
+  # pmap stacks every field of that layout once more
+  stacked = jax.pmap(tx.init, axis_name='data')(
+    jax.tree.map(lambda x: pl.replicate(x, 4), PARAMS)
+  )
+  assert _layouts.of_state(stacked) == _layouts.Pmap(4)
+
+
+@pl.needs_typed_sharding
+def test_a_bare_typed_state_tells_partial_sums_layout():
+  layout = pl.EXPLICIT_LAYOUTS['ddp']
+  mesh = layout.mesh()
+  tx = tokacc.token_weighted_multistep(optax.adam(0.1), 3)
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init)(pl.place_params(PARAMS, mesh, layout.specs))
+  assert pl.type_strings(state.acc_tokens) != pl.type_strings(state.mini_step)
+  place = _partial_sums.PartialSums(frozenset({'data'}), mesh)
+  assert layout_read(state) is type(place.layout)
