@@ -176,6 +176,9 @@ class Manual(_placement.Placement):
     gradient's share varies: its buffer cannot hold an invariant update)."""
     return not varying_axes(acc) and _typed_sharding.same_layout(acc, update)
 
+  def buffer_is_the_updates(self) -> bool:
+    return False  # the state returned holds it behind each device's slot
+
   def cond(
     self,
     pred: jax.Array,

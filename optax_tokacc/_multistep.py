@@ -315,7 +315,7 @@ def call(
   else:
     result = _closing.keep_open(ctx, window, state.inner_state)
   new_state = _next_state(config, state, mini_step, close, result, skip_state)
-  held = result.held and isinstance(place, _single.Single)
+  held = result.held and place.buffer_is_the_updates()
   return result.updates, place.global_state(new_state), held
 
 

@@ -245,6 +245,9 @@ class PartialSums(_placement.Placement):
     """Where they are typed alike (split alike)."""
     return _typed_sharding.same_layout(acc, update)
 
+  def buffer_is_the_updates(self) -> bool:
+    return False  # the buffer is typed unreduced: each device's share
+
   def cond(
     self,
     pred: jax.Array,

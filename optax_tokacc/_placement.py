@@ -147,6 +147,13 @@ class Placement(abc.ABC):
     closing step writes the updates there: see ``_closing``)."""
 
   @abc.abstractmethod
+  def buffer_is_the_updates(self) -> bool:
+    """Whether the state ``update`` returns holds, where its buffer holds
+    the updates, the very values the call returns (same shapes and types),
+    so that ``update_and_apply`` adds them from there
+    (``_held_updates.applied``)."""
+
+  @abc.abstractmethod
   def cond(
     self,
     pred: jax.Array,

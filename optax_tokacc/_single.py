@@ -88,6 +88,9 @@ class Single(_placement.Placement):
     """Where they are typed alike (split alike)."""
     return _typed_sharding.same_layout(acc, update)
 
+  def buffer_is_the_updates(self) -> bool:
+    return True  # the state returned is the trace's
+
   def cond(
     self,
     pred: jax.Array,

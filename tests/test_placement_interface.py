@@ -17,7 +17,9 @@ interface is abstract, or written once in it and never overridden, so
 that what a placement does is read in its own class; each placement is
 final, and none asks which placement it is."""
 
+import ast
 import inspect
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -115,3 +117,34 @@ def test_a_bare_typed_state_tells_partial_sums_layout():
   assert pl.type_strings(state.acc_tokens) != pl.type_strings(state.mini_step)
   place = _partial_sums.PartialSums(frozenset({'data'}), mesh)
   assert layout_read(state) is type(place.layout)
+
+
+def test_a_placement_is_chosen_in_one_place():
+  """Regression (issue 56): no code asks which placement it holds.
+  ``_multistep.call`` asked ``isinstance(place, _single.Single)`` before
+  it let ``update_and_apply`` add the updates from the buffer; the
+  placement now says so itself (``buffer_is_the_updates``). Outside the
+  placements' own modules, a concrete placement is named only where
+  ``_multistep.placement`` chooses it."""
+  package = pathlib.Path(_placement.__file__).parent
+  own = {f'{p.__module__.rsplit(".", 1)[1]}.py' for p in PLACEMENTS}
+  names = {p.__name__ for p in PLACEMENTS}
+  found = []
+  for path in sorted(package.rglob('*.py')):
+    if path.name in own:
+      continue
+    tree = ast.parse(path.read_text())
+    choosers = [
+      node
+      for node in ast.walk(tree)
+      if isinstance(node, ast.FunctionDef) and node.name == 'placement'
+    ]
+    allowed = {id(n) for c in choosers for n in ast.walk(c)}
+    found += [
+      f'{path.name}:{node.lineno}'
+      for node in ast.walk(tree)
+      if isinstance(node, ast.Attribute)
+      and node.attr in names
+      and id(node) not in allowed
+    ]
+  assert not found, found
