@@ -24,6 +24,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import optax
+import placements
 import pytest
 
 import optax_tokacc as tokacc
@@ -32,7 +33,6 @@ from optax_tokacc import _manual
 from optax_tokacc import _partial_sums
 from optax_tokacc import _placement
 from optax_tokacc import _single
-from tests import placements as pl
 
 PLACEMENTS = (_single.Single, _manual.Manual, _partial_sums.PartialSums)
 LAYOUTS = (_layouts.Slots, _layouts.Pmap, _layouts.Typed)
@@ -98,23 +98,29 @@ def test_a_bare_state_tells_its_placements_layout():
   assert layout_read(tx.init(PARAMS)) is type(_single.Single().layout)
 
   tx = tokacc.token_weighted_multistep(optax.adam(0.1), 3, axis_name='data')
-  sharded = tokacc.init_sharded(tx, PARAMS, pl.data_mesh(4), axis_name='data')
+  sharded = tokacc.init_sharded(
+    tx, PARAMS, placements.data_mesh(4), axis_name='data'
+  )
   assert layout_read(sharded) is type(_manual.Manual(('data',)).layout)
   # pmap stacks every field of that layout once more
   stacked = jax.pmap(tx.init, axis_name='data')(
-    jax.tree.map(lambda x: pl.replicate(x, 4), PARAMS)
+    jax.tree.map(lambda x: placements.replicate(x, 4), PARAMS)
   )
   assert _layouts.of_state(stacked) == _layouts.Pmap(4)
 
 
-@pl.needs_typed_sharding
+@placements.needs_typed_sharding
 def test_a_bare_typed_state_tells_partial_sums_layout():
-  layout = pl.EXPLICIT_LAYOUTS['ddp']
+  layout = placements.EXPLICIT_LAYOUTS['ddp']
   mesh = layout.mesh()
   tx = tokacc.token_weighted_multistep(optax.adam(0.1), 3)
   with jax.set_mesh(mesh):
-    state = jax.jit(tx.init)(pl.place_params(PARAMS, mesh, layout.specs))
-  assert pl.type_strings(state.acc_tokens) != pl.type_strings(state.mini_step)
+    state = jax.jit(tx.init)(
+      placements.place_params(PARAMS, mesh, layout.specs)
+    )
+  assert placements.type_strings(state.acc_tokens) != placements.type_strings(
+    state.mini_step
+  )
   place = _partial_sums.PartialSums(frozenset({'data'}), mesh)
   assert layout_read(state) is type(place.layout)
 
