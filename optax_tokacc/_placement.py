@@ -54,13 +54,13 @@ class Placement(abc.ABC):
   """Where a window's sums live and how they are reduced.
 
   The state the algebra reads holds this device's share of the window
-  (:meth:`local_state`, as its :attr:`layout` keeps it); a micro-batch's values are added as shares
-  (:meth:`share_of`, :meth:`gradient_shares`); what is not linear runs on
-  each device's share (:meth:`on_each_device`); the window is summed over
-  the devices once, when it closes (:meth:`reduce_window`), and
-  ``inner``'s updates are typed like the parameters again
-  (:meth:`typed_like`). The methods marked ``typing.final`` are the same
-  in every placement.
+  (:meth:`local_state`, as its :attr:`layout` keeps it); a micro-batch's
+  values are added as shares (:meth:`share_of`, :meth:`gradient_shares`);
+  what is not linear runs on each device's share (:meth:`on_each_device`);
+  the window is summed over the devices once, when it closes
+  (:meth:`reduce_window`), and ``inner``'s updates are typed like the
+  parameters again (:meth:`typed_like`). The methods marked
+  ``typing.final`` are the same in every placement.
   """
 
   @abc.abstractmethod

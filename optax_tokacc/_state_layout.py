@@ -178,6 +178,8 @@ def _full_layout(
         f'shard_optimizer_over={shard_over!r}: inner keeps no '
         'parameter-shaped state the axes divide: nothing to shard; leave it out.'
       )
+  # The placement's layout: Manual's with axis_name, else Single's or
+  # PartialSums' (the parameters' types say which; both lay out alike).
   layout = (
     _layouts.Typed()
     if axis_name is None
