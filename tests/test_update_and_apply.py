@@ -133,6 +133,44 @@ def test_windows_closed_by_the_host_bit_for_bit(written_out, monkeypatch):
   assert_same_runs(ours, runs(tx, plain, closes=closes))
 
 
+def force_tpu_forms(monkeypatch):
+  """Every ``jax.lax.platform_dependent`` takes its ``tpu`` branch (its
+  default where it has none): what XLA:TPU compiles, traced here."""
+
+  def forced(*args, default=None, **branches):
+    return branches.get('tpu', default)(*args)
+
+  monkeypatch.setattr(jax.lax, 'platform_dependent', forced)
+
+
+def state_bytes(state):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(state)]
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_a_tpus_forms_run_here_bit_for_bit(name, monkeypatch):
+  """A TPU's forms are compiled by the accelerator tier, never run: the
+  window restarted where it closes (``_window.restarted_if``), the
+  emitting trip in a ``cond`` (``_closing.BRANCHED_ON``), the host's
+  close in a loop's trip, ``update_and_apply`` as ``optax.apply_updates``.
+  Run here in their place, ``update_and_apply`` is ``tx.update`` then
+  ``optax.apply_updates`` bit for bit, and the parameters are this
+  platform's forms', bit for bit, though the states differ (the sums
+  zeroed where a window closes, not at the next one's first
+  micro-step)."""
+  make, dtype, nan_at = CASES[name]
+  tx = make()
+  here = runs(tx, plain, dtype, nan_at)
+  force_tpu_forms(monkeypatch)
+  ours = runs(tx, tokacc.update_and_apply, dtype, nan_at)
+  assert_same_runs(ours, runs(tx, plain, dtype, nan_at))
+  for i, ((p, _), (e_p, _)) in enumerate(zip(ours, here)):
+    helpers.assert_same_bits(p, e_p, f'params after call {i}')
+  assert any(
+    state_bytes(s) != state_bytes(e_s) for (_, s), (_, e_s) in zip(ours, here)
+  ), "the forms forced are this platform's"
+
+
 def open_step_program(apply):
   tx = with_every_k(helpers.adamw())
   params = jax.tree.map(jnp.asarray, helpers.init_params())
