@@ -260,12 +260,16 @@ INNER_UPDATE_SCOPE = 'tokacc_inner_update'
 PER_DEVICE_FIELDS = Window._fields + ('skip_state',)
 
 
+def per_device(state: 'TokenWeightedMultiStepState') -> dict[str, Any]:
+  """``state``'s per-device fields by name."""
+  return {name: getattr(state, name) for name in PER_DEVICE_FIELDS}
+
+
 def map_per_device(
   fn: Callable, state: 'TokenWeightedMultiStepState'
 ) -> 'TokenWeightedMultiStepState':
   """``state`` with ``fn`` applied to every leaf of its per-device fields."""
-  per_device = {name: getattr(state, name) for name in PER_DEVICE_FIELDS}
-  return state._replace(**jax.tree.map(fn, per_device))
+  return state._replace(**jax.tree.map(fn, per_device(state)))
 
 
 def is_abstract(tree: Any) -> bool:

@@ -238,9 +238,7 @@ def _restore_state(
   """``saved`` (a :class:`SavedState`) laid out like the state ``ref``."""
   state = saved.state
   _check_like(state, ref)
-  counts = [
-    _layouts.leading(x) for x in jax.tree.leaves(_layouts.per_device(state))
-  ]
+  counts = _shares.saved_rows(state)
   recorded = [int(n) for n in np.asarray(saved.rows)]
   now = _shares.row_counts(ref)
   if counts != recorded:
@@ -260,8 +258,8 @@ def _check_like(
   ref: _base.TokenWeightedMultiStepState,
 ) -> None:
   """``state`` must be a saved state of ``ref``'s configuration."""
-  per_device = _checkpoint_target.paths(_layouts.per_device(state))
-  targets = _checkpoint_target.paths(_layouts.per_device(ref))
+  per_device = _checkpoint_target.paths(_base.per_device(state))
+  targets = _checkpoint_target.paths(_base.per_device(ref))
   same_tree = jax.tree.structure(state) == jax.tree.structure(ref)
   if not same_tree or set(per_device) != set(targets):
     raise ValueError(

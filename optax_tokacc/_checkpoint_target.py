@@ -143,7 +143,7 @@ def checkpoint_target(like: Any, metadata: Any) -> Any:
       of_0_5[prefix] = jnp.shape(found.acc_tokens)
       return found
     form = _shares.save_state(node)
-    per_device = paths(_layouts.per_device(form.state))
+    per_device = paths(_base.per_device(form.state))
     rows.update(prefix + ('state',) + sub for sub in per_device)
     return form
 

@@ -53,10 +53,6 @@ Tree = _typing.ArrayTree
 Leaf = _typed_sharding.ArrayOrShape
 
 
-def per_device(state: State) -> dict[str, Tree]:
-  return {name: getattr(state, name) for name in _base.PER_DEVICE_FIELDS}
-
-
 def leading(x: Leaf) -> int:
   return int(jnp.shape(x)[0])
 
@@ -199,7 +195,9 @@ class Pmap(Layout):
 
   def save(self, state: State) -> State:
     whole = jax.tree.map(lambda x: x[0], state)  # one copy of each field
-    return whole._replace(**jax.tree.map(lambda x: x[:, 0], per_device(state)))
+    return whole._replace(
+      **jax.tree.map(lambda x: x[:, 0], _base.per_device(state))
+    )
 
   def put_back(self, rows: dict[str, Tree], refs: dict[str, Tree]) -> dict:
     return placed(jax.tree.map(lambda x: x[:, None], rows), refs)
@@ -249,7 +247,7 @@ class Typed(Layout):
     return self.gradient_spec(jax.P(reduced=data_axes))
 
   def save(self, state: State) -> State:
-    shares = jax.tree.map(_typed_rows, per_device(state))
+    shares = jax.tree.map(_typed_rows, _base.per_device(state))
     return jax.tree.map(leaf_rows, state)._replace(**shares)
 
   def put_back(self, rows: dict[str, Tree], refs: dict[str, Tree]) -> dict:

@@ -45,17 +45,20 @@ Tree = _typing.ArrayTree
 def save_state(state: State) -> _base.SavedState:
   """``state`` as :func:`optax_tokacc.to_checkpoint` saves it."""
   saved = _layouts.of_state(state).save(state)
-  counts = [
-    _layouts.leading(x) for x in jax.tree.leaves(_layouts.per_device(saved))
-  ]
-  return _base.SavedState(saved, jnp.asarray(counts, jnp.int32))
+  return _base.SavedState(saved, jnp.asarray(saved_rows(saved), jnp.int32))
+
+
+def saved_rows(saved: State) -> list[int]:
+  """The rows each per-device leaf of a saved state holds (its leading
+  axis), as :func:`save_state` records them."""
+  return [_layouts.leading(x) for x in jax.tree.leaves(_base.per_device(saved))]
 
 
 def row_counts(state: State) -> list[int]:
   """The rows :func:`save_state` gives each per-device leaf of
   ``state`` (arrays or their shapes, ``like``'s)."""
   layout = _layouts.of_state(state)
-  return [layout.rows(x) for x in jax.tree.leaves(_layouts.per_device(state))]
+  return [layout.rows(x) for x in jax.tree.leaves(_base.per_device(state))]
 
 
 def put_back(
@@ -64,7 +67,7 @@ def put_back(
 ) -> State:
   """Each device's share where it was saved, typed like ``ref``."""
   layout = _layouts.of_state(ref)
-  shares = layout.put_back(_layouts.per_device(state), _layouts.per_device(ref))
+  shares = layout.put_back(_base.per_device(state), _base.per_device(ref))
   return _whole_fields(layout, state, ref)._replace(**shares)
 
 
@@ -95,9 +98,9 @@ def merged(
       'from_checkpoint merges a window saved on another number of devices '
       'eagerly: call it outside jax.jit.'
     )
-  rows = jax.tree.map(_gathered, _layouts.per_device(state))
+  rows = jax.tree.map(_gathered, _base.per_device(state))
   layout = _layouts.of_state(ref)
-  refs = _layouts.per_device(ref)
+  refs = _base.per_device(ref)
 
   def merge(rows):
     totals = _window_totals(rows)
