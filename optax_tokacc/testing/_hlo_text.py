@@ -62,6 +62,7 @@ _LOOP = re.compile(r'\bcondition=%?([\w.\-]+), body=%?([\w.\-]+)')
 _INDEX = re.compile(r'\bindex=(\d+)')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _ROUNDS_TO = re.compile(r'exponent_bits=(\d+), mantissa_bits=(\d+)')
+_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # XLA:TPU's transfer between slices: a host-transfer send/recv pair that
 # the data-center network's runtime reduces, not a collective opcode.
 _TRANSFER = re.compile(r'_xla_megascale_transfer_type="([A-Z_]+)"')
@@ -102,6 +103,7 @@ class Instruction:
   transfer: str = ''
   loop: tuple[str, ...] = ()  # a while's (condition, body)
   index: Optional[int] = None  # a get-tuple-element's
+  call_target: str = ''  # a custom-call's custom_call_target
 
   @property
   def collective(self) -> Optional[str]:
@@ -184,10 +186,12 @@ def _parse_instruction(
   transfer = _TRANSFER.search(rest) if opcode == 'send' else None
   loop = _LOOP.search(rest) if opcode == 'while' else None
   index = _INDEX.search(rest) if opcode == 'get-tuple-element' else None
+  target = _CALL_TARGET.search(rest) if opcode == 'custom-call' else None
   return Instruction(
     name, opcode, shapes, callees, branches, groups, operands, bool(root),
     rounds_to, op_name, transfer.group(1) if transfer else '',
     loop.groups() if loop else (), int(index.group(1)) if index else None,
+    target.group(1) if target else '',
   )  # fmt: skip
 
 

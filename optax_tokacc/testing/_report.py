@@ -34,15 +34,20 @@ from optax_tokacc.testing import hlo
 OPEN, CLOSING = 0, 1  # the branch each step takes
 
 # What launches no kernel of its own, or moves no bytes through one: the
-# program's plumbing, TPU prefetches between memory spaces (copy-start and
-# copy-done), and the ends of asynchronous pairs (their start is counted).
+# program's plumbing, the ends of asynchronous pairs (their start is
+# counted), and XLA:TPU's prefetches into its fast memory, whole
+# (copy-start, copy-done) or in slices (slice-start, slice-done, joined by
+# a ``ConcatBitcast``): the kernel that reads the buffer is charged its
+# read, once, as if it read the buffer where it lies.
 _PLUMBING = frozenset({
   'parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast',
   'after-all', 'partition-id', 'replica-id', 'copy-start', 'copy-done',
+  'slice-start', 'slice-done',
   'opt-barrier', 'add-dependency', 'send-done', 'recv-done', 'async-done',
   'all-reduce-done', 'all-gather-done', 'collective-permute-done',
   'domain', 'iota',
 })  # fmt: skip
+_PLUMBING_CALLS = frozenset({'ConcatBitcast'})  # custom calls' targets
 _INLINE = frozenset({'call', 'while'})  # their computations run in line
 
 
@@ -156,11 +161,19 @@ def step_cost(module: hlo.HloModule, branch: int) -> Cost:
         stack.append(taken)
       elif instruction.opcode in _INLINE:
         stack.extend(instruction.callees)
-      elif instruction.opcode not in _PLUMBING:
+      elif not _plumbing(instruction):
         kernels += 1
         moved += instruction.num_bytes
         moved += sum(shapes.get(name, 0) for name in instruction.operands)
   return Cost(kernels, moved)
+
+
+def _plumbing(instruction: hlo.Instruction) -> bool:
+  """Whether ``instruction`` launches no kernel (:data:`_PLUMBING`)."""
+  return (
+    instruction.opcode in _PLUMBING
+    or instruction.call_target in _PLUMBING_CALLS
+  )
 
 
 def optimizer_work(module: hlo.HloModule, branch: int) -> tuple[str, ...]:
