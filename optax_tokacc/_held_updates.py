@@ -249,22 +249,25 @@ def _signed(zeros: jax.Array) -> jax.Array:
 
 
 def applied(
-  params: _typing.Params, updates: _typing.Updates, state: _typing.ArrayTree
+  params: _typing.Params,
+  updates: _typing.Updates,
+  buffer: _typing.Updates,
+  emitted: jax.Array,
 ) -> _typing.Params:
   """``optax.apply_updates(params, updates)`` where ``updates`` and the
-  transform's ``state`` are what one device-decided call returned, whose
-  buffer holds the updates where it emitted (``_multistep``'s ``held``):
-  on a GPU or CPU the buffer's values are added in a loop of 0 or 1 trips
-  on ``state.emitted`` (where it emitted nothing, the updates are -0.0 and
-  the parameters keep their bits); on a TPU, where the buffer restarts
-  where the window closes, ``optax.apply_updates``."""
+  window's ``buffer`` are what one device-decided call gave, whose buffer
+  holds the updates where it emitted (:class:`InBuffer`): on a GPU or CPU
+  the buffer's values are added in a loop of 0 or 1 trips on ``emitted``
+  (where it emitted nothing, the updates are -0.0 and the parameters keep
+  their bits); on a TPU, where the buffer restarts where the window
+  closes, ``optax.apply_updates``."""
 
   def in_loop(params):
     def body(carry):
-      held = optax.tree.cast_like(state.grad_sums, updates)
+      held = optax.tree.cast_like(buffer, updates)
       return jnp.zeros_like(carry[0]), optax.apply_updates(carry[1], held)
 
-    carry = (state.emitted, params)
+    carry = (emitted, params)
     return jax.lax.while_loop(lambda carry: carry[0], body, carry)[1]
 
   return jax.lax.platform_dependent(

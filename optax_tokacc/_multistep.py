@@ -277,10 +277,14 @@ def call(
   loss: Optional[jax.typing.ArrayLike] = None,
   emit_now: Union[bool, jax.typing.ArrayLike] = False,
   close: Optional[bool] = None,
+  _apply: bool = False,
   **extra_args: Any,
-) -> tuple[_typing.Updates, _base.TokenWeightedMultiStepState, bool]:
-  """:func:`update`, and whether the returned state's buffer holds the
-  updates where they are emitted (on one device: ``update_and_apply``)."""
+) -> tuple[
+  _typing.Updates, _base.TokenWeightedMultiStepState, Optional[_typing.Params]
+]:
+  """:func:`update`, and where ``_apply`` (``update_and_apply``) the
+  parameters with the updates applied (by ``_closing.close_if`` where the
+  device decides and the buffer returned is the updates), else None."""
   # The inputs, checked once; then the placement; then the state.
   _inputs.state_type(state)
   _inputs.tree(updates, params, 'the parameters')
@@ -309,14 +313,17 @@ def call(
     close = _window.should_close(
       config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now
     )
-    result = _closing.close_if(ctx, close, window, state.inner_state)
+    apply_to = params if _apply and place.buffer_is_the_updates() else None
+    result = _closing.close_if(ctx, close, window, state.inner_state, apply_to)
   elif close:  # the host's decision: no conditional
     result = _closing.close_now(ctx, window, state.inner_state)
   else:
     result = _closing.keep_open(ctx, window, state.inner_state)
   new_state = _next_state(config, state, mini_step, close, result, skip_state)
-  held = result.held and place.buffer_is_the_updates()
-  return result.updates, place.global_state(new_state), held
+  applied = result.applied
+  if _apply and applied is None:
+    applied = optax.apply_updates(params, result.updates)
+  return result.updates, place.global_state(new_state), applied
 
 
 def _mini_step(

@@ -13,15 +13,14 @@
 # limitations under the License.
 # ==============================================================================
 """``update_and_apply``: ``tx.update`` then ``optax.apply_updates`` in one
-call, which adds the updates from the accumulator's buffer where the
-transform holds them there (``_held_updates``)."""
+call, which applies the updates where the window closes
+(``_closing.close_if``'s ``apply_to``)."""
 
 import functools
 from typing import Any
 
 import optax
 
-from optax_tokacc import _held_updates
 from optax_tokacc import _multistep
 from optax_tokacc import _typing
 
@@ -38,10 +37,12 @@ def update_and_apply(
 
   Where ``tx`` is :func:`token_weighted_multistep`'s transformation itself
   (not in a chain) and the device decides the window (no ``close=``), on
-  one device, on a GPU or CPU, the updates are added from the
+  one device, an open micro-step reads and writes nothing of the
+  parameters: on a GPU or CPU the updates are added from the
   accumulator's buffer, which holds them, in a loop of 0 or 1 trips on
-  whether the call emitted: an open micro-step then reads and writes
-  nothing of the parameters. ``optax.apply_updates`` adds the returned
+  whether the call emitted; on a TPU the step that closes the window
+  applies them (without ``compensated``; with it, a TPU applies them as
+  ``optax.apply_updates`` does). ``optax.apply_updates`` adds the returned
   updates (zeros on an open micro-step) to every parameter on every call,
   a parameter-sized pass that XLA cannot remove, since only the device
   knows which calls close a window. Everywhere else this is
@@ -98,11 +99,9 @@ def applied_with_updates(
     )
   update = tx.update
   if isinstance(update, functools.partial) and update.func is _multistep.update:
-    updates, state, held = _multistep.call(
-      *update.args, grads, opt_state, params, **kwargs
+    updates, state, applied = _multistep.call(
+      *update.args, grads, opt_state, params, _apply=True, **kwargs
     )
-    if held:
-      return _held_updates.applied(params, updates, state), state, updates
-    return optax.apply_updates(params, updates), state, updates
+    return applied, state, updates
   updates, state = update(grads, opt_state, params, **kwargs)
   return optax.apply_updates(params, updates), state, updates

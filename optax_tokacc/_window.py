@@ -200,6 +200,18 @@ def restarted_if(
   return window._replace(grad_sums=grad_sums, acc_compensation=acc_compensation)
 
 
+def sums_restarted(
+  place: _placement.Placement, window: _base.Window
+) -> _base.Window:
+  """The window's sums and compensation zeroed, on each device's share
+  (where the closing trip restarts them itself)."""
+  sums = (window.grad_sums, window.acc_compensation)
+  grad_sums, acc_compensation = place.on_each_device(
+    optax.tree.zeros_like, (sums,), sums
+  )
+  return window._replace(grad_sums=grad_sums, acc_compensation=acc_compensation)
+
+
 def counts_restarted(
   place: _placement.Placement, window: _base.Window
 ) -> _base.Window:

@@ -13,7 +13,8 @@
 # limitations under the License.
 # ==============================================================================
 """``update_and_apply`` adds the updates in a loop of 0 or 1 trips that
-reads the accumulator's buffer, where it may (issue 55): the parameters
+reads the accumulator's buffer, where it may, or on a TPU in the step
+that closes the window (issue 55): the parameters
 and the state are those of ``tx.update`` then ``optax.apply_updates``, bit
 for bit, in every case, and an open micro-step of the device-decided step
 adds nothing to the parameters."""
@@ -29,6 +30,7 @@ import pytest
 
 import optax_tokacc as tokacc
 from optax_tokacc import _closing
+from optax_tokacc import _update_and_apply
 from optax_tokacc.testing import hlo
 
 K = 3
@@ -41,9 +43,24 @@ def plain(tx, grads, state, params, **kwargs):
   return optax.apply_updates(params, updates), state
 
 
+def plain_with_updates(tx, grads, state, params, **kwargs):
+  """:func:`plain`, and the updates."""
+  updates, state = tx.update(grads, state, params, **kwargs)
+  return optax.apply_updates(params, updates), state, updates
+
+
+def with_updates(tx, grads, state, params, **kwargs):
+  """``update_and_apply``, and the updates of the call (what the nnx
+  ``Optimizer`` returns)."""
+  return _update_and_apply.applied_with_updates(
+    tx, grads, state, params, **kwargs
+  )
+
+
 def runs(tx, apply, dtype=np.float32, nan_at=None, closes=None):
   """``(params, state)`` after each call of a step that applies with
-  ``apply``; ``closes``: the host's ``close`` per call (None: the device)."""
+  ``apply`` (and the updates, where ``apply`` gives them); ``closes``: the
+  host's ``close`` per call (None: the device)."""
   params = jax.tree.map(jnp.asarray, helpers.init_params(dtype))
   state = tx.init(params)
 
@@ -62,15 +79,17 @@ def runs(tx, apply, dtype=np.float32, nan_at=None, closes=None):
     if i == nan_at:
       batch['x'][0, 0, 0] = np.nan
     close = None if closes is None else closes[i]
-    params, state = step(params, state, batch, close=close)
-    found.append((params, state))
+    params, state, *updates = step(params, state, batch, close=close)
+    found.append((params, state, *updates))
   return found
 
 
 def assert_same_runs(ours, theirs):
-  for i, ((p, s), (e_p, e_s)) in enumerate(zip(ours, theirs)):
-    helpers.assert_same_bits(p, e_p, f'params after call {i}')
-    helpers.assert_same_bits(s, e_s, f'state after call {i}')
+  whats = ('params', 'state', 'updates')
+  for i, (found, expected) in enumerate(zip(ours, theirs)):
+    assert len(found) == len(expected)
+    for what, a, e in zip(whats, found, expected):
+      helpers.assert_same_bits(a, e, f'{what} after call {i}')
   moved = jax.tree.map(
     lambda a, b: bool(jnp.any(a != b)), ours[-1][0], ours[0][0]
   )
@@ -154,20 +173,21 @@ def test_a_tpus_forms_run_here_bit_for_bit(name, monkeypatch):
   emitting trip in a ``cond`` (``_closing.BRANCHED_ON``), the host's
   close in a loop's trip, ``update_and_apply`` as ``optax.apply_updates``.
   Run here in their place, ``update_and_apply`` is ``tx.update`` then
-  ``optax.apply_updates`` bit for bit, and the parameters are this
-  platform's forms', bit for bit, though the states differ (the sums
-  zeroed where a window closes, not at the next one's first
-  micro-step)."""
+  ``optax.apply_updates`` bit for bit (the updates it returns too), and
+  the parameters are this platform's forms', bit for bit, though the
+  states differ (the sums zeroed where a window closes, not at the next
+  one's first micro-step)."""
   make, dtype, nan_at = CASES[name]
   tx = make()
   here = runs(tx, plain, dtype, nan_at)
   force_tpu_forms(monkeypatch)
-  ours = runs(tx, tokacc.update_and_apply, dtype, nan_at)
-  assert_same_runs(ours, runs(tx, plain, dtype, nan_at))
-  for i, ((p, _), (e_p, _)) in enumerate(zip(ours, here)):
-    helpers.assert_same_bits(p, e_p, f'params after call {i}')
+  ours = runs(tx, with_updates, dtype, nan_at)
+  assert_same_runs(ours, runs(tx, plain_with_updates, dtype, nan_at))
+  for i, (found, expected) in enumerate(zip(ours, here)):
+    helpers.assert_same_bits(found[0], expected[0], f'params after call {i}')
   assert any(
-    state_bytes(s) != state_bytes(e_s) for (_, s), (_, e_s) in zip(ours, here)
+    state_bytes(found[1]) != state_bytes(expected[1])
+    for found, expected in zip(ours, here)
   ), "the forms forced are this platform's"
 
 

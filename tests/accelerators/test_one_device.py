@@ -65,8 +65,8 @@ K = on_targets.K
 # worse: the host-open step's one kernel more (the restart loop's
 # predicate), a v5e's bfloat16 host window by 1% and a v6e's host-closing
 # temporaries by 0.01-0.02 P. ``update_and_apply``: the device-decided
-# step updating and applying in one call, 1.00x on the GPUs (a TPU
-# applies with ``optax.apply_updates``: the ``device`` figures).
+# step updating and applying in one call, 1.00x on every target (on a
+# TPU the closing trip applies the updates, ``_closing.close_if``).
 FLOORS = {
   # fmt: off
   # (target, dtype, mode): (traffic, kernels, extra temp / P,
@@ -90,19 +90,19 @@ FLOORS = {
   ('tpu v5e 1x1', 'float32', 'device'): (2.042, 74, 0.254, 1.685),
   ('tpu v5e 1x1', 'float32', 'host_open'): (1.001, 38, 0.0, 1.129),
   ('tpu v5e 1x1', 'float32', 'host_closing'): (1.254, 136, 1.005, 1.129),
-  ('tpu v5e 1x1', 'float32', 'update_and_apply'): (2.042, 74, 0.254, 1.685),
+  ('tpu v5e 1x1', 'float32', 'update_and_apply'): (1.001, 66, 0.005, 1.129),
   ('tpu v5e 1x1', 'bfloat16', 'device'): (2.024, 74, 0.511, 1.706),
   ('tpu v5e 1x1', 'bfloat16', 'host_open'): (1.001, 38, 0.0, 1.142),
   ('tpu v5e 1x1', 'bfloat16', 'host_closing'): (1.28, 136, 1.513, 1.142),
-  ('tpu v5e 1x1', 'bfloat16', 'update_and_apply'): (2.024, 74, 0.511, 1.706),
+  ('tpu v5e 1x1', 'bfloat16', 'update_and_apply'): (1.001, 66, 0.028, 1.142),
   ('tpu v6e 1x1', 'float32', 'device'): (1.827, 72, 0.264, 1.585),
   ('tpu v6e 1x1', 'float32', 'host_open'): (1.001, 40, -0.001, 1.119),
   ('tpu v6e 1x1', 'float32', 'host_closing'): (1.254, 131, 1.006, 1.119),
-  ('tpu v6e 1x1', 'float32', 'update_and_apply'): (1.827, 72, 0.264, 1.585),
+  ('tpu v6e 1x1', 'float32', 'update_and_apply'): (1.001, 68, 0.017, 1.11),
   ('tpu v6e 1x1', 'bfloat16', 'device'): (1.764, 72, 0.507, 1.576),
   ('tpu v6e 1x1', 'bfloat16', 'host_open'): (1.001, 38, -0.001, 1.127),
   ('tpu v6e 1x1', 'bfloat16', 'host_closing'): (1.277, 131, 1.514, 1.127),
-  ('tpu v6e 1x1', 'bfloat16', 'update_and_apply'): (1.764, 72, 0.507, 1.576),
+  ('tpu v6e 1x1', 'bfloat16', 'update_and_apply'): (1.001, 66, 0.014, 1.116),
   # fmt: on
 }
 
@@ -190,18 +190,18 @@ def test_no_worse_than_today_against_the_ideal(target, dtype, mode):
   assert not worse, f'{target}, {dtype}, {mode}: {"; ".join(worse)}'
 
 
-@pytest.mark.parametrize(
-  ('target', 'dtype'), on_targets.grid(on_targets.GPU_TARGETS, DTYPES)
-)
-def test_update_and_apply_open_micro_step_is_the_ideals_on_a_gpu(target, dtype):
-  """Issue 55's target: where the step updates and applies in one call
+@pytest.mark.parametrize(('target', 'dtype'), CASES)
+def test_update_and_apply_open_micro_step_is_the_ideals(target, dtype):
+  """Issue 55's targets: where the step updates and applies in one call
   (``tokacc.update_and_apply``, the Flax train states), a device-decided
   open micro-step moves at most 1.05x the ideal's modelled bytes (the
-  branch that runs included); with ``optax.apply_updates`` after
+  branch that runs included) and holds temporaries within 5% of the
+  parameters' bytes of the ideal's; with ``optax.apply_updates`` after
   ``tx.update``, it adds the returned zeros to every parameter (the
-  ``device`` floor: 1.34-1.50x)."""
-  traffic, _, _, _ = figures(target, dtype, 'update_and_apply')
+  ``device`` floor: 1.34-2.04x)."""
+  traffic, _, extra_temp, _ = figures(target, dtype, 'update_and_apply')
   assert traffic <= 1.05, traffic
+  assert extra_temp <= 0.05, extra_temp
   assert figures(target, dtype, 'device')[0] > 1.2  # the check can fail
 
 
