@@ -25,7 +25,7 @@ the sums live and how they are reduced is the placement's
 
 from collections.abc import Callable
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,12 +59,9 @@ class CallResult(NamedTuple):
   # Whether the window's buffer holds the updates where they are emitted
   # (a device's close on a GPU or CPU: ``_held_updates.InBuffer``).
   held: bool = False
-  # The parameters with the updates applied, where ``close_if`` was asked
-  # to apply them (``apply_to``).
-  applied: Optional[_typing.Params] = None
 
 
-def _open(config: _base.Config, window: _base.Window) -> _base.Closed:
+def nothing_emitted(config: _base.Config, window: _base.Window) -> _base.Closed:
   """What a call that leaves the window open gives: nothing emitted."""
   return _base.Closed(
     emitted=jnp.asarray(False),
@@ -75,7 +72,7 @@ def _open(config: _base.Config, window: _base.Window) -> _base.Closed:
   )
 
 
-def _reduce(
+def reduced(
   ctx: _inner_step.Context, window: _base.Window
 ) -> tuple[_inner_step.Sums, _base.Closed]:
   """The window summed over the devices (its one reduction), and what
@@ -130,12 +127,12 @@ def _in_trip(
   where the device closes, so it rounds alike wherever the window closes
   (written out, the CPU sums the squares in another order), and XLA:TPU
   writes less around a loop than around selects."""
-  reduced = _reduce(ctx, window)
+  summed = reduced(ctx, window)
   inner = _inner_step.inner_of(ctx, inner_state)
   held = _held_updates.of(ctx.place, window.grad_sums, inner.shapes)
   updates = held.carried()
-  carry = (window, inner_state, _open(ctx.config, window), updates)
-  found = _trip(ctx, inner, held, lambda window: reduced, carry)
+  carry = (window, inner_state, nothing_emitted(ctx.config, window), updates)
+  found = _trip(ctx, inner, held, lambda window: summed, carry)
   window, inner_state, closed, updates = found
   updates = held.released(window, updates, closed.emitted)
   # closed for certain: a flag XLA cannot fold
@@ -152,7 +149,7 @@ def _written_out(
   with that step); the window's count and loss zeroed, its sums left to
   the next window's first micro-step (``_window.restart_if``)."""
   inner = _inner_step.inner_of(ctx, inner_state)
-  summed, closed = _reduce(ctx, window)
+  summed, closed = reduced(ctx, window)
   updates, new_inner, norms = inner.step(summed, inner_state, ctx.params)
   emitted = closed.emitted
   updates = jax.tree.map(lambda u: _held_updates.or_zeros(u, emitted), updates)
@@ -168,7 +165,7 @@ def keep_open(
   updates shaped like ``inner``'s (``_held_updates.zeros``, ``fold``),
   and no ``inner`` work."""
   shapes = _inner_step.inner_of(ctx, inner_state).shapes
-  closed = _open(ctx.config, window)
+  closed = nothing_emitted(ctx.config, window)
   return CallResult(
     _held_updates.zeros(shapes, fold=True), window, inner_state, closed
   )
@@ -179,7 +176,6 @@ def close_if(
   close: jax.Array,
   window: _base.Window,
   inner_state: _typing.OptState,
-  apply_to: Optional[_typing.Params] = None,
 ) -> CallResult:
   """Closes the window if ``close``, which the device decides, in a loop of
   0 or 1 trips (``place.loop_if``): an open micro-step reads and writes
@@ -192,115 +188,18 @@ def close_if(
   next window's first micro-step zeroes it (``_window.restart_if``).
   Elsewhere the loop carries them, zeros where it takes no trip
   (``_held_updates.Carried``).
-
-  ``apply_to``: the parameters, where the buffer the call returns is its
-  updates (``update_and_apply`` on one device); ``CallResult.applied``
-  holds them with the updates applied. On a GPU or CPU they are added from
-  the buffer in a loop of 0 or 1 trips (``_held_updates.applied``). On a
-  TPU, which restarts the buffer where the window closes, the closing trip
-  applies them itself where nothing is compensated
-  (:func:`_applied_in_trip`), so that an open micro-step reads and writes
-  nothing of the parameters.
   """
-  if apply_to is None:
-    return _close_if(ctx, close, window, inner_state)
-
-  def after(args):
-    found = _close_if(ctx, close, *args[:2])
-    if found.held:
-      applied = _held_updates.applied(
-        args[2], found.updates, found.window.grad_sums, found.closed.emitted
-      )
-    else:
-      applied = optax.apply_updates(args[2], found.updates)
-    return *found[:4], applied
-
-  def in_trip(args):
-    return _applied_in_trip(ctx, close, *args)
-
-  args = (window, inner_state, apply_to)
-  inner = _inner_step.inner_of(ctx, inner_state)
-  held = _held_updates.of(ctx.place, window.grad_sums, inner.shapes)
-  if ctx.config.compensated or not held.in_buffer():
-    found = after(args)
-  else:
-    found = jax.lax.platform_dependent(args, tpu=in_trip, default=after)
-  return CallResult(*found[:4], applied=found[4])
-
-
-def _close_if(
-  ctx: _inner_step.Context,
-  close: jax.Array,
-  window: _base.Window,
-  inner_state: _typing.OptState,
-) -> CallResult:
-  """:func:`close_if`, the updates left to the caller to apply."""
   place = ctx.place
   inner = _inner_step.inner_of(ctx, inner_state)
   held = _held_updates.of(place, window.grad_sums, inner.shapes)
   updates = held.carried()
-  carry = (window, inner_state, _open(ctx.config, window), updates)
-  reduce = functools.partial(_reduce, ctx)
+  carry = (window, inner_state, nothing_emitted(ctx.config, window), updates)
+  reduce = functools.partial(reduced, ctx)
   closing = functools.partial(_trip, ctx, inner, held, reduce)
   window, inner_state, closed, updates = place.loop_if(close, closing, carry)
   updates = held.released(window, updates, closed.emitted)
   window = _window.restarted_if(place, close, window)
   return CallResult(updates, window, inner_state, closed, held.in_buffer())
-
-
-def _applied_in_trip(
-  ctx: _inner_step.Context,
-  close: jax.Array,
-  window: _base.Window,
-  inner_state: _typing.OptState,
-  params: _typing.Params,
-) -> tuple:
-  """:func:`close_if` with the updates applied to ``params`` in the closing
-  trip, which restarts the window too: the loop carries the parameters,
-  and the updates out (-0.0 where it takes no trip; XLA drops them where
-  nothing reads them). Nothing is reduced on one device: ``inner``'s
-  updates are written into the sums' own buffer and added to the
-  parameters from there, in the loop of 0 or 1 trips on whether the
-  window emits, which carries the sums once (as ``_into_sums``)."""
-  place = ctx.place
-  inner = _inner_step.inner_of(ctx, inner_state)
-  held = _held_updates.of(place, window.grad_sums, inner.shapes)
-
-  def trip(carry):
-    _, window, inner_state, _, params = carry
-    summed, closed = _reduce(ctx, window)
-    emitted = closed.emitted
-
-    def step(carry):
-      summed, inner_state, _, params = carry
-      found, new_inner, norms = inner.step(summed, inner_state, params, True)
-      # The updates as a value of their own: without the barrier XLA:TPU
-      # holds a layer's updates beside the sums (+0.25 P on a v5e).
-      sums = held.written(found, summed.sums)
-      sums = jax.tree.map(jax.lax.optimization_barrier, sums)
-
-      # Added in a loop's body, which no compiler fuses with what is
-      # outside it: their last multiply and the add round twice, as
-      # ``optax.apply_updates`` after the call (a fused multiply-add
-      # rounds once; XLA:CPU of jax 0.10.2 and 0.8.2 fused them across
-      # the barrier).
-      def add(params):
-        return optax.apply_updates(params, optax.tree.cast_like(sums, found))
-
-      params = place.loop_if(emitted, add, params)
-      return summed._replace(sums=sums), new_inner, norms, params
-
-    carry = (summed, inner_state, _norms.nan(ctx.config, summed.sums), params)
-    summed, inner_state, norms, params = place.loop_if(emitted, step, carry)
-    window = window._replace(grad_sums=summed.sums)
-    updates = held.released(window, (), emitted)
-    window = _window.counts_restarted(place, window)
-    window = _window.sums_restarted(place, window)
-    return updates, window, inner_state, closed._replace(norms=norms), params
-
-  updates = _held_updates.zeros(inner.shapes)
-  carry = (updates, window, inner_state, _open(ctx.config, window), params)
-  return place.loop_if(close, trip, carry)
 
 
 def _trip(

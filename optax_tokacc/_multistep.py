@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_tokacc import _applied
 from optax_tokacc import _base
 from optax_tokacc import _closing
 from optax_tokacc import _config
@@ -283,8 +284,8 @@ def call(
   _typing.Updates, _base.TokenWeightedMultiStepState, Optional[_typing.Params]
 ]:
   """:func:`update`, and where ``_apply`` (``update_and_apply``) the
-  parameters with the updates applied (by ``_closing.close_if`` where the
-  device decides and the buffer returned is the updates), else None."""
+  parameters with the updates applied (by ``_applied.closed`` where the
+  buffer returned is the updates), else None."""
   # The inputs, checked once; then the placement; then the state.
   _inputs.state_type(state)
   _inputs.tree(updates, params, 'the parameters')
@@ -309,18 +310,23 @@ def call(
   mini_step = _mini_step(place, state.mini_step, keep)
   extra = _inner_step.Extra(extra_args, with_loss=loss is not None)
   ctx = _inner_step.Context(config, place, grads, params, extra)
-  if close is None:  # the device decides, in one lax.cond
+  device_decides = close is None
+  if device_decides:  # in one loop of 0 or 1 trips
     close = _window.should_close(
       config, place, state.gradient_step, mini_step, window.acc_tokens, emit_now
     )
-    apply_to = params if _apply and place.buffer_is_the_updates() else None
-    result = _closing.close_if(ctx, close, window, state.inner_state, apply_to)
+  applied = None
+  if _apply and place.buffer_is_the_updates():  # closed and applied here
+    result, applied = _applied.closed(
+      ctx, close, window, state.inner_state, params
+    )
+  elif device_decides:
+    result = _closing.close_if(ctx, close, window, state.inner_state)
   elif close:  # the host's decision: no conditional
     result = _closing.close_now(ctx, window, state.inner_state)
   else:
     result = _closing.keep_open(ctx, window, state.inner_state)
   new_state = _next_state(config, state, mini_step, close, result, skip_state)
-  applied = result.applied
   if _apply and applied is None:
     applied = optax.apply_updates(params, result.updates)
   return result.updates, place.global_state(new_state), applied

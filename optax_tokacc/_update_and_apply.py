@@ -36,18 +36,25 @@ def update_and_apply(
   parameters and state, bit for bit, and cheaper where it can be.
 
   Where ``tx`` is :func:`token_weighted_multistep`'s transformation itself
-  (not in a chain) and the device decides the window (no ``close=``), on
-  one device, an open micro-step reads and writes nothing of the
-  parameters: on a GPU or CPU the updates are added from the
-  accumulator's buffer, which holds them, in a loop of 0 or 1 trips on
-  whether the call emitted; on a TPU the step that closes the window
-  applies them (without ``compensated``; with it, a TPU applies them as
-  ``optax.apply_updates`` does). ``optax.apply_updates`` adds the returned
-  updates (zeros on an open micro-step) to every parameter on every call,
-  a parameter-sized pass that XLA cannot remove, since only the device
-  knows which calls close a window. Everywhere else this is
-  ``tx.update`` then ``optax.apply_updates``. The linen ``TrainState`` and
-  the nnx ``Optimizer`` of :mod:`optax_tokacc.flax` use it.
+  (not in a chain), on one device:
+
+  - where the device decides the window (no ``close=``), an open
+    micro-step reads and writes nothing of the parameters. On a GPU or CPU
+    the updates are added from the accumulator's buffer, which holds them,
+    in a loop of 0 or 1 trips on whether the call emitted; on a TPU the
+    step that closes the window applies them (with ``compensated``, as
+    ``optax.apply_updates`` does). ``optax.apply_updates`` adds the
+    returned updates (zeros on an open micro-step) to every parameter on
+    every call, a parameter-sized pass that XLA cannot remove, since only
+    the device knows which calls close a window;
+  - on a TPU, where the host closes the window (``close=True``), the
+    closing step applies the updates in its trip, and holds no
+    parameter-sized buffer of them beside the sums, as it does for
+    ``optax.apply_updates``.
+
+  Everywhere else this is ``tx.update`` then ``optax.apply_updates``. The
+  linen ``TrainState`` and the nnx ``Optimizer`` of
+  :mod:`optax_tokacc.flax` use it.
 
   Args:
     tx: the optimizer: any ``optax.GradientTransformation``.

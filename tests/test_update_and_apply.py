@@ -139,17 +139,20 @@ def test_tx_update_then_optax_apply_updates_bit_for_bit(name):
   assert_same_runs(ours, runs(tx, plain, dtype, nan_at))
 
 
-@pytest.mark.parametrize('written_out', [False, True])
-def test_windows_closed_by_the_host_bit_for_bit(written_out, monkeypatch):
+@pytest.mark.parametrize('form', ['here', 'written_out', 'tpu'])
+def test_windows_closed_by_the_host_bit_for_bit(form, monkeypatch):
   """Host-closed calls mixed with device-decided ones, also where the
   host's close is written out (a GPU's form, here in its place): its
-  buffer does not hold the updates."""
-  if written_out:
+  buffer does not hold the updates; and in a TPU's forms, where the
+  host's close applies the updates in its trip."""
+  if form == 'written_out':
     monkeypatch.setattr(_closing, 'WRITTEN_OUT_ON', ('cpu',))
+  if form == 'tpu':
+    force_tpu_forms(monkeypatch)
   tx = with_every_k(helpers.adamw())
   closes = (None, False, True, None, None, None, False, False, True)
-  ours = runs(tx, tokacc.update_and_apply, closes=closes)
-  assert_same_runs(ours, runs(tx, plain, closes=closes))
+  ours = runs(tx, with_updates, closes=closes)
+  assert_same_runs(ours, runs(tx, plain_with_updates, closes=closes))
 
 
 def force_tpu_forms(monkeypatch):

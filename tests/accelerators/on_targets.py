@@ -276,14 +276,15 @@ def _user_step(model: Model, tx: Any):
 
 
 def _update_and_apply_step(model: Model, tx: Any):
-  """A device-decided step that updates and applies in one call
-  (``tokacc.update_and_apply``, as the Flax train states do)."""
+  """A step that updates and applies in one call
+  (``tokacc.update_and_apply``, as the Flax train states do), closed by
+  the device or by the host (``close``)."""
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, batch):
+  @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames='close')
+  def step(params, opt_state, batch, close=None):
     grads, count = jax.grad(model.loss_sum, has_aux=True)(params, batch)
     return tokacc.update_and_apply(
-      tx, grads, opt_state, params, num_tokens=count
+      tx, grads, opt_state, params, num_tokens=count, close=close
     )
 
   return step
@@ -305,8 +306,8 @@ def one_device_reports(
 ) -> dict[str, testing.StepReport]:
   """Every program of the MLP on target ``name``'s first device: the
   ideal's (``ideal_micro``, ``ideal_update``), ours by close mode
-  (:data:`CLOSE_MODES`), ``update_and_apply`` (device-decided) and
-  ``multisteps``; with ``compensated`` a
+  (:data:`CLOSE_MODES`), ``update_and_apply`` (device-decided),
+  ``update_and_apply_closing`` (the host's close) and ``multisteps``; with ``compensated`` a
   bfloat16 accumulator with compensation, ours only."""
   target = testing.target(name)
   dtype = jnp.dtype(dtype_name)
@@ -348,6 +349,9 @@ def one_device_reports(
   if not compensated:
     step = _update_and_apply_step(model, tx)
     reports['update_and_apply'] = testing.check(step, params, state, batch)
+    reports['update_and_apply_closing'] = testing.check(
+      step, params, state, batch, close=True
+    )
   return reports
 
 

@@ -205,6 +205,21 @@ def test_update_and_apply_open_micro_step_is_the_ideals(target, dtype):
   assert figures(target, dtype, 'device')[0] > 1.2  # the check can fail
 
 
+@pytest.mark.parametrize(('target', 'dtype'), CASES)
+def test_update_and_apply_closed_by_the_host_holds_no_more(target, dtype):
+  """Where the host closes the window and the step updates and applies in
+  one call, the closing program's temporaries are within 5% of the
+  parameters' bytes of the ideal's (the larger of its two programs'). On
+  a TPU the closing trip applies the updates; ``optax.apply_updates``
+  after ``tx.update`` holds them in a buffer of their own there (the
+  ``host_closing`` floor: 1.0-1.5 P)."""
+  reports = on_targets.one_device_reports(target, dtype)
+  ideal = max(reports[k].temp_bytes for k in ('ideal_micro', 'ideal_update'))
+  closing = reports['update_and_apply_closing'].temp_bytes
+  extra = (closing - ideal) / on_targets.param_bytes(target, dtype)
+  assert extra <= 0.05, extra
+
+
 @pytest.mark.parametrize('mode', ('device', 'host_open'))
 @pytest.mark.parametrize('target', [on_targets.on_target(t) for t in TARGETS])
 def test_compensated_accumulation_keeps_its_rounding(target, mode):
