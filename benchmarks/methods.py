@@ -289,12 +289,12 @@ def _kept_conditional():
   more is for a GPU to measure). An experiment, not an ablation."""
   from optax_tokacc import _closing  # noqa: PLC0415
 
-  original = _closing._reduce
+  original = _closing.reduced
 
   def reduce(ctx, window):
     return jax.lax.optimization_barrier(original(ctx, window))
 
-  return _patched(_closing, '_reduce', reduce)
+  return _patched(_closing, 'reduced', reduce)
 
 
 def _ablation(patch):

@@ -66,7 +66,7 @@ K = on_targets.K
 # predicate), a v5e's bfloat16 host window by 1% and a v6e's host-closing
 # temporaries by 0.01-0.02 P. ``update_and_apply``: the device-decided
 # step updating and applying in one call, 1.00x on every target (on a
-# TPU the closing trip applies the updates, ``_closing.close_if``).
+# TPU the closing trip applies the updates, ``_applied._in_trip``).
 FLOORS = {
   # fmt: off
   # (target, dtype, mode): (traffic, kernels, extra temp / P,
