@@ -72,7 +72,7 @@ def closed(
     flag = close
     if close is True:  # closed for certain: a flag XLA cannot fold
       flag = jax.lax.optimization_barrier(jnp.asarray(True))
-    return _in_trip(ctx, flag, *args)
+    return _in_trip(ctx, inner, held, flag, *args)
 
   args = (window, inner_state, params)
   inner = _inner_step.inner_of(ctx, inner_state)
@@ -86,6 +86,8 @@ def closed(
 
 def _in_trip(
   ctx: _inner_step.Context,
+  inner: _inner_step.Inner,
+  held: _held_updates.HeldUpdates,
   close: jax.Array,
   window: _base.Window,
   inner_state: _typing.OptState,
@@ -98,10 +100,9 @@ def _in_trip(
   reduced on one device: ``inner``'s updates are written into the sums'
   own buffer and added to the parameters from there, in the loop of 0 or
   1 trips on whether the window emits, which carries the sums once (as
-  ``_closing._into_sums``)."""
+  ``_closing._into_sums``). ``inner`` and ``held``: as :func:`closed`
+  found them."""
   place = ctx.place
-  inner = _inner_step.inner_of(ctx, inner_state)
-  held = _held_updates.of(place, window.grad_sums, inner.shapes)
 
   def trip(carry):
     _, window, inner_state, _, params = carry

@@ -205,11 +205,7 @@ def sums_restarted(
 ) -> _base.Window:
   """The window's sums and compensation zeroed, on each device's share
   (where the closing trip restarts them itself)."""
-  sums = (window.grad_sums, window.acc_compensation)
-  grad_sums, acc_compensation = place.on_each_device(
-    optax.tree.zeros_like, (sums,), sums
-  )
-  return window._replace(grad_sums=grad_sums, acc_compensation=acc_compensation)
+  return _zeroed(place, window, 'grad_sums', 'acc_compensation')
 
 
 def counts_restarted(
@@ -219,8 +215,13 @@ def counts_restarted(
   compensation restart with the next window's first micro-step,
   :func:`restart_if`); on each device's share (a select on partial sums
   would make the compiler reduce them)."""
-  counts = (window.acc_tokens, window.acc_loss)
-  acc_tokens, acc_loss = place.on_each_device(
-    optax.tree.zeros_like, (counts,), counts
-  )
-  return window._replace(acc_tokens=acc_tokens, acc_loss=acc_loss)
+  return _zeroed(place, window, 'acc_tokens', 'acc_loss')
+
+
+def _zeroed(
+  place: _placement.Placement, window: _base.Window, *fields: str
+) -> _base.Window:
+  """The window with ``fields`` zeroed, on each device's share."""
+  values = tuple(getattr(window, field) for field in fields)
+  zeros = place.on_each_device(optax.tree.zeros_like, (values,), values)
+  return window._replace(**dict(zip(fields, zeros)))
