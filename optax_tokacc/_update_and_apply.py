@@ -14,7 +14,7 @@
 # ==============================================================================
 """``update_and_apply``: ``tx.update`` then ``optax.apply_updates`` in one
 call, which applies the updates where the window closes
-(``_closing.close_if``'s ``apply_to``)."""
+(``_applied.closed``)."""
 
 import functools
 from typing import Any

@@ -174,8 +174,8 @@ def test_a_tpus_forms_run_here_bit_for_bit(name, monkeypatch):
   """A TPU's forms are compiled by the accelerator tier, never run: the
   window restarted where it closes (``_window.restarted_if``), the
   emitting trip in a ``cond`` (``_closing.BRANCHED_ON``), the host's
-  close in a loop's trip, ``update_and_apply`` as ``optax.apply_updates``.
-  Run here in their place, ``update_and_apply`` is ``tx.update`` then
+  close in a loop's trip, ``update_and_apply`` applying the updates in
+  the closing trip (``_applied``). Run here in their place, ``update_and_apply`` is ``tx.update`` then
   ``optax.apply_updates`` bit for bit (the updates it returns too), and
   the parameters are this platform's forms', bit for bit, though the
   states differ (the sums zeroed where a window closes, not at the next

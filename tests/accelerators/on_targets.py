@@ -307,8 +307,9 @@ def one_device_reports(
   """Every program of the MLP on target ``name``'s first device: the
   ideal's (``ideal_micro``, ``ideal_update``), ours by close mode
   (:data:`CLOSE_MODES`), ``update_and_apply`` (device-decided),
-  ``update_and_apply_closing`` (the host's close) and ``multisteps``; with ``compensated`` a
-  bfloat16 accumulator with compensation, ours only."""
+  ``update_and_apply_closing`` (the host's close) and ``multisteps``;
+  with ``compensated`` a bfloat16 accumulator with compensation, ours
+  only."""
   target = testing.target(name)
   dtype = jnp.dtype(dtype_name)
   model = mlp(target, dtype)
