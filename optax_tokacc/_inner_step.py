@@ -89,18 +89,17 @@ def _mean(s: jax.Array, divisor: jax.Array) -> jax.Array:
   return s.astype(wide) * (1 / divisor.astype(wide))
 
 
-def _squares(
-  ctx: Context, sums: _typing.Updates, divisor: jax.Array
-) -> tuple[dict, jax.Array]:
-  """The squares that the window's norms are taken from, and what those
-  norms are divided by: of the sums, divided by an integer count; of the
-  mean under a floating one, whose sums of small weights have squares
-  below float32's range (and of large ones above it)."""
+def _squared(
+  sums: _typing.Updates, divisor: jax.Array
+) -> tuple[_typing.Updates, jax.Array]:
+  """What the window's gradient norm is taken of, and what it is divided
+  by: the sums, divided by an integer count; the mean under a floating
+  one, whose sums of small weights have squares below float32's range
+  (and of large ones above it)."""
   if jnp.issubdtype(divisor.dtype, jnp.integer):
-    return ctx.place.squares(sums, ctx.config.leaf_norms), divisor
+    return sums, divisor
   means = jax.tree.map(lambda s: _mean(s, divisor), sums)
-  squares = ctx.place.squares(means, ctx.config.leaf_norms)
-  return squares, jnp.ones_like(divisor)
+  return means, jnp.ones_like(divisor)
 
 
 def _step(
@@ -118,22 +117,13 @@ def _step(
   own buffer (:func:`_after_squares`)."""
   config, place = ctx.config, ctx.place
   if config.norms:
-    # Taken before ``inner`` runs: a norm of the mean taken beside it kept
-    # the sums alive, and the buffer that holds the updates was copied (a
-    # parameter-sized temporary). On a GPU, of the sums as a value of
-    # their own (an optimization barrier): XLA:GPU kept them alive through
-    # ``inner`` otherwise; the CPU copies them for a barrier, and XLA:TPU
-    # moves more around one. One barrier per leaf: jax 0.10 types one
-    # barrier's outputs as varying over every axis any operand varies over.
-    def barrier(sums):
-      return jax.tree.map(jax.lax.optimization_barrier, sums)
-
-    kept_apart = jax.lax.platform_dependent(
-      summed.sums, cuda=barrier, rocm=barrier, default=lambda sums: sums
-    )
-    squares, squares_divisor = _squares(ctx, kept_apart, summed.divisor)
+    # Taken before ``inner`` runs, but on a GPU (``_norms.squares``): a
+    # norm of the mean taken beside it kept the sums alive, and the buffer
+    # that holds the updates was copied (a parameter-sized temporary).
+    squared, squares_divisor = _squared(summed.sums, summed.divisor)
+    (grad_squares,) = place.squares((squared,), config.leaf_norms)
   if config.norms and in_place:
-    divisor = _after_squares(summed.divisor, squares)
+    divisor = _after_squares(summed.divisor, grad_squares)
   else:
     divisor = summed.divisor
   value = {'value': summed.mean_loss} if ctx.extra.with_loss else {}
@@ -151,7 +141,10 @@ def _step(
   new_inner = optax.tree.cast_like(new_inner, opt_state)
   norms = _norms.nan(config, ctx.grads)
   if config.norms:
-    found = place.norms(summed.sums, squares, updates, config.leaf_norms)
+    squares = _norms.squares(
+      place, squared, grad_squares, updates, config.leaf_norms
+    )
+    found = place.norms(summed.sums, updates, squares, config.leaf_norms)
     norms = _norms.of_window(
       found, squares_divisor, ctx.grads, config.leaf_norms
     )

@@ -233,17 +233,17 @@ class Manual(_placement.Placement):
       return [frozenset()] * len(leaves)
     return [varying_axes(x) for x in leaves]
 
-  def squares(self, tree: _typing.Updates, per_leaf: bool = False) -> dict:
+  def squares(self, trees: tuple, per_leaf: bool = False) -> tuple[dict, ...]:
     """Each leaf's squares summed over its shard, per set of manual axes
     it is split over (already in a manual region)."""
-    over = self._split_axes(jax.tree.leaves(tree))
-    return _norms.local_squares(tree, over, per_leaf)
+    overs = [self._split_axes(jax.tree.leaves(tree)) for tree in trees]
+    return _norms.local_squares(trees, overs, per_leaf)
 
   def norms(
     self,
     grads: _typing.Updates,
-    grad_squares: dict,
     updates: _typing.Updates,
+    squares: tuple[dict, dict],
     per_leaf: bool = False,
   ) -> _norms.Norms:
     """One ``psum`` of both trees' squares per set of axes (already in a
@@ -251,7 +251,6 @@ class Manual(_placement.Placement):
     overs = tuple(
       self._split_axes(jax.tree.leaves(tree)) for tree in (grads, updates)
     )
-    squares = (grad_squares, self.squares(updates, per_leaf))
     return _norms.global_norms(*squares, overs=overs)
 
 

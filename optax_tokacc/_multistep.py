@@ -131,10 +131,11 @@ def token_weighted_multistep(
       micro-step. None (the default): windows of ``every_k_schedule``.
     window_norms: whether the closing step computes the window's gradient
       and update norms (:func:`window_metrics`). False leaves them NaN and
-      saves two passes over the parameters' size at each close, and the
-      norms' scalar collectives where the gradient is split (most where
-      the host closes, ``close=True``: XLA cannot fuse the norms into that
-      step; the cost per target is in ``docs/performance.md``).
+      saves, on a CPU or TPU, up to two passes over the parameters' size
+      at each close (most where the host closes, ``close=True``; on a GPU
+      the norms are summed in ``inner``'s step and cost no pass), and the
+      norms' scalar collectives where the gradient is split (the cost per
+      target is in ``docs/performance.md``).
       ``'per_leaf'``: each leaf's norms too
       (``window_metrics(state).grad_norms``, ``.update_norms``: trees like
       the parameters), from the same squares and in the same collective

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_tokacc import _base
+from optax_tokacc import _compat
 from optax_tokacc import _errors
 from optax_tokacc import _typed_sharding
 from optax_tokacc import _typing
@@ -44,6 +45,10 @@ from optax_tokacc import _typing
 # the global norm alone, or with ``window_norms='per_leaf'`` the pair of
 # it and a tree like the parameters of each leaf's.
 Stored = Union[jax.Array, tuple[jax.Array, Any]]
+
+# The platforms where each leaf's squares of the window's sums are summed
+# with its updates' (:func:`squares`).
+TOGETHER_ON = ('cuda', 'rocm')
 
 
 class Norms(NamedTuple):
@@ -65,6 +70,38 @@ def parse(value: Any) -> tuple[bool, bool]:
   kinds = "True, False or 'per_leaf'"
   raise _errors.refuse(
     'window_norms', kinds, repr(value), _errors.STATIC_ARG_FIX
+  )
+
+
+def squares(
+  place: Any,
+  grads: _typing.Updates,
+  grad_squares: dict,
+  updates: _typing.Updates,
+  per_leaf: bool,
+) -> tuple[dict, dict]:
+  """The squares of ``grads`` (the window's sums, or its mean) and of
+  ``updates``, each summed on each device's share (``place.squares``), for
+  ``place.norms``. On a GPU (:data:`TOGETHER_ON`) each leaf's of both in
+  one reduction, which XLA:GPU fuses with ``inner``'s step: that step
+  reads the sums and writes the updates, and a reduction of the sums of
+  their own would read them once more (3% of an MLP's window). Elsewhere
+  ``grad_squares``, taken before ``inner`` runs (the CPU orders them
+  before the updates are written into the sums' buffer, and XLA:TPU holds
+  more where they are taken with the updates' on a TPU's device-decided
+  step), and the updates' apart."""
+
+  def together(args):
+    _, grads, updates = args
+    return place.squares((grads, updates), per_leaf)
+
+  def apart(args):
+    grad_squares, _, updates = args
+    return grad_squares, place.squares((updates,), per_leaf)[0]
+
+  branches = dict.fromkeys(TOGETHER_ON, together)
+  return jax.lax.platform_dependent(
+    (grad_squares, grads, updates), **branches, default=apart
   )
 
 
@@ -147,20 +184,30 @@ def typed_split_axes(leaves: list, on_shares: bool) -> list[frozenset]:
 
 
 def typed_squares(
-  tree: _typing.Updates, per_leaf: bool, on_shares: bool
-) -> dict:
-  """``tree``'s squares summed on each device's share (:func:`local_squares`),
-  partial sums typed unreduced over the axes :func:`typed_split_axes` gives,
-  so that :func:`typed_norms` sums them in one collective."""
-  leaves = jax.tree.leaves(tree)
-  over = typed_split_axes(leaves, on_shares)
-  if not (on_shares or any(over)):
-    return local_squares(tree, over, per_leaf)
+  trees: tuple, per_leaf: bool, on_shares: bool
+) -> tuple[dict, ...]:
+  """Each of ``trees``' squares summed on each device's share
+  (:func:`local_squares`), partial sums typed unreduced over the axes
+  :func:`typed_split_axes` gives, so that :func:`typed_norms` sums them in
+  one collective. Trees summed in a manual region and trees summed
+  outside one are summed apart."""
+  overs = [typed_split_axes(jax.tree.leaves(t), on_shares) for t in trees]
+  inside = [on_shares or any(over) for over in overs]
+  if len(set(inside)) > 1:
+    return tuple(typed_squares((t,), per_leaf, on_shares)[0] for t in trees)
+  if not inside[0]:
+    return local_squares(trees, overs, per_leaf)
+  leaves = [x for t in trees for x in jax.tree.leaves(t)]
   mesh = next(map(_typed_sharding.mesh_of, leaves), None)
-  split = {tuple(sorted(a)): _typed_sharding.deferred(a, mesh) for a in over}
-  specs = {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
-  squares = functools.partial(local_squares, over=over, per_leaf=per_leaf)
-  return _typed_sharding.local(squares, (tree,), specs)
+
+  def specs(over):
+    split = {tuple(sorted(a)): _typed_sharding.deferred(a, mesh) for a in over}
+    return {a: jax.P(unreduced=d) if d else jax.P() for a, d in split.items()}
+
+  def squares(*trees):
+    return local_squares(trees, overs, per_leaf)
+
+  return _typed_sharding.local(squares, trees, tuple(map(specs, overs)))
 
 
 def typed_norms(
@@ -186,23 +233,72 @@ def typed_norms(
 
 
 def local_squares(
-  tree: _typing.Updates, over: list, per_leaf: bool = False
-) -> dict:
-  """``{axes: v}``: per set of mesh axes in ``over`` (one entry per leaf:
-  the axes its sum is split over), a float32 vector ``v``: the squares of
-  ``tree``'s leaves split over them (in float32 or wider) summed on this
-  device, then, where ``per_leaf``, each such leaf's."""
-  sums, each = {}, {}
-  for x, axes in zip(jax.tree.leaves(tree), over):
-    axes = tuple(sorted(axes))
-    wide = jnp.abs(x).astype(jnp.promote_types(x.dtype, jnp.float32))
-    square = jnp.sum(wide * wide).astype(jnp.float32)
-    sums[axes] = sums[axes] + square if axes in sums else square
-    each.setdefault(axes, []).append(square)
-  return {
-    axes: jnp.stack([total, *(each[axes] if per_leaf else ())])
-    for axes, total in sums.items()
-  }
+  trees: tuple, overs: tuple, per_leaf: bool = False
+) -> tuple[dict, ...]:
+  """Per tree of ``trees``, ``{axes: v}``: per set of mesh axes in its
+  ``overs`` entry (one entry per leaf: the axes its sum is split over), a
+  float32 vector ``v``: the squares of the tree's leaves split over them
+  (in float32 or wider) summed on this device, then, where ``per_leaf``,
+  each such leaf's. The trees' leaves at one position are summed in one
+  reduction (:func:`_leaf_squares`)."""
+  found = []
+  for squares, over in zip(_leaf_squares(trees), overs):
+    sums, each = {}, {}
+    for square, axes in zip(squares, over):
+      axes = tuple(sorted(axes))
+      sums[axes] = sums[axes] + square if axes in sums else square
+      each.setdefault(axes, []).append(square)
+    found.append(
+      {
+        axes: jnp.stack([total, *(each[axes] if per_leaf else ())])
+        for axes, total in sums.items()
+      }
+    )
+  return tuple(found)
+
+
+def _leaf_squares(trees: tuple) -> list[list[jax.Array]]:
+  """Per tree (one, or two of one structure), each leaf's squares summed,
+  in float32 or wider, as float32 scalars; two trees' leaves at one
+  position in one reduction where they are typed alike
+  (:func:`_square_sums`)."""
+  leaves = [jax.tree.leaves(t) for t in trees]
+  if len(trees) != 2 or len(leaves[0]) != len(leaves[1]):
+    return [[_square_sums(x)[0] for x in each] for each in leaves]
+  pairs = [
+    _square_sums(a, b)
+    if _typed_alike(a) == _typed_alike(b)
+    else (_square_sums(a)[0], _square_sums(b)[0])
+    for a, b in zip(*leaves)
+  ]
+  return [list(each) for each in zip(*pairs)]
+
+
+def _square_sums(*xs: jax.Array) -> tuple[jax.Array, ...]:
+  """The squares of ``xs`` (one array, or two typed alike) summed, in
+  float32 or wider, as float32 scalars. Two in one reduction, of the
+  complex numbers whose real and imaginary parts are their squares (a
+  complex sum adds each part as a real sum does): XLA:GPU fuses it with
+  what computes them, where a reduction of each would read one of them
+  once more (:data:`TOGETHER_ON`); and a compiler partitions a sum of
+  one operand into partial sums and an all-reduce, where it all-gathers
+  the partial results of a variadic ``reduce``."""
+  wide = [
+    jnp.abs(x).astype(jnp.promote_types(x.dtype, jnp.float32)) for x in xs
+  ]
+  squares = [w * w for w in wide]
+  if len(squares) == 1:
+    return (jnp.sum(squares[0]).astype(jnp.float32),)
+  dtype = jnp.promote_types(*(s.dtype for s in squares))
+  total = jnp.sum(jax.lax.complex(*(s.astype(dtype) for s in squares)))
+  return tuple(part.astype(jnp.float32) for part in (total.real, total.imag))
+
+
+def _typed_alike(x: jax.Array) -> tuple:
+  """What leaves summed in one reduction share: a shape, the manual axes
+  they vary over, and the sharding in their type (one reduction's results
+  are typed alike)."""
+  return x.shape, _compat.varying_axes(x), _typed_sharding.spec(x)
 
 
 def global_norms(*squares: dict, overs: tuple) -> Norms:

@@ -262,19 +262,18 @@ class PartialSums(_placement.Placement):
   ) -> _typing.ArrayTree:
     return _placement.flag_loop(pred, fn, values)
 
-  def squares(self, tree: _typing.Updates, per_leaf: bool = False) -> dict:
+  def squares(self, trees: tuple, per_leaf: bool = False) -> tuple[dict, ...]:
     """Summed in a manual region whatever JAX defers: the shares are
     typed as partial sums (``_norms.typed_split_axes``)."""
-    return _norms.typed_squares(tree, per_leaf, True)
+    return _norms.typed_squares(trees, per_leaf, True)
 
   def norms(
     self,
     grads: _typing.Updates,
-    grad_squares: dict,
     updates: _typing.Updates,
+    squares: tuple[dict, dict],
     per_leaf: bool = False,
   ) -> _norms.Norms:
-    squares = (grad_squares, self.squares(updates, per_leaf))
     return _norms.typed_norms(
       self.on_each_device, grads, updates, squares, True
     )

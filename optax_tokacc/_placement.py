@@ -173,20 +173,21 @@ class Placement(abc.ABC):
     carries them."""
 
   @abc.abstractmethod
-  def squares(self, tree: _typing.Updates, per_leaf: bool = False) -> dict:
-    """``tree``'s squares summed on each device's share, for
-    :meth:`norms` (``_norms``)."""
+  def squares(self, trees: tuple, per_leaf: bool = False) -> tuple[dict, ...]:
+    """Each of ``trees``' squares summed on each device's share, for
+    :meth:`norms` (``_norms.local_squares``: the trees' leaves at one
+    position in one reduction)."""
 
   @abc.abstractmethod
   def norms(
     self,
     grads: _typing.Updates,
-    grad_squares: dict,
     updates: _typing.Updates,
+    squares: tuple[dict, dict],
     per_leaf: bool = False,
   ) -> _norms.Norms:
-    """The L2 norms of ``grads``, given by its :meth:`squares`, and of
-    ``updates``, from each device's share of the squares: one ``psum``
+    """The L2 norms of ``grads`` and ``updates``, given by their
+    :meth:`squares`, from each device's share of the squares: one ``psum``
     of all of them per set of mesh axes they are split over; each leaf's
     too where ``per_leaf``."""
 

@@ -105,17 +105,16 @@ class Single(_placement.Placement):
   ) -> _typing.ArrayTree:
     return _placement.flag_loop(pred, fn, values)
 
-  def squares(self, tree: _typing.Updates, per_leaf: bool = False) -> dict:
-    return _norms.typed_squares(tree, per_leaf, False)
+  def squares(self, trees: tuple, per_leaf: bool = False) -> tuple[dict, ...]:
+    return _norms.typed_squares(trees, per_leaf, False)
 
   def norms(
     self,
     grads: _typing.Updates,
-    grad_squares: dict,
     updates: _typing.Updates,
+    squares: tuple[dict, dict],
     per_leaf: bool = False,
   ) -> _norms.Norms:
-    squares = (grad_squares, self.squares(updates, per_leaf))
     return _norms.typed_norms(
       self.on_each_device, grads, updates, squares, False
     )

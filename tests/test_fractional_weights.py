@@ -58,6 +58,7 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
+from optax_tokacc import _norms
 
 NUM_DEVICES = 4
 K = 2  # micro-steps per window, where the schedule or the host closes
@@ -513,11 +514,15 @@ def test_budgets_in_fractional_units(name, dtype, budget):
     assert_windows(seen, windows, dtype)
 
 
+@pytest.mark.parametrize('gpus', [False, True], ids=['here', 'gpus'])
 @pytest.mark.parametrize('name', ['one_device', 'explicit_ddp'])
-def test_per_leaf_norms_are_of_the_weighted_mean(name):
+def test_per_leaf_norms_are_of_the_weighted_mean(name, gpus, monkeypatch):
   """``window_norms='per_leaf'``: each leaf's norm is its weighted mean's,
   tiny and mixed weights included (float32 squares of the sums of tiny
-  weights are 0)."""
+  weights are 0); and so with a GPU's norms (``gpus``: the squares of the
+  mean and of the updates summed in one reduction, ``_norms.TOGETHER_ON``)."""
+  if gpus:
+    monkeypatch.setattr(_norms, 'TOGETHER_ON', ('cpu',))
   windows = make_windows(('tiny', 'mixed', 'below_one'), 'float32', seed=30)
   run = build(name, 'float32', window_norms='per_leaf')
   seen = run_windows(name, run, windows, host_closes=False)

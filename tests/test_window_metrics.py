@@ -47,6 +47,7 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
+from optax_tokacc import _norms
 from optax_tokacc.testing import collectives
 from optax_tokacc.testing import hlo
 
@@ -240,12 +241,9 @@ def test_equal_full_batch_on_one_device(window_norms, host_closes):
   assert_equal_full_batch(records, windows, window_norms)
 
 
-@pytest.mark.parametrize('placement', placements.PLACEMENTS)
-@pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
-# shard_map_summed: the gradients' all-reduce per micro-step is warned of
-@pytest.mark.filterwarnings('ignore:token_weighted_multistep. gradients arrive')
-def test_equal_full_batch(placement, window_norms):
-  """On 4 devices of every placement of ``placements.PLACEMENTS``."""
+def run_placement(placement, windows, window_norms):
+  """:func:`train_recorded` on 4 devices of ``placement`` (of
+  ``placements.PLACEMENTS``)."""
   if not placements.supported(placement):
     pytest.skip(placements.NEEDS_TYPED_SHARDING)
 
@@ -254,9 +252,60 @@ def test_equal_full_batch(placement, window_norms):
       momentum_sgd(), K, axis_name=axis_name, window_norms=window_norms
     )
 
-  windows = helpers.make_windows(WINDOW_SIZES, 4)
   run = placements.PLACEMENTS[placement](4, make_tx)
-  assert_equal_full_batch(train_recorded(run, windows), windows, window_norms)
+  return train_recorded(run, windows)
+
+
+@pytest.mark.parametrize('placement', placements.PLACEMENTS)
+@pytest.mark.parametrize('window_norms', [True, 'per_leaf'])
+# shard_map_summed: the gradients' all-reduce per micro-step is warned of
+@pytest.mark.filterwarnings('ignore:token_weighted_multistep. gradients arrive')
+def test_equal_full_batch(placement, window_norms):
+  """On 4 devices of every placement of ``placements.PLACEMENTS``."""
+  windows = helpers.make_windows(WINDOW_SIZES, 4)
+  records = run_placement(placement, windows, window_norms)
+  assert_equal_full_batch(records, windows, window_norms)
+
+
+def force_a_gpus_norms(monkeypatch):
+  """A GPU's norms here: each leaf's squares of the window's sums and of
+  its updates summed in one reduction (``_norms.TOGETHER_ON``)."""
+  monkeypatch.setattr(_norms, 'TOGETHER_ON', ('cpu',))
+
+
+@pytest.mark.parametrize(
+  'placement', ['single', 'single_host', *placements.PLACEMENTS]
+)
+@pytest.mark.filterwarnings('ignore:token_weighted_multistep. gradients arrive')
+def test_a_gpus_norms_equal_full_batch(placement, monkeypatch):
+  """A GPU's norms (:func:`force_a_gpus_norms`), each leaf's too, against
+  full batch: on one device, closed by the device or by the host, and on
+  4 devices of every placement."""
+  force_a_gpus_norms(monkeypatch)
+  windows = helpers.make_windows(WINDOW_SIZES, 4)
+  if placement.startswith('single'):
+    records = run_single(windows, placement == 'single_host', 'per_leaf')
+  else:
+    records = run_placement(placement, windows, 'per_leaf')
+  assert_equal_full_batch(records, windows, 'per_leaf')
+
+
+@pytest.mark.parametrize('gpus', [False, True], ids=['here', 'gpus'])
+def test_a_gpus_norms_sum_both_squares_in_one_reduction(gpus, monkeypatch):
+  """Where a GPU's norms are forced, the closing step sums each leaf's
+  squares of the sums and of the updates in one ``reduce`` (of complex
+  numbers, the two squares their parts); here, none does (the check can
+  fail)."""
+  if gpus:
+    force_a_gpus_norms(monkeypatch)
+  tx = tokacc.token_weighted_multistep(momentum_sgd(), K)
+  params = jax.tree.map(jnp.asarray, helpers.init_params())
+  step = jax.jit(helpers.train_step(tx), static_argnames='close')
+  batch = helpers.make_windows([1], 4)[0][0]
+  text = step.lower(params, tx.init(params), batch, close=True).as_text()
+  reduces = [line for line in text.splitlines() if 'stablehlo.reduce(' in line]
+  pairs = sum('complex<f32>' in line for line in reduces)
+  assert pairs == (len(jax.tree.leaves(params)) if gpus else 0)
 
 
 def test_explicit_fsdp_on_every_jax(monkeypatch):

@@ -302,24 +302,27 @@ def _multisteps_step(model: Model, tx: Any):
 
 @functools.cache
 def one_device_reports(
-  name: str, dtype_name: str, compensated: bool = False
+  name: str,
+  dtype_name: str,
+  compensated: bool = False,
+  window_norms: bool = True,
 ) -> dict[str, testing.StepReport]:
   """Every program of the MLP on target ``name``'s first device: the
   ideal's (``ideal_micro``, ``ideal_update``), ours by close mode
   (:data:`CLOSE_MODES`), ``update_and_apply`` (device-decided),
   ``update_and_apply_closing`` (the host's close) and ``multisteps``;
   with ``compensated`` a bfloat16 accumulator with compensation, ours
-  only."""
+  only; without ``window_norms``, ours by close mode only."""
   target = testing.target(name)
   dtype = jnp.dtype(dtype_name)
   model = mlp(target, dtype)
   params, batch = model.params, model.batch
   adamw = adamw_for(dtype)
   reports = {}
-  options = {}
+  options = {'window_norms': window_norms}
   if compensated:
-    options = {'accumulator_dtype': jnp.bfloat16, 'compensated': True}
-  else:
+    options |= {'accumulator_dtype': jnp.bfloat16, 'compensated': True}
+  elif window_norms:
     micro_step, window_update = _ideal(model, adamw)
     acc = on_device(
       jax.tree.map(
@@ -347,7 +350,7 @@ def one_device_reports(
   state = on_device(jax.eval_shape(tx.init, params), target)
   for mode, close in CLOSE_MODES.items():
     reports[mode] = testing.check(step, params, state, batch, close=close)
-  if not compensated:
+  if not compensated and window_norms:
     step = _update_and_apply_step(model, tx)
     reports['update_and_apply'] = testing.check(step, params, state, batch)
     reports['update_and_apply_closing'] = testing.check(

@@ -66,27 +66,34 @@ K = on_targets.K
 # predicate), a v5e's bfloat16 host window by 1% and a v6e's host-closing
 # temporaries by 0.01-0.02 P. ``update_and_apply``: the device-decided
 # step updating and applying in one call, 1.00x on every target (on a
-# TPU the closing trip applies the updates, ``_applied._in_trip``).
+# TPU the closing trip applies the updates, ``_applied._in_trip``). On a
+# GPU each leaf's squares of the sums and of the updates are summed in one
+# reduction, which XLA:GPU fuses with ``inner``'s step (the window's
+# norms, ``_norms.TOGETHER_ON``): the host's closing step 1.00x against
+# 1.07x in float32 and 0.92x against 1.00x in bfloat16, its window 1.00x
+# and 0.97x (1.03x and 1.00x), ``update_and_apply``'s 1.09x and 1.08x
+# (1.12x and 1.12x), the device-decided window 1.37x and 1.28x (1.40x and
+# 1.31x).
 FLOORS = {
   # fmt: off
   # (target, dtype, mode): (traffic, kernels, extra temp / P,
   #                         window traffic)
-  ('h100', 'float32', 'device'): (1.497, 56, 0.001, 1.395),
-  ('h100', 'float32', 'host_open'): (1.001, 36, 0.001, 1.031),
-  ('h100', 'float32', 'host_closing'): (1.068, 79, 0.002, 1.031),
-  ('h100', 'float32', 'update_and_apply'): (1.001, 49, 0.001, 1.122),
-  ('h100', 'bfloat16', 'device'): (1.336, 61, 0.001, 1.311),
-  ('h100', 'bfloat16', 'host_open'): (1.001, 41, 0.001, 1.001),
-  ('h100', 'bfloat16', 'host_closing'): (1.001, 82, 0.002, 1.001),
-  ('h100', 'bfloat16', 'update_and_apply'): (1.001, 54, 0.001, 1.115),
-  ('h200', 'float32', 'device'): (1.497, 56, 0.001, 1.395),
-  ('h200', 'float32', 'host_open'): (1.001, 36, 0.001, 1.031),
-  ('h200', 'float32', 'host_closing'): (1.068, 79, 0.002, 1.031),
-  ('h200', 'float32', 'update_and_apply'): (1.001, 49, 0.001, 1.122),
-  ('h200', 'bfloat16', 'device'): (1.336, 61, 0.001, 1.311),
-  ('h200', 'bfloat16', 'host_open'): (1.001, 41, 0.001, 1.001),
-  ('h200', 'bfloat16', 'host_closing'): (1.001, 82, 0.002, 1.001),
-  ('h200', 'bfloat16', 'update_and_apply'): (1.001, 54, 0.001, 1.115),
+  ('h100', 'float32', 'device'): (1.497, 56, 0.001, 1.365),
+  ('h100', 'float32', 'host_open'): (1.001, 36, 0.001, 1.001),
+  ('h100', 'float32', 'host_closing'): (1.001, 67, 0.002, 1.001),
+  ('h100', 'float32', 'update_and_apply'): (1.001, 49, 0.001, 1.092),
+  ('h100', 'bfloat16', 'device'): (1.336, 61, 0.001, 1.278),
+  ('h100', 'bfloat16', 'host_open'): (1.001, 41, 0.001, 0.968),
+  ('h100', 'bfloat16', 'host_closing'): (0.922, 70, 0.002, 0.968),
+  ('h100', 'bfloat16', 'update_and_apply'): (1.001, 54, 0.001, 1.082),
+  ('h200', 'float32', 'device'): (1.497, 56, 0.001, 1.365),
+  ('h200', 'float32', 'host_open'): (1.001, 36, 0.001, 1.001),
+  ('h200', 'float32', 'host_closing'): (1.001, 67, 0.002, 1.001),
+  ('h200', 'float32', 'update_and_apply'): (1.001, 49, 0.001, 1.092),
+  ('h200', 'bfloat16', 'device'): (1.336, 61, 0.001, 1.278),
+  ('h200', 'bfloat16', 'host_open'): (1.001, 41, 0.001, 0.968),
+  ('h200', 'bfloat16', 'host_closing'): (0.922, 70, 0.002, 0.968),
+  ('h200', 'bfloat16', 'update_and_apply'): (1.001, 54, 0.001, 1.082),
   ('tpu v5e 1x1', 'float32', 'device'): (2.042, 74, 0.254, 1.685),
   ('tpu v5e 1x1', 'float32', 'host_open'): (1.001, 38, 0.0, 1.129),
   ('tpu v5e 1x1', 'float32', 'host_closing'): (1.254, 136, 1.005, 1.129),
@@ -218,6 +225,51 @@ def test_update_and_apply_closed_by_the_host_holds_no_more(target, dtype):
   closing = reports['update_and_apply_closing'].temp_bytes
   extra = (closing - ideal) / on_targets.param_bytes(target, dtype)
   assert extra <= 0.05, extra
+
+
+GPU_CASES = on_targets.grid(on_targets.GPU_TARGETS, DTYPES)
+
+
+@pytest.mark.parametrize(('target', 'dtype'), GPU_CASES)
+def test_a_gpus_window_norms_read_nothing_more(target, dtype):
+  """On a GPU the window's norms (``window_norms``, on by default) cost no
+  pass of their own: each leaf's squares of the sums and of the updates
+  are summed in one reduction (``_norms.local_squares``), which XLA:GPU
+  fuses with ``inner``'s step, where the step reads both anyway. The
+  closing programs with and without the norms move the same bytes, to
+  their scalars (0.01 P: a parameter-sized pass would be 0.25 P or more,
+  a leaf's)."""
+  bare = on_targets.one_device_reports(target, dtype, window_norms=False)
+  normed = on_targets.one_device_reports(target, dtype)
+  size = on_targets.param_bytes(target, dtype)
+  for mode in ('device', 'host_closing'):
+    extra = normed[mode].closing_step.bytes - bare[mode].closing_step.bytes
+    assert extra / size <= 0.01, (mode, extra / size)
+
+
+# Issue 55 leaves a TPU's host-closed window at 1.11-1.14x (its floors).
+_TPU_HOST_WINDOW = pytest.mark.xfail(
+  reason='issue 55: a TPU host-closed window is 1.11-1.14x', strict=True
+)
+HOST_CASES = [
+  on_targets.on_target(
+    t, d, marks=(_TPU_HOST_WINDOW,) if t.startswith('tpu') else ()
+  )
+  for t in TARGETS
+  for d in DTYPES
+]
+
+
+@pytest.mark.parametrize(('target', 'dtype'), HOST_CASES)
+def test_a_host_closed_window_is_the_ideals(target, dtype):
+  """Issue 55's targets for the host's close: the open step at most 1.02x
+  the ideal micro-step's modelled traffic, the window (k - 1 open steps
+  and the closing step) at most 1.03x the ideal's (k micro-steps and the
+  window update)."""
+  open_step, _, _, _ = figures(target, dtype, 'host_open')
+  _, _, _, window = figures(target, dtype, 'host_closing')
+  assert open_step <= 1.02, open_step
+  assert window <= 1.03, window
 
 
 @pytest.mark.parametrize('mode', ('device', 'host_open'))
