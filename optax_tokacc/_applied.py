@@ -20,16 +20,18 @@ parameters with the updates applied.
 On a GPU or CPU the window closes as ``_closing`` closes it, and the
 updates are added after the call from the buffer that holds them, in a
 loop of 0 or 1 trips (``_held_updates.applied``). A TPU restarts the
-buffer where the window closes; there, without compensation, the closing
-trip applies the updates itself (:func:`_in_trip`), so that an open
-micro-step reads and writes nothing of the parameters and the host's
-close holds no buffer of the updates beside the sums.
+buffer where the window closes; there, where the device closes it,
+without compensation, the closing trip applies the updates itself
+(:func:`_in_trip`), so that an open micro-step reads and writes nothing
+of the parameters. The host's close (``close=True``) is ``_closing``'s,
+the updates added after it as ``optax.apply_updates`` adds them: on a
+GPU and a TPU it is written out, and XLA fuses that add with ``inner``'s
+step, in the program ``tx.update`` then ``optax.apply_updates`` makes.
 """
 
 from typing import Union
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from optax_tokacc import _base
@@ -69,15 +71,12 @@ def closed(
     return *found[:4], applied
 
   def in_trip(args):
-    flag = close
-    if close is True:  # closed for certain: a flag XLA cannot fold
-      flag = jax.lax.optimization_barrier(jnp.asarray(True))
-    return _in_trip(ctx, inner, held, flag, *args)
+    return _in_trip(ctx, inner, held, close, *args)
 
   args = (window, inner_state, params)
   inner = _inner_step.inner_of(ctx, inner_state)
   held = _held_updates.of(ctx.place, window.grad_sums, inner.shapes)
-  if ctx.config.compensated or not held.in_buffer():
+  if ctx.config.compensated or not held.in_buffer() or close is True:
     found = after(args)
   else:
     found = jax.lax.platform_dependent(args, tpu=in_trip, default=after)

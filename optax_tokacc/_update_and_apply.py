@@ -46,13 +46,10 @@ def update_and_apply(
     ``optax.apply_updates`` does). ``optax.apply_updates`` adds the
     returned updates (zeros on an open micro-step) to every parameter on
     every call, a parameter-sized pass that XLA cannot remove, since only
-    the device knows which calls close a window;
-  - on a TPU, where the host closes the window (``close=True``), the
-    closing step applies the updates in its trip, and holds no
-    parameter-sized buffer of them beside the sums, as it does for
-    ``optax.apply_updates``.
+    the device knows which calls close a window.
 
-  Everywhere else this is ``tx.update`` then ``optax.apply_updates``. The
+  Everywhere else (the host's ``close=``, chains, several devices) this
+  is ``tx.update`` then ``optax.apply_updates``. The
   linen ``TrainState`` and the nnx ``Optimizer`` of
   :mod:`optax_tokacc.flax` use it.
 

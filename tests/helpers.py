@@ -58,6 +58,7 @@ import optax
 import pytest
 
 import optax_tokacc
+from optax_tokacc import _closing
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent  # the checkout, or the unpacked sdist
@@ -94,6 +95,33 @@ SEQS = 2  # sequences per device per micro-step
 SEQ_LEN = 4
 LOCAL_TOKENS = SEQS * SEQ_LEN
 LEARNING_RATE = 0.05
+
+
+def force_tpu_forms(monkeypatch):
+  """Every ``jax.lax.platform_dependent`` takes its ``tpu`` branch (its
+  default where it has none): what XLA:TPU compiles, traced here."""
+
+  def forced(*args, default=None, **branches):
+    return branches.get('tpu', default)(*args)
+
+  monkeypatch.setattr(jax.lax, 'platform_dependent', forced)
+
+
+def written_out_here(monkeypatch):
+  """The host's close written out here, as on a GPU
+  (``_closing.WRITTEN_OUT_ON``)."""
+  monkeypatch.setattr(_closing, 'WRITTEN_OUT_ON', ('cpu',))
+
+
+# The forms of the host's close, forced here (each a function of pytest's
+# ``monkeypatch``): this platform's (a loop's trip), a GPU's (written
+# out), a TPU's (written out, the sums restarted where the window closes
+# and laid out as the parameters).
+CLOSE_FORMS = {
+  'in_loop': lambda monkeypatch: None,
+  'written_out': written_out_here,
+  'tpu': force_tpu_forms,
+}
 
 
 def init_params(dtype=jnp.float32):

@@ -65,7 +65,6 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _closing
 from optax_tokacc import _typed_sharding
 from optax_tokacc.testing import collectives
 from optax_tokacc.testing import hlo
@@ -563,14 +562,18 @@ def test_host_and_device_decisions_mix_bit_for_bit(name):
       bit_for_bit_without_fma(name)
 
 
+@pytest.mark.parametrize('form', ['written_out', 'tpu'])
 @pytest.mark.parametrize('name', sorted(MIX_CASES))
-def test_the_gpu_host_close_mixes_with_device_decisions(name, monkeypatch):
-  """On a GPU the host's close is written out, not run in the device's
-  closing loop (``_closing.WRITTEN_OUT_ON``): run here in its place, its
-  runs are within a few roundings of the run that leaves every call to the
-  device (NaN and dropped windows, rejected micro-batches, compensated sums
-  and ``value=`` included), and close the same windows."""
-  monkeypatch.setattr(_closing, 'WRITTEN_OUT_ON', CLOSE_FORMS['written_out'])
+def test_a_written_out_host_close_mixes_with_device_decisions(
+  name, form, monkeypatch
+):
+  """On a GPU and a TPU the host's close is written out, not run in the
+  device's closing loop (``_closing.WRITTEN_OUT_ON``; on a TPU in its
+  forms, ``helpers.CLOSE_FORMS``): run here in its place, its runs are
+  within a few roundings of the run that leaves every call to the device
+  (NaN and dropped windows, rejected micro-batches, compensated sums and
+  ``value=`` included), and close the same windows."""
+  helpers.CLOSE_FORMS[form](monkeypatch)
   for _, actual, expected in mixed_runs(name):
     assert_close_run(actual, expected)
 
@@ -608,19 +611,14 @@ def host_closed(step, params, state, windows):
   return params, state
 
 
-# Where the host's close is written out: on a GPU, and here in its place.
-CLOSE_FORMS = {'in_loop': None, 'written_out': ('cpu',)}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize('form', sorted(CLOSE_FORMS))
+@pytest.mark.parametrize('form', sorted(helpers.CLOSE_FORMS))
 def test_closing_a_window_without_tokens(form, monkeypatch):
   """``close=True`` on a window that counted no token: -0.0 updates (the
   parameters keep their bits), the inner state kept, no optimizer step, no
   dropped window; the window loss still the last one's. Training goes on
   as full-batch training without that window."""
-  if CLOSE_FORMS[form]:
-    monkeypatch.setattr(_closing, 'WRITTEN_OUT_ON', CLOSE_FORMS[form])
+  helpers.CLOSE_FORMS[form](monkeypatch)
   with jax.enable_x64(True):
     windows = windows64()
     empty = [dict(b, mask=np.zeros_like(b['mask'])) for b in windows[1]]
@@ -650,14 +648,13 @@ def test_closing_a_window_without_tokens(form, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('form', sorted(CLOSE_FORMS))
+@pytest.mark.parametrize('form', sorted(helpers.CLOSE_FORMS))
 def test_closing_a_window_with_an_invalid_count(form, monkeypatch):
   """A window holding an invalid count (negative, or fractional under the
   int32 counter) is dropped when the host closes it: -0.0 updates, the
   inner state kept, ``dropped_windows`` + 1; the next window trains as
   full-batch training without it."""
-  if CLOSE_FORMS[form]:
-    monkeypatch.setattr(_closing, 'WRITTEN_OUT_ON', CLOSE_FORMS[form])
+  helpers.CLOSE_FORMS[form](monkeypatch)
   with jax.enable_x64(True):
     windows = windows64()
     expected, _ = full_batch(helpers.sgd, without=1)

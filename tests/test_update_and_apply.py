@@ -144,25 +144,16 @@ def test_windows_closed_by_the_host_bit_for_bit(form, monkeypatch):
   """Host-closed calls mixed with device-decided ones, also where the
   host's close is written out (a GPU's form, here in its place): its
   buffer does not hold the updates; and in a TPU's forms, where the
-  host's close applies the updates in its trip."""
+  host's close is written out too, its sums restarted and laid out as
+  the parameters."""
   if form == 'written_out':
     monkeypatch.setattr(_closing, 'WRITTEN_OUT_ON', ('cpu',))
   if form == 'tpu':
-    force_tpu_forms(monkeypatch)
+    helpers.force_tpu_forms(monkeypatch)
   tx = with_every_k(helpers.adamw())
   closes = (None, False, True, None, None, None, False, False, True)
   ours = runs(tx, with_updates, closes=closes)
   assert_same_runs(ours, runs(tx, plain_with_updates, closes=closes))
-
-
-def force_tpu_forms(monkeypatch):
-  """Every ``jax.lax.platform_dependent`` takes its ``tpu`` branch (its
-  default where it has none): what XLA:TPU compiles, traced here."""
-
-  def forced(*args, default=None, **branches):
-    return branches.get('tpu', default)(*args)
-
-  monkeypatch.setattr(jax.lax, 'platform_dependent', forced)
 
 
 def state_bytes(state):
@@ -174,8 +165,9 @@ def test_a_tpus_forms_run_here_bit_for_bit(name, monkeypatch):
   """A TPU's forms are compiled by the accelerator tier, never run: the
   window restarted where it closes (``_window.restarted_if``), the
   emitting trip in a ``cond`` (``_closing.BRANCHED_ON``), the host's
-  close in a loop's trip, ``update_and_apply`` applying the updates in
-  the closing trip (``_applied``). Run here in their place, ``update_and_apply`` is ``tx.update`` then
+  close written out (``_closing.WRITTEN_OUT_ON``), ``update_and_apply``
+  applying the updates in the device's closing trip (``_applied``). Run
+  here in their place, ``update_and_apply`` is ``tx.update`` then
   ``optax.apply_updates`` bit for bit (the updates it returns too), and
   the parameters are this platform's forms', bit for bit, though the
   states differ (the sums zeroed where a window closes, not at the next
@@ -183,7 +175,7 @@ def test_a_tpus_forms_run_here_bit_for_bit(name, monkeypatch):
   make, dtype, nan_at = CASES[name]
   tx = make()
   here = runs(tx, plain, dtype, nan_at)
-  force_tpu_forms(monkeypatch)
+  helpers.force_tpu_forms(monkeypatch)
   ours = runs(tx, with_updates, dtype, nan_at)
   assert_same_runs(ours, runs(tx, plain_with_updates, dtype, nan_at))
   for i, (found, expected) in enumerate(zip(ours, here)):

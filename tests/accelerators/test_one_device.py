@@ -34,6 +34,9 @@ AdamW's first moment in float32). Each close mode of the user's step
   kernels and temporaries no worse than :data:`FLOORS`: today's figures.
 """
 
+import math
+
+import jax
 import jax.numpy as jnp
 import on_targets
 import pytest
@@ -73,7 +76,11 @@ K = on_targets.K
 # 1.07x in float32 and 0.92x against 1.00x in bfloat16, its window 1.00x
 # and 0.97x (1.03x and 1.00x), ``update_and_apply``'s 1.09x and 1.08x
 # (1.12x and 1.12x), the device-decided window 1.37x and 1.28x (1.40x and
-# 1.31x).
+# 1.31x). A TPU's host close is written out too, its sums laid out as
+# the parameters (``_closing._as_the_parameters``): its closing step 1.09x
+# and 1.22x on a v5e, 1.00x and 1.10x on a v6e (1.25x-1.28x), its window
+# 1.04x, 1.11x, 1.00x and 1.05x (1.12x-1.14x), its temporaries 0.26, 1.03,
+# 0.27 and 0.52 P (1.0 and 1.5 P).
 FLOORS = {
   # fmt: off
   # (target, dtype, mode): (traffic, kernels, extra temp / P,
@@ -95,20 +102,20 @@ FLOORS = {
   ('h200', 'bfloat16', 'host_closing'): (0.922, 70, 0.002, 0.968),
   ('h200', 'bfloat16', 'update_and_apply'): (1.001, 54, 0.001, 1.082),
   ('tpu v5e 1x1', 'float32', 'device'): (2.042, 74, 0.254, 1.685),
-  ('tpu v5e 1x1', 'float32', 'host_open'): (1.001, 38, 0.0, 1.129),
-  ('tpu v5e 1x1', 'float32', 'host_closing'): (1.254, 136, 1.005, 1.129),
+  ('tpu v5e 1x1', 'float32', 'host_open'): (1.001, 38, 0.0, 1.043),
+  ('tpu v5e 1x1', 'float32', 'host_closing'): (1.085, 129, 0.261, 1.043),
   ('tpu v5e 1x1', 'float32', 'update_and_apply'): (1.001, 66, 0.005, 1.129),
   ('tpu v5e 1x1', 'bfloat16', 'device'): (2.024, 74, 0.511, 1.706),
-  ('tpu v5e 1x1', 'bfloat16', 'host_open'): (1.001, 38, 0.0, 1.142),
-  ('tpu v5e 1x1', 'bfloat16', 'host_closing'): (1.28, 136, 1.513, 1.142),
+  ('tpu v5e 1x1', 'bfloat16', 'host_open'): (1.001, 38, 0.0, 1.113),
+  ('tpu v5e 1x1', 'bfloat16', 'host_closing'): (1.224, 133, 1.031, 1.113),
   ('tpu v5e 1x1', 'bfloat16', 'update_and_apply'): (1.001, 66, 0.028, 1.142),
   ('tpu v6e 1x1', 'float32', 'device'): (1.827, 72, 0.264, 1.585),
-  ('tpu v6e 1x1', 'float32', 'host_open'): (1.001, 40, -0.001, 1.119),
-  ('tpu v6e 1x1', 'float32', 'host_closing'): (1.254, 131, 1.006, 1.119),
+  ('tpu v6e 1x1', 'float32', 'host_open'): (1.001, 40, -0.001, 1.001),
+  ('tpu v6e 1x1', 'float32', 'host_closing'): (1.001, 125, 0.272, 1.001),
   ('tpu v6e 1x1', 'float32', 'update_and_apply'): (1.001, 68, 0.017, 1.11),
   ('tpu v6e 1x1', 'bfloat16', 'device'): (1.764, 72, 0.507, 1.576),
-  ('tpu v6e 1x1', 'bfloat16', 'host_open'): (1.001, 38, -0.001, 1.127),
-  ('tpu v6e 1x1', 'bfloat16', 'host_closing'): (1.277, 131, 1.514, 1.127),
+  ('tpu v6e 1x1', 'bfloat16', 'host_open'): (1.001, 38, -0.001, 1.047),
+  ('tpu v6e 1x1', 'bfloat16', 'host_closing'): (1.101, 127, 0.523, 1.047),
   ('tpu v6e 1x1', 'bfloat16', 'update_and_apply'): (1.001, 66, 0.014, 1.116),
   # fmt: on
 }
@@ -213,18 +220,24 @@ def test_update_and_apply_open_micro_step_is_the_ideals(target, dtype):
 
 
 @pytest.mark.parametrize(('target', 'dtype'), CASES)
-def test_update_and_apply_closed_by_the_host_holds_no_more(target, dtype):
-  """Where the host closes the window and the step updates and applies in
-  one call, the closing program's temporaries are within 5% of the
-  parameters' bytes of the ideal's (the larger of its two programs'). On
-  a TPU the closing trip applies the updates; ``optax.apply_updates``
-  after ``tx.update`` holds them in a buffer of their own there (the
-  ``host_closing`` floor: 1.0-1.5 P)."""
+def test_update_and_apply_closed_by_the_host_is_apply_updates_program(
+  target, dtype
+):
+  """Where the host closes the window, ``update_and_apply`` is the program
+  ``tx.update`` then ``optax.apply_updates`` makes (the same bits
+  promised): on a GPU and a TPU the close is written out, and XLA fuses
+  the add into ``inner``'s step. Its modelled traffic and temporaries are
+  that program's (FLOORS' ``host_closing``); on a GPU its temporaries are
+  within 5% of the parameters' bytes of the ideal's (the larger of its
+  two programs')."""
   reports = on_targets.one_device_reports(target, dtype)
-  ideal = max(reports[k].temp_bytes for k in ('ideal_micro', 'ideal_update'))
-  closing = reports['update_and_apply_closing'].temp_bytes
-  extra = (closing - ideal) / on_targets.param_bytes(target, dtype)
-  assert extra <= 0.05, extra
+  ours, theirs = reports['update_and_apply_closing'], reports['host_closing']
+  size = on_targets.param_bytes(target, dtype)
+  assert ours.closing_step.bytes <= theirs.closing_step.bytes * 1.001
+  assert ours.temp_bytes - theirs.temp_bytes <= 0.001 * size
+  if not target.startswith('tpu'):
+    ideal = max(reports[k].temp_bytes for k in ('ideal_micro', 'ideal_update'))
+    assert (ours.temp_bytes - ideal) / size <= 0.05
 
 
 GPU_CASES = on_targets.grid(on_targets.GPU_TARGETS, DTYPES)
@@ -247,14 +260,18 @@ def test_a_gpus_window_norms_read_nothing_more(target, dtype):
     assert extra / size <= 0.01, (mode, extra / size)
 
 
-# Issue 55 leaves a TPU's host-closed window at 1.11-1.14x (its floors).
-_TPU_HOST_WINDOW = pytest.mark.xfail(
-  reason='issue 55: a TPU host-closed window is 1.11-1.14x', strict=True
+# Issue 55 leaves these host-closed windows above 1.03x the ideal's
+# (FLOORS): a v5e's, and a v6e's in bfloat16.
+_ABOVE = pytest.mark.xfail(
+  reason='issue 55: a host-closed window above 1.03x', strict=True
 )
+_STILL_ABOVE = {
+  ('tpu v5e 1x1', 'float32'),
+  ('tpu v5e 1x1', 'bfloat16'),
+  ('tpu v6e 1x1', 'bfloat16'),
+}
 HOST_CASES = [
-  on_targets.on_target(
-    t, d, marks=(_TPU_HOST_WINDOW,) if t.startswith('tpu') else ()
-  )
+  on_targets.on_target(t, d, marks=(_ABOVE,) if (t, d) in _STILL_ABOVE else ())
   for t in TARGETS
   for d in DTYPES
 ]
@@ -270,6 +287,28 @@ def test_a_host_closed_window_is_the_ideals(target, dtype):
   _, _, _, window = figures(target, dtype, 'host_closing')
   assert open_step <= 1.02, open_step
   assert window <= 1.03, window
+
+
+TPU_CASES = on_targets.grid(on_targets.TPU_TARGETS, DTYPES)
+
+
+@pytest.mark.parametrize(('target', 'dtype'), TPU_CASES)
+def test_a_tpus_host_close_lays_out_nothing_again(target, dtype):
+  """The host's closing program on a TPU (written out, its sums laid out
+  as the parameters, ``_closing._as_the_parameters``) copies no buffer of
+  a weight's size: a v6e laid ``inner``'s fusion out transposed, as the
+  gradient's GEMM, and copied every parameter, moment and sum into that
+  layout and back."""
+  report = on_targets.one_device_reports(target, dtype)['host_closing']
+  model = on_targets.mlp(testing.target(target), jnp.dtype(dtype))
+  weight = min(x.size for x in jax.tree.leaves(model.params) if x.ndim == 2)
+  module = testing.hlo.parse_hlo(report.text)
+  copies = [
+    i.name
+    for i in testing.hlo.reachable_instructions(module)
+    if i.opcode == 'copy' and math.prod(i.shapes[0][1]) >= weight
+  ]
+  assert not copies, copies
 
 
 @pytest.mark.parametrize('mode', ('device', 'host_open'))
