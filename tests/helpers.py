@@ -59,6 +59,7 @@ import pytest
 
 import optax_tokacc
 from optax_tokacc import _closing
+from optax_tokacc import _norms
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent  # the checkout, or the unpacked sdist
@@ -111,6 +112,12 @@ def written_out_here(monkeypatch):
   """The host's close written out here, as on a GPU
   (``_closing.WRITTEN_OUT_ON``)."""
   monkeypatch.setattr(_closing, 'WRITTEN_OUT_ON', ('cpu',))
+
+
+def gpu_norms_here(monkeypatch):
+  """A GPU's window norms here: each leaf's squares of the window's sums
+  and of its updates summed in one reduction (``_norms.TOGETHER_ON``)."""
+  monkeypatch.setattr(_norms, 'TOGETHER_ON', ('cpu',))
 
 
 # The forms of the host's close, forced here (each a function of pytest's

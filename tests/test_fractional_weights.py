@@ -58,7 +58,6 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _norms
 
 NUM_DEVICES = 4
 K = 2  # micro-steps per window, where the schedule or the host closes
@@ -522,7 +521,7 @@ def test_per_leaf_norms_are_of_the_weighted_mean(name, gpus, monkeypatch):
   weights are 0); and so with a GPU's norms (``gpus``: the squares of the
   mean and of the updates summed in one reduction, ``_norms.TOGETHER_ON``)."""
   if gpus:
-    monkeypatch.setattr(_norms, 'TOGETHER_ON', ('cpu',))
+    helpers.gpu_norms_here(monkeypatch)
   windows = make_windows(('tiny', 'mixed', 'below_one'), 'float32', seed=30)
   run = build(name, 'float32', window_norms='per_leaf')
   seen = run_windows(name, run, windows, host_closes=False)

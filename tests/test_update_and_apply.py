@@ -29,7 +29,6 @@ import optax
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _closing
 from optax_tokacc import _update_and_apply
 from optax_tokacc.testing import hlo
 
@@ -147,7 +146,7 @@ def test_windows_closed_by_the_host_bit_for_bit(form, monkeypatch):
   host's close is written out too, its sums restarted and laid out as
   the parameters."""
   if form == 'written_out':
-    monkeypatch.setattr(_closing, 'WRITTEN_OUT_ON', ('cpu',))
+    helpers.written_out_here(monkeypatch)
   if form == 'tpu':
     helpers.force_tpu_forms(monkeypatch)
   tx = with_every_k(helpers.adamw())

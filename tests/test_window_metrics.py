@@ -47,7 +47,6 @@ import placements
 import pytest
 
 import optax_tokacc as tokacc
-from optax_tokacc import _norms
 from optax_tokacc.testing import collectives
 from optax_tokacc.testing import hlo
 
@@ -267,21 +266,15 @@ def test_equal_full_batch(placement, window_norms):
   assert_equal_full_batch(records, windows, window_norms)
 
 
-def force_a_gpus_norms(monkeypatch):
-  """A GPU's norms here: each leaf's squares of the window's sums and of
-  its updates summed in one reduction (``_norms.TOGETHER_ON``)."""
-  monkeypatch.setattr(_norms, 'TOGETHER_ON', ('cpu',))
-
-
 @pytest.mark.parametrize(
   'placement', ['single', 'single_host', *placements.PLACEMENTS]
 )
 @pytest.mark.filterwarnings('ignore:token_weighted_multistep. gradients arrive')
 def test_a_gpus_norms_equal_full_batch(placement, monkeypatch):
-  """A GPU's norms (:func:`force_a_gpus_norms`), each leaf's too, against
+  """A GPU's norms (``helpers.gpu_norms_here``), each leaf's too, against
   full batch: on one device, closed by the device or by the host, and on
   4 devices of every placement."""
-  force_a_gpus_norms(monkeypatch)
+  helpers.gpu_norms_here(monkeypatch)
   windows = helpers.make_windows(WINDOW_SIZES, 4)
   if placement.startswith('single'):
     records = run_single(windows, placement == 'single_host', 'per_leaf')
@@ -297,7 +290,7 @@ def test_a_gpus_norms_sum_both_squares_in_one_reduction(gpus, monkeypatch):
   numbers, the two squares their parts); here, none does (the check can
   fail)."""
   if gpus:
-    force_a_gpus_norms(monkeypatch)
+    helpers.gpu_norms_here(monkeypatch)
   tx = tokacc.token_weighted_multistep(momentum_sgd(), K)
   params = jax.tree.map(jnp.asarray, helpers.init_params())
   step = jax.jit(helpers.train_step(tx), static_argnames='close')
