@@ -74,12 +74,15 @@ def closed(
     return _in_trip(ctx, inner, held, close, *args)
 
   args = (window, inner_state, params)
-  inner = _inner_step.inner_of(ctx, inner_state)
-  held = _held_updates.of(ctx.place, window.grad_sums, inner.shapes)
-  if ctx.config.compensated or not held.in_buffer() or close is True:
+  if close is True or ctx.config.compensated:
     found = after(args)
-  else:
-    found = jax.lax.platform_dependent(args, tpu=in_trip, default=after)
+  else:  # the device's flag: the TPU may close it in the loop's trip
+    inner = _inner_step.inner_of(ctx, inner_state)
+    held = _held_updates.of(ctx.place, window.grad_sums, inner.shapes)
+    if held.in_buffer():
+      found = jax.lax.platform_dependent(args, tpu=in_trip, default=after)
+    else:
+      found = after(args)
   return _closing.CallResult(*found[:4]), found[4]
 
 

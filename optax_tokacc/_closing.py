@@ -39,7 +39,6 @@ from optax_tokacc import _inner_step
 from optax_tokacc import _norms
 from optax_tokacc import _placement
 from optax_tokacc import _tokens
-from optax_tokacc import _typed_sharding
 from optax_tokacc import _typing
 from optax_tokacc import _window
 
@@ -116,7 +115,7 @@ def close_now(
     return _written_out(ctx, window, inner_state)
 
   platforms = WRITTEN_OUT_ON
-  if not all(map(_typed_sharding.untyped, jax.tree.leaves(window.grad_sums))):
+  if ctx.place.typed_over_a_mesh(window.grad_sums):
     # Sums typed over a mesh: XLA:TPU partitions the written-out step into
     # more collectives than the trip's (ZeRO-1: a second reduce-scatter
     # and all-gathers; FSDP: one scalar all-reduce more).

@@ -74,7 +74,7 @@ def parse(value: Any) -> tuple[bool, bool]:
 
 
 def squares(
-  place: Any,
+  place: Any,  # a Placement: ``_placement`` imports this module
   grads: _typing.Updates,
   grad_squares: dict,
   updates: _typing.Updates,

@@ -236,6 +236,13 @@ class Placement(abc.ABC):
     return _typed_sharding.retype_same_values(x, like)
 
   @final
+  def typed_over_a_mesh(self, tree: _typing.ArrayTree) -> bool:
+    """Whether a leaf of ``tree`` carries a sharding in its type: a split
+    dimension, a reduced or an unreduced axis (an explicit mesh's, or a
+    manual region's automatic axes)."""
+    return not all(map(_typed_sharding.untyped, jax.tree.leaves(tree)))
+
+  @final
   def inner_types(self, tree: _typing.ArrayTree) -> _typing.ArrayTree:
     """``tree`` in the types that optax's nonlinear updates take (reduced
     types dropped, free)."""
