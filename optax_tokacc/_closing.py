@@ -270,9 +270,14 @@ def _trip(
   window = _window.counts_restarted(place, window)
   window, updates = held.kept(window, holder)
   # Values the trip hands on unchanged become the loop's body consts (jax
-  # forwards them), and XLA reduces an unreduced const before the loop, on
-  # every call: hand them on as new values.
-  passed = jax.lax.optimization_barrier(held.passed(window))
+  # forwards them past the loop). XLA reduces an unreduced const before
+  # the loop, on every call: where they carry a sharding in their type,
+  # hand them on as new values. Elsewhere they stay consts: returned from
+  # the loop, XLA:CPU wrote a compensated micro-step's sums into new
+  # buffers and copied them into the state's.
+  passed = held.passed(window)
+  if ctx.place.typed_over_a_mesh(passed):
+    passed = jax.lax.optimization_barrier(passed)
   window = window._replace(**passed)
   return window, inner_state, closed._replace(norms=norms), updates
 
