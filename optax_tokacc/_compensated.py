@@ -67,6 +67,11 @@ def rounded(value: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
   return jnp.where(is_subnormal, subnormal, normal)
 
 
+# The platforms where TwoSum's new error is computed before its new total
+# (:func:`_compensated_add`).
+IN_ORDER_ON = ('cpu',)
+
+
 def _compensated_add(
   total: jax.Array, error: jax.Array, value: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -76,14 +81,32 @@ def _compensated_add(
   precision); the new total is rounded to the accumulator dtype, forced
   (:func:`rounded`), and its exact rounding error (TwoSum) is kept, to be
   added back at the next step.
+
+  On the CPU (:data:`IN_ORDER_ON`) in order: the widened addend written
+  once, the error, then the total. XLA:CPU computes the two in two
+  fusions; where each read the total and the compensation, neither could
+  be written over the buffer it replaces, and the state's were copied
+  (a bfloat16 model's compensated window 1.04x 0.6's).
   """
+
+  def two_sum(total, value):
+    total_wide = total.astype(value.dtype)
+    new_wide = rounded(total_wide + value, total.dtype)
+    virtual = new_wide - total_wide
+    new_error = (total_wide - (new_wide - virtual)) + (value - virtual)
+    return new_wide.astype(total.dtype), new_error.astype(total.dtype)  # exact
+
+  def in_order(total, value):
+    value = lax.optimization_barrier(value)
+    _, new_error = two_sum(total, value)
+    new_error, total, value = lax.optimization_barrier(
+      (new_error, total, value)
+    )
+    return two_sum(total, value)[0], new_error
+
   value = _wide_sum(value, error)
-  total_wide = total.astype(value.dtype)
-  new_wide = rounded(total_wide + value, total.dtype)
-  new_total = new_wide.astype(total.dtype)  # exact: already rounded
-  virtual = new_wide - total_wide
-  new_error = (total_wide - (new_wide - virtual)) + (value - virtual)
-  return new_total, new_error.astype(total.dtype)
+  branches = dict.fromkeys(IN_ORDER_ON, in_order)
+  return jax.lax.platform_dependent(total, value, **branches, default=two_sum)
 
 
 def accumulate(
