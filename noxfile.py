@@ -108,11 +108,14 @@ def accelerators(session: nox.Session) -> None:
   session.install('--upgrade', 'pip')
   session.install('-e', '.[test,accelerators]')
   report = pathlib.Path(session.create_tmp()).resolve() / 'accelerators.xml'
-  # The tier, and the docs' examples that compile for an accelerator (the
-  # other sessions skip them: they have no compilers).
+  # The tier, the docs' examples that compile for an accelerator and the
+  # compiled benchmark's figures (the other sessions skip them: they have
+  # no compilers).
   session.run(
-    *PYTEST, 'tests/accelerators', 'tests/test_docs.py', '-k',
-    'accelerators or checking_steps or ahead_of_time', '--dist', 'loadgroup',
+    *PYTEST, 'tests/accelerators', 'tests/test_docs.py',
+    'tests/test_benchmarks.py', '-k',
+    'accelerators or checking_steps or ahead_of_time or '
+    'compiled_figures_per_target', '--dist', 'loadgroup',
     f'--junitxml={report}', '--durations=10',
     env={'OPTAX_TOKACC_ACCELERATORS': '1', 'JAX_PLATFORMS': 'cpu'},
   )  # fmt: skip

@@ -35,8 +35,15 @@ from benchmarks import trainers
 import optax_tokacc as tokacc
 from optax_tokacc import testing
 
-METHODS = ('ideal', 'tokacc_host', 'tokacc_device', 'multisteps')
-OURS = ('tokacc_host', 'tokacc_device')  # inner.update in a name scope
+METHODS = (
+  'ideal',
+  'tokacc_host',
+  'tokacc_device',
+  'tokacc_update_and_apply',
+  'multisteps',
+)
+# inner.update in a name scope
+OURS = ('tokacc_host', 'tokacc_device', 'tokacc_update_and_apply')
 STEPS = ('open', 'closing', 'window')
 # The programs each step of a method runs, in order: (an open step's,
 # the closing step's). The ideal closes with its micro-step and its window
@@ -46,6 +53,7 @@ SCHEDULE = {
   'ideal': (('micro_step',), ('micro_step', 'window_update')),
   'tokacc_host': (('close=False',), ('close=True',)),
   'tokacc_device': (('close=None',), ('close=None',)),
+  'tokacc_update_and_apply': (('close=None',), ('close=None',)),
   'multisteps': (('step',), ('step',)),
 }
 
@@ -113,6 +121,13 @@ def programs(case: trainers.Case, target: testing.Target) -> dict:
     },
     'tokacc_host': {f'close={c}': (*ours, {'close': c}) for c in (False, True)},
     'tokacc_device': {'close=None': (*ours, {'close': None})},
+    'tokacc_update_and_apply': {
+      'close=None': (
+        methods.user_step(model, tx, together=True),
+        ours[1],
+        {'close': None},
+      )
+    },
     'multisteps': {
       'step': (methods.user_step(model, multi, loss='mean'), multi_args, {})
     },

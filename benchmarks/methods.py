@@ -47,15 +47,18 @@ def _gradients(model, loss, params, batch):
   return grads, {'num_tokens': num_tokens}
 
 
-def user_step(model, tx, loss='sum'):
+def user_step(model, tx, loss='sum', together=False):
   """A user's jitted step: gradient, ``tx.update``, ``apply_updates``
-  (``close`` static, given to ``tx.update`` unless None)."""
+  (``close`` static, given to ``tx.update`` unless None); with
+  ``together``, ``tokacc.update_and_apply`` instead of the two."""
 
   @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames='close')
   def step(params, opt_state, batch, close=None):
     grads, extra_args = _gradients(model, loss, params, batch)
     if close is not None:
       extra_args['close'] = close
+    if together:
+      return tokacc.update_and_apply(tx, grads, opt_state, params, **extra_args)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
 
