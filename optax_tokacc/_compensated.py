@@ -69,7 +69,7 @@ def rounded(value: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
 
 # The platforms where TwoSum's new error is computed before its new total
 # (:func:`_compensated_add`).
-IN_ORDER_ON = ('cpu',)
+ERROR_FIRST_ON = ('cpu',)
 
 
 def _compensated_add(
@@ -82,7 +82,7 @@ def _compensated_add(
   (:func:`rounded`), and its exact rounding error (TwoSum) is kept, to be
   added back at the next step.
 
-  On the CPU (:data:`IN_ORDER_ON`) in order: the widened addend written
+  On the CPU (:data:`ERROR_FIRST_ON`) in order: the widened addend written
   once, the error, then the total. XLA:CPU computes the two in two
   fusions; where each read the total and the compensation, neither could
   be written over the buffer it replaces, and the state's were copied
@@ -96,16 +96,17 @@ def _compensated_add(
     new_error = (total_wide - (new_wide - virtual)) + (value - virtual)
     return new_wide.astype(total.dtype), new_error.astype(total.dtype)  # exact
 
-  def in_order(total, value):
+  def error_first(total, value):
     value = lax.optimization_barrier(value)
     _, new_error = two_sum(total, value)
     new_error, total, value = lax.optimization_barrier(
       (new_error, total, value)
     )
-    return two_sum(total, value)[0], new_error
+    new_total, _ = two_sum(total, value)
+    return new_total, new_error
 
   value = _wide_sum(value, error)
-  branches = dict.fromkeys(IN_ORDER_ON, in_order)
+  branches = dict.fromkeys(ERROR_FIRST_ON, error_first)
   return jax.lax.platform_dependent(total, value, **branches, default=two_sum)
 
 
