@@ -46,7 +46,7 @@ from optax_tokacc._state_layout import state_partition_specs
 from optax_tokacc._state_layout import state_shardings
 from optax_tokacc._update_and_apply import update_and_apply
 
-__version__ = '0.5.0'
+__version__ = '0.6.0'
 
 __all__ = (
   'SavedState',
