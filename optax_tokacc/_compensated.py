@@ -85,8 +85,7 @@ def _compensated_add(
   On the CPU (:data:`ERROR_FIRST_ON`) in order: the widened addend written
   once, the error, then the total. XLA:CPU computes the two in two
   fusions; where each read the total and the compensation, neither could
-  be written over the buffer it replaces, and the state's were copied
-  (a bfloat16 model's compensated window 1.04x 0.6's).
+  be written over the buffer it replaces, and the state's were copied.
   """
 
   def two_sum(total, value):

@@ -227,7 +227,7 @@ def test_resumed_on_as_many_devices_is_bit_identical(tmp_path, layout):
 def test_orbax_strict_false_padding_or_truncation_is_refused(tmp_path, layout):
   """Orbax's hint on a shape mismatch (``strict=False``) pads or truncates
   the window's rows to a target of another number of devices: 4 -> 2 lost
-  half of the window's shares, silently, before 0.6. Refused, naming both
+  half of the window's shares, silently, in 0.5.0. Refused, naming both
   device counts and the fix."""
   path = _saved(tmp_path, layout)
   for n in (2, 8):  # truncated, padded
@@ -484,7 +484,7 @@ def test_a_one_device_process_loads_any_checkpoint(tmp_path, layout):
 
 def as_saved_by_0_5(tree):
   """What 0.5's ``to_checkpoint`` saved: every unreduced leaf as its rows
-  of partial sums (this function is still the leaf rule of 0.6), the state
+  of partial sums (this function is still the leaf rule of 0.6.0), the state
   otherwise as it is, and no record of the rows."""
   return jax.tree.map(_layouts.leaf_rows, tree)
 

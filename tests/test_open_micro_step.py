@@ -158,7 +158,7 @@ def test_compensated_sums_are_not_carried_through_the_closing_loop(close):
   """The closing trip reads the window's sums and compensation, and hands
   them on unchanged: around the loop, not through it. Through it, XLA:CPU
   wrote the micro-step's TwoSum into new buffers and copied both into the
-  state's (a compensated window 1.15x 0.6's in float32, 0.5 P more
+  state's (a compensated window 1.15x 3ceb33c's in float32, 0.5 P more
   temporaries)."""
   tx = tokacc.token_weighted_multistep(
     helpers.adamw(), K, accumulator_dtype=jnp.bfloat16, compensated=True
@@ -179,7 +179,7 @@ def test_compensated_sums_are_written_in_place(close, params_dtype):
   replace: the program copies neither field of the state. XLA:CPU
   computed them in two fusions that each read the total and the
   compensation, wrote the first into a new buffer and copied the state's
-  (a bfloat16 model's compensated window 1.04x 0.6's)."""
+  (a bfloat16 model's compensated window 1.04x 3ceb33c's)."""
   tx = tokacc.token_weighted_multistep(
     helpers.adamw(), K, accumulator_dtype=jnp.bfloat16, compensated=True
   )
